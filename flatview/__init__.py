@@ -1,0 +1,82 @@
+"""flatview: original-parameter views and skip sets for sharded data parallel training.
+
+>>> fv = flatview.wrap(fsdp_model)                  # doctest: +SKIP
+>>> opt = torch.optim.AdamW(fsdp_model.module.head.parameters())  # doctest: +SKIP
+>>> with fv.step(skip=skipped_blocks):              # doctest: +SKIP
+...     loss_fn(fsdp_model(x), y).backward()
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from flatview.backends import detect
+from flatview.comm.reduce import Strategy
+from flatview.core import FlatView, Phase
+from flatview.errors import (
+    DoubleCountError,
+    FlatViewError,
+    SkippedParameterUsedError,
+    SkipSetError,
+    SkipSetMismatchError,
+    StateError,
+    UndeclaredUnusedError,
+    WrapError,
+)
+from flatview.stats import StepStats
+
+__all__ = [
+    "DoubleCountError",
+    "FlatView",
+    "FlatViewError",
+    "Phase",
+    "SkipSetError",
+    "SkipSetMismatchError",
+    "SkippedParameterUsedError",
+    "StateError",
+    "StepStats",
+    "Strategy",
+    "UndeclaredUnusedError",
+    "WrapError",
+    "wrap",
+]
+
+__version__ = "0.1.0"
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    check_skip_agreement: bool = True,
+    reduce_strategy: Strategy | str = Strategy.AUTO,
+) -> FlatView:
+    """Give an FSDP model's original parameters back as views, and enable skip sets.
+
+    Call it once, right after wrapping the model in FSDP (before or after the first
+    forward, but between iterations), on the outermost FSDP module.
+
+    Args:
+        model: the outermost fairscale ``FullyShardedDataParallel`` module.
+        check_skip_agreement: in every :meth:`FlatView.step`, check with one tiny
+            all-gather that all ranks passed the same skip set (turn off once you trust
+            your sampler; the check can also be chosen per step).
+        reduce_strategy: how partly skipped gradients are reduced: ``"auto"`` (even
+            reduce-scatter unless skipped spans fall so unevenly across shards that its
+            padding costs more than 5%, then an exact all-to-all), ``"reduce_scatter"``
+            or ``"all_to_all"``.
+
+    Returns:
+        The :class:`FlatView` handle. From now on every submodule's ``parameters()``
+        returns views (``nn.Parameter`` leaves aliasing this rank's shard), so
+        optimizers and parameter groups can be built per submodule.
+
+    Raises:
+        WrapError: ``model`` is not an outermost FSDP model of a supported backend, or
+            is already wrapped.
+    """
+    return FlatView(
+        model,
+        detect(model),
+        check_skip_agreement=check_skip_agreement,
+        reduce_strategy=Strategy(reduce_strategy),
+    )

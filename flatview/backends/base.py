@@ -1,0 +1,77 @@
+"""What a backend adapter tells the core, and what the core asks of an adapter.
+
+An adapter maps one FSDP implementation onto flatview's backend-neutral core: it
+describes the flat parameters (layout, owners, names, where the local shard lives),
+calls the core at the points of the wrapper's lifecycle (a pass begins, a backward
+ends, a wrapper operation such as ``state_dict`` runs), and routes gradient reduction
+through the core's masked reducer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatview.layout import FlatLayout
+from flatview.views import Owner
+
+if TYPE_CHECKING:
+    from flatview.core import FlatView
+
+
+@dataclass(frozen=True)
+class FlatSpec:
+    """One flat parameter, as the core needs to know it."""
+
+    flat: nn.Parameter
+    flat_owner: Owner
+    """Where the wrapper registers the flat parameter (hidden while views are shown)."""
+    layout: FlatLayout
+    rank: int
+    owners: tuple[tuple[Owner, ...], ...]
+    """Per original parameter, every ``module.attr`` it is registered at (tied: several)."""
+    names: tuple[tuple[str, ...], ...]
+    """Per original parameter, its original names, in the same order as ``owners``."""
+    local_shard: Callable[[], torch.Tensor]
+    """The current full-precision local shard (its storage can move, e.g. on ``.to()``)."""
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One FSDP unit: a wrapper module and the parameters it manages directly."""
+
+    name: str
+    """The original name of the wrapped module (``""`` for the root)."""
+    module: nn.Module
+    flats: tuple[FlatSpec, ...]
+    plain: tuple[tuple[str, nn.Parameter], ...]
+    """Parameters the unit manages without flattening, by original name."""
+    is_root: bool
+
+
+class Adapter(Protocol):
+    """The backend side of a :class:`~flatview.FlatView`."""
+
+    backend: str
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+    bucket_numel: int
+
+    def clean_name(self, name: str) -> str:
+        """An original name from a module or parameter name in the wrapped tree."""
+
+    def describe(self) -> list[UnitSpec]:
+        """Every unit of the wrapped model, root first, in module order."""
+
+    def install(self, core: FlatView) -> None:
+        """Attach the core to the wrapper's lifecycle."""
+
+    def uninstall(self) -> None:
+        """Detach everything :meth:`install` attached."""

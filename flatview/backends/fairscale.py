@@ -1,0 +1,374 @@
+"""Adapter for fairscale's ``FullyShardedDataParallel`` (0.4.x).
+
+Where fairscale keeps things (see ``docs/internals.md``):
+
+* Each FSDP unit wraps its module in a ``FlattenParamsWrapper`` (FPW) that registers
+  one ``FlatParameter`` per parameter group as ``flat_param_<i>`` and records, per
+  original parameter, ``(module_name, module, attr)`` in ``_param_infos`` and tied
+  parameters in ``_shared_param_infos``.
+* Between passes ``flat.data`` is the full-precision local shard ``flat._fp32_shard``,
+  padded at its end to a multiple of the world size, laid out as ``torch.chunk`` splits.
+* Before computing, FPW sets plain tensor views of the unsharded flat on the
+  submodules with ``setattr``; ``nn.Module.__setattr__`` refuses a plain tensor for a
+  registered parameter name, so flatview's views step aside while fairscale computes.
+* Gradient reduction goes through ``unit._reducer`` (one bucketer the root shares with
+  all units), called as ``reduce_scatter_async(chunks, group, callback_fn)`` where the
+  callback is ``functools.partial(unit._post_reduction_hook, flat)``.
+* The root queues ``_wait_for_post_backward`` once per backward; it asserts that every
+  unit with trainable parameters fired its post-backward hook, which a unit that did
+  not run cannot do (fairscale crashes there when a nested unit is skipped).
+
+Everything this adapter changes is an instance attribute or a hook, removed by
+:meth:`FairscaleAdapter.uninstall`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatview.backends.base import FlatSpec, UnitSpec
+from flatview.errors import StateError, UndeclaredUnusedError, WrapError
+from flatview.layout import FlatLayout, MaskPlan
+from flatview.views import Owner
+
+if TYPE_CHECKING:
+    from flatview.core import FlatView
+
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
+_LENDING_METHODS = (
+    "state_dict",
+    "local_state_dict",
+    "load_state_dict",
+    "load_local_state_dict",
+    "_apply",
+)
+
+
+def _fsdp_class() -> type[nn.Module] | None:
+    try:
+        from fairscale.nn.data_parallel import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return FullyShardedDataParallel  # type: ignore[no-any-return]
+
+
+def is_fairscale_fsdp(model: object) -> bool:
+    cls = _fsdp_class()
+    return cls is not None and isinstance(model, cls)
+
+
+def clean_name(name: str) -> str:
+    """An original name from a name in the wrapped tree (wrapper levels dropped)."""
+    return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_SEGMENTS)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+class FairscaleAdapter:
+    """Maps the flatview core onto one fairscale FSDP model (root and nested units)."""
+
+    backend = "fairscale"
+
+    def __init__(self, root: nn.Module) -> None:
+        import fairscale
+
+        version = tuple(int(x) for x in fairscale.__version__.split(".")[:2])
+        if version != (0, 4):
+            raise WrapError(
+                f"flatview's fairscale backend is tested with fairscale 0.4.x, found "
+                f"{fairscale.__version__}"
+            )
+        from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
+
+        fsdp = _fsdp_class()
+        assert fsdp is not None
+        self._idle = TrainingState.IDLE
+        self._pre = TrainingState.BACKWARD_PRE
+        self._post = TrainingState.BACKWARD_POST
+        self.root: Any = root
+        if root._is_root is False:
+            raise WrapError(
+                "flatview.wrap was given a nested FSDP unit; wrap the outermost FSDP model"
+            )
+        self.units: list[tuple[str, Any]] = [
+            (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
+        ]
+        for name, unit in self.units:
+            if unit.training_state is not TrainingState.IDLE:
+                raise StateError(
+                    f"FSDP unit {name or '<root>'!r} is in state {unit.training_state.name}; "
+                    "wrap the model between iterations"
+                )
+            if unit.process_group is not root.process_group:
+                raise WrapError(
+                    f"FSDP unit {name or '<root>'!r} uses its own process group; flatview "
+                    "needs all units on the root's group"
+                )
+        self.group: dist.ProcessGroup | None = root.process_group
+        self.rank: int = root.rank
+        self.world_size: int = root.world_size
+        self.device = torch.device(root.compute_device)
+        cap = int(root.bucket_cap_mb * 2**20 // 4)
+        self.bucket_numel = max(cap, 1)
+        self._core: FlatView | None = None
+        self._owners: dict[int, tuple[tuple[Owner, ...], ...]] = {}
+        self._patched: list[tuple[nn.Module, str]] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._plain_plans: dict[int, MaskPlan] = {}
+
+    @staticmethod
+    def clean_name(name: str) -> str:
+        return clean_name(name)
+
+    # --------------------------------------------------------------- describe
+
+    def describe(self) -> list[UnitSpec]:
+        specs = []
+        for unit_name, unit in self.units:
+            fpw = unit._fsdp_wrapped_module
+            flats = tuple(
+                self._describe_flat(unit_name, unit, fpw, i, flat)
+                for i, flat in enumerate(fpw.flat_params)
+            )
+            plain_params = unit.params[unit._num_flatten_params :]
+            plain_names = unit._param_name_groups[unit._num_flatten_params :]
+            plain = tuple(
+                (_join(unit_name, clean_name(names[0])), p)
+                for names, p in zip(plain_names, plain_params, strict=True)
+            )
+            specs.append(UnitSpec(unit_name, unit, flats, plain, unit is self.root))
+        return specs
+
+    def _describe_flat(
+        self, unit_name: str, unit: Any, fpw: Any, index: int, flat: Any
+    ) -> FlatSpec:
+        sharded = bool(flat._is_sharded)
+        world = self.world_size if sharded else 1
+        layout = FlatLayout.packed(flat._param_shapes, world)
+        local = getattr(flat, "_fp32_shard", flat.data)
+        if local.numel() != layout.shard_numel:
+            raise WrapError(
+                f"flat parameter {index} of unit {unit_name or '<root>'!r} holds "
+                f"{local.numel()} elements, but its layout says {layout.shard_numel} per rank"
+            )
+        owners: list[list[Owner]] = []
+        names: list[list[str]] = []
+        primary: dict[tuple[int, str], int] = {}
+        for module_name, module, attr in flat._param_infos:
+            primary[(id(module), attr)] = len(owners)
+            owners.append([Owner(module, attr)])
+            names.append([_join(unit_name, clean_name(module_name), attr)])
+        for module_name, _, module, attr, shared_module, shared_attr in flat._shared_param_infos:
+            segment = primary[(id(shared_module), shared_attr)]
+            owners[segment].append(Owner(module, attr))
+            names[segment].append(_join(unit_name, clean_name(module_name), attr))
+        frozen_owners = tuple(tuple(o) for o in owners)
+        self._owners[id(flat)] = frozen_owners
+
+        def local_shard() -> torch.Tensor:
+            shard: torch.Tensor = getattr(flat, "_fp32_shard", None)
+            return shard if shard is not None else flat.data
+
+        return FlatSpec(
+            flat=flat,
+            flat_owner=Owner(fpw, fpw.flat_param_names[index]),
+            layout=layout,
+            rank=self.rank if sharded else 0,
+            owners=frozen_owners,
+            names=tuple(tuple(n) for n in names),
+            local_shard=local_shard,
+        )
+
+    # ---------------------------------------------------------------- install
+
+    def install(self, core: FlatView) -> None:
+        self._core = core
+        core.reducer.group = self.root.process_group_reduce_scatter
+        for index, (_, unit) in enumerate(self.units):
+            self._hooks.append(
+                unit.register_forward_pre_hook(functools.partial(self._pre_forward, index))
+            )
+            for method in _LENDING_METHODS:
+                self._patch(unit, method, self._lending(getattr(unit, method)))
+            self._patch(unit, "summon_full_params", self._lending_context(unit.summon_full_params))
+            fpw = unit._fsdp_wrapped_module
+            self._patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
+        self._hooks.append(self.root.register_forward_hook(self._post_forward))
+        self._patch(
+            self.root, "_wait_for_post_backward", self._finishing(self.root._wait_for_post_backward)
+        )
+        self._patch(self.root, "_setup_streams", self._streams_then_shim(self.root._setup_streams))
+        if self.root._reducer is not None:
+            self._install_shim()
+
+    def uninstall(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for module, name in self._patched:
+            module.__dict__.pop(name, None)
+        self._patched.clear()
+        for _, unit in self.units:
+            if isinstance(unit._reducer, _ReducerShim):
+                unit._reducer = unit._reducer.original
+
+    def _patch(self, module: nn.Module, name: str, replacement: Callable[..., Any]) -> None:
+        # An instance attribute shadows the class method for this object only.
+        object.__setattr__(module, name, replacement)
+        self._patched.append((module, name))
+
+    @property
+    def core(self) -> FlatView:
+        assert self._core is not None, "adapter used before install()"
+        return self._core
+
+    # -------------------------------------------------------------- lifecycle
+
+    def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
+        self.core.begin_compute()
+        self.core.check_unit_forward(unit_index)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            self.core.end_forward_only()
+
+    def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def lent(*args: Any, **kwargs: Any) -> Any:
+            with self.core.lend():
+                return method(*args, **kwargs)
+
+        return lent
+
+    def _lending_context(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        @contextlib.contextmanager
+        @functools.wraps(method)
+        def lent(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            with self.core.lend(), method(*args, **kwargs) as value:
+                yield value
+
+        return lent
+
+    def _guarding(self, fpw: Any) -> Callable[[], None]:
+        original = fpw._unflatten_params_as_views
+
+        def unflatten_and_guard() -> None:
+            original()
+            core = self.core
+            for flat in fpw.flat_params:
+                owners = self._owners[id(flat)]
+                for segment, name in core.skipped_segments(flat):
+                    seen: set[int] = set()
+                    for owner in owners[segment]:
+                        tensor = owner.module.__dict__.get(owner.attr)
+                        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                            seen.add(id(tensor))
+                            core.guard(tensor, name)
+
+        return unflatten_and_guard
+
+    def _streams_then_shim(self, original: Callable[[], None]) -> Callable[[], None]:
+        def setup_streams() -> None:
+            original()
+            self._install_shim()
+
+        return setup_streams
+
+    def _install_shim(self) -> None:
+        current = self.root._reducer
+        shim = current if isinstance(current, _ReducerShim) else _ReducerShim(self, current)
+        for _, unit in self.units:
+            unit._reducer = shim
+
+    def _finishing(self, original: Callable[[], None]) -> Callable[[], None]:
+        def wait_for_post_backward() -> None:
+            self._settle_units_without_backward()
+            original()
+            self.core.end_backward(synced=bool(self.root._require_backward_grad_sync))
+
+        return wait_for_post_backward
+
+    @torch.no_grad()
+    def _settle_units_without_backward(self) -> None:
+        """Bring units that took no part in this backward to the state fairscale's
+        final callback expects, or refuse if they were not declared skipped."""
+        synced = bool(self.root._require_backward_grad_sync)
+        for index, (name, unit) in enumerate(self.units):
+            trainable = [p for p in unit.params if p.requires_grad]
+            if not trainable or unit.training_state is self._post:
+                continue
+            if not self.core.unit_skipped(index):
+                raise UndeclaredUnusedError(
+                    f"FSDP unit {name or '<root>'!r} took no part in this backward pass, but "
+                    "its parameters are not all declared skipped. Pass the layers a step "
+                    "does not use to FlatView.step(skip=...)."
+                )
+            for p in unit.params:
+                unit._init_param_attributes(p)
+            # Gradients accumulated under no_sync() in earlier micro-batches still need
+            # their reduction, which the unit's own hook would have started.
+            pending = [
+                p
+                for p in trainable
+                if synced
+                and p._is_sharded
+                and p.grad is not None
+                and p.grad.shape == p._orig_size
+                and self.core.flat_used_so_far(p)
+            ]
+            if pending:
+                unit.training_state = self._pre
+                for p in pending:
+                    unit._post_backward_hook(p)
+            unit.training_state = self._post
+
+    # -------------------------------------------------------------- reduction
+
+    def plan_for(self, param: nn.Parameter) -> MaskPlan:
+        plan = self.core.reduction_plan(param)
+        if plan is not None:
+            return plan
+        # A parameter the unit keeps unflattened: one segment, always used when reduced.
+        plan = self._plain_plans.get(id(param))
+        if plan is None:
+            layout = FlatLayout.packed([(param._orig_size.numel(),)], self.world_size)  # type: ignore[attr-defined]
+            plan = self._plain_plans[id(param)] = MaskPlan.build(layout, (True,))
+        return plan
+
+
+class _ReducerShim:
+    """Stands in for fairscale's ``ReduceScatterBucketer``: routes every gradient through
+    flatview's masked reducer, so skipped segments never travel."""
+
+    def __init__(self, adapter: FairscaleAdapter, original: Any) -> None:
+        self.adapter = adapter
+        self.original = original
+
+    def reduce_scatter_async(
+        self,
+        input_list: list[torch.Tensor],
+        group: Any,
+        callback_fn: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        if not (isinstance(callback_fn, functools.partial) and callback_fn.args):
+            raise StateError(
+                "fairscale called its reducer without the per-parameter callback flatview "
+                "relies on; this fairscale version is not supported"
+            )
+        param = callback_fn.args[0]
+        self.adapter.core.reducer.add(input_list, self.adapter.plan_for(param), callback_fn)
+
+    def flush(self) -> None:
+        self.adapter.core.reducer.flush()
+
+    def teardown(self) -> None:
+        """Nothing to free: buckets live only between add() and flush()."""

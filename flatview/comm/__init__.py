@@ -1,0 +1,1 @@
+"""Communication: masked gradient reduction, skip-set agreement, and byte accounting."""

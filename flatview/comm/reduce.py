@@ -1,0 +1,203 @@
+"""Masked gradient reduction: only the used elements of an unsharded gradient travel.
+
+For each flat parameter a :class:`~flatview.layout.MaskPlan` says which elements are
+used and which rank owns them. Gradients are *packed* (used elements only, in flat
+order, which is also destination-rank order), queued in a bucket, and reduced with one
+collective per bucket. Two collectives can do it:
+
+* ``reduce_scatter``: every rank's part is padded to the largest part, so when skipped
+  spans fall unevenly across shards it moves up to ``world_size`` times the used bytes;
+  but it is the collective that communication libraries optimise best.
+* ``all_to_all``: uneven splits move exactly the used bytes; each rank then sums the
+  ``world_size`` parts it received.
+
+:func:`choose_strategy` picks ``reduce_scatter`` unless its padding would cost more than
+:data:`PAD_TOLERANCE` over the exact size. The result handed back is a sharded gradient
+with zeros wherever nothing was used.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flatview.comm.ledger import Ledger
+from flatview.layout import MaskPlan
+
+PAD_TOLERANCE = 0.05
+"""Padding overhead of an even reduce-scatter accepted before the exact all-to-all wins."""
+
+
+class Strategy(enum.Enum):
+    """Which collective reduces a bucket of packed gradients."""
+
+    AUTO = "auto"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+
+
+def choose_strategy(counts: Sequence[int], requested: Strategy) -> Strategy:
+    """The collective for one bucket whose parts, per destination rank, are ``counts``."""
+    if requested is not Strategy.AUTO:
+        return requested
+    exact = sum(counts)
+    padded = max(counts, default=0) * len(counts)
+    return Strategy.REDUCE_SCATTER if padded <= exact * (1 + PAD_TOLERANCE) else Strategy.ALL_TO_ALL
+
+
+class _PlanIndex:
+    """How to pick one mask plan's used elements out of each rank's row, built once."""
+
+    def __init__(self, plan: MaskPlan, device: torch.device) -> None:
+        # A row whose used elements form one run is packed by slicing, without a gather.
+        self.slices: list[tuple[int, int] | None] = []
+        self.indices: list[torch.Tensor | None] = []
+        for intervals in plan.per_rank:
+            if len(intervals) <= 1:
+                self.slices.append(intervals[0] if intervals else (0, 0))
+                self.indices.append(None)
+            else:
+                self.slices.append(None)
+                self.indices.append(
+                    torch.cat([torch.arange(s, e, device=device) for s, e in intervals])
+                )
+
+    def pick(self, row: torch.Tensor, rank: int) -> torch.Tensor:
+        bounds = self.slices[rank]
+        if bounds is not None:
+            return row[bounds[0] : bounds[1]]
+        index = self.indices[rank]
+        assert index is not None
+        return row.index_select(0, index)
+
+    def place(self, shard: torch.Tensor, values: torch.Tensor, rank: int) -> None:
+        bounds = self.slices[rank]
+        if bounds is not None:
+            shard[bounds[0] : bounds[1]] = values
+        else:
+            index = self.indices[rank]
+            assert index is not None
+            shard.index_copy_(0, index, values)
+
+
+@dataclass
+class _Entry:
+    plan: MaskPlan
+    index: _PlanIndex
+    packed: torch.Tensor
+    on_done: Callable[[torch.Tensor], None]
+
+
+class MaskedReducer:
+    """Packs, buckets and reduces the gradients of partly used flat parameters.
+
+    Not thread-safe: one instance per model, driven from the backward pass.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        ledger: Ledger,
+        bucket_numel: int,
+        strategy: Strategy = Strategy.AUTO,
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.ledger = ledger
+        self.bucket_numel = bucket_numel
+        self.strategy = strategy
+        self._entries: list[_Entry] = []
+        self._queued_numel = 0
+        self._indices: dict[int, tuple[MaskPlan, _PlanIndex]] = {}
+
+    def _index_of(self, plan: MaskPlan, device: torch.device) -> _PlanIndex:
+        cached = self._indices.get(id(plan))
+        if cached is None or cached[0] is not plan:
+            cached = (plan, _PlanIndex(plan, device))
+            self._indices[id(plan)] = cached
+        return cached[1]
+
+    @torch.no_grad()
+    def add(
+        self,
+        rows: Sequence[torch.Tensor],
+        plan: MaskPlan,
+        on_done: Callable[[torch.Tensor], None],
+    ) -> None:
+        """Queue one flat parameter's unsharded gradient, given as ``world_size`` rows of
+        ``shard_numel`` elements (row ``r`` is what rank ``r`` owns, padding included);
+        ``on_done`` later receives this rank's sharded gradient."""
+        if len(rows) != self.world_size or plan.layout.world_size != self.world_size:
+            raise ValueError(
+                f"{len(rows)} rows and a plan for world size {plan.layout.world_size} given "
+                f"to a reducer of world size {self.world_size}"
+            )
+        index = self._index_of(plan, rows[0].device)
+        # One copy: the caller may free or reuse its gradient as soon as we return.
+        packed = torch.cat([index.pick(row, rank) for rank, row in enumerate(rows)])
+        self._entries.append(_Entry(plan, index, packed, on_done))
+        self._queued_numel += packed.numel()
+        if self._queued_numel >= self.bucket_numel:
+            self.flush()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Reduce everything queued with one collective and hand out the results."""
+        entries, self._entries, self._queued_numel = self._entries, [], 0
+        if not entries:
+            return
+        world = self.world_size
+        counts = [sum(e.plan.counts[r] for e in entries) for r in range(world)]
+        if sum(counts) == 0:
+            mine = entries[0].packed.new_zeros(0)
+        elif choose_strategy(counts, self.strategy) is Strategy.REDUCE_SCATTER:
+            mine = self._reduce_scatter(entries, counts)
+        else:
+            mine = self._all_to_all(entries, counts)
+        offset = 0
+        for entry in entries:
+            count = entry.plan.counts[self.rank]
+            shard = entry.packed.new_zeros(entry.plan.layout.shard_numel)
+            entry.index.place(shard, mine[offset : offset + count], self.rank)
+            offset += count
+            entry.on_done(shard)
+
+    def _parts(self, entries: list[_Entry], rank: int) -> list[torch.Tensor]:
+        parts = []
+        for entry in entries:
+            start = sum(entry.plan.counts[:rank])
+            parts.append(entry.packed[start : start + entry.plan.counts[rank]])
+        return parts
+
+    def _reduce_scatter(self, entries: list[_Entry], counts: list[int]) -> torch.Tensor:
+        width = max(counts)
+        send = entries[0].packed.new_zeros(self.world_size, width)
+        for rank in range(self.world_size):
+            torch.cat(self._parts(entries, rank), out=send[rank, : counts[rank]])
+        out = send.new_empty(width)
+        self.ledger.record("reduce_scatter", send)
+        dist.reduce_scatter_tensor(out, send.view(-1), group=self.group)
+        return out[: counts[self.rank]]
+
+    def _all_to_all(self, entries: list[_Entry], counts: list[int]) -> torch.Tensor:
+        send = torch.cat(
+            [part for rank in range(self.world_size) for part in self._parts(entries, rank)]
+        )
+        mine = counts[self.rank]
+        recv = send.new_empty(mine * self.world_size)
+        self.ledger.record("all_to_all", send)
+        dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=[mine] * self.world_size,
+            input_split_sizes=counts,
+            group=self.group,
+        )
+        return recv.view(self.world_size, mine).sum(0)

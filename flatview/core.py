@@ -1,0 +1,522 @@
+"""The backend-neutral core: the :class:`FlatView` handle and its lifecycle.
+
+A FlatView owns the table of original parameters (views and plain parameters), shows
+or hides the views as the wrapper's phase requires, resolves and checks skip sets, and
+plans the masked gradient reduction. A backend adapter (:mod:`flatview.backends`)
+calls it at the wrapper's lifecycle points; it never calls the wrapper itself.
+
+Phases
+------
+``IDLE``
+    Between passes. Views are registered on the original submodules; flat
+    parameters are hidden from their owners.
+``COMPUTING``
+    A forward (and its backward) is in flight. Views stepped aside: the wrapper sets
+    its own tensors under the original names. Entered at the first unit forward of an
+    iteration, left when the backward ends (or at once after a forward without grad).
+``LENT``
+    A wrapper operation that rebuilds module attributes runs (``state_dict``,
+    ``summon_full_params``, ``load_state_dict``, ``.to()``): views stepped aside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from flatview.backends.base import Adapter, FlatSpec, UnitSpec
+from flatview.comm.agreement import check_agreement, fingerprint
+from flatview.comm.ledger import Ledger
+from flatview.comm.reduce import MaskedReducer, Strategy
+from flatview.errors import DoubleCountError, SkippedParameterUsedError, StateError, WrapError
+from flatview.layout import MaskPlan
+from flatview.skip import SkipResolver, SkipSet
+from flatview.stats import StepStats
+from flatview.views import ViewSet
+
+
+class Phase(enum.Enum):
+    """Where the wrapped model is in its lifecycle (see the module docstring)."""
+
+    IDLE = "idle"
+    COMPUTING = "computing"
+    LENT = "lent"
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One original parameter: a view into a flat parameter, or a plain parameter."""
+
+    index: int
+    names: tuple[str, ...]
+    tensor: nn.Parameter
+    unit: int
+    flat: int | None
+    segment: int | None
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclass
+class _Flat:
+    index: int
+    unit: int
+    spec: FlatSpec
+    views: ViewSet
+    params: tuple[int, ...]
+    """Original-parameter index of each segment."""
+    plans: dict[tuple[bool, ...], MaskPlan] = field(default_factory=dict)
+
+    def plan(self, used: tuple[bool, ...]) -> MaskPlan:
+        plan = self.plans.get(used)
+        if plan is None:
+            plan = self.plans[used] = MaskPlan.build(self.spec.layout, used)
+        return plan
+
+
+@dataclass(frozen=True)
+class _Iteration:
+    """The skip set bound to one forward/backward, and what it means per flat parameter."""
+
+    skipped: frozenset[int]
+    used: tuple[tuple[bool, ...], ...]
+    """Per flat parameter, per segment: used in this iteration."""
+    skipped_units: frozenset[int]
+    step: int
+
+
+_live: weakref.WeakSet[FlatView] = weakref.WeakSet()
+_wrapped: weakref.WeakKeyDictionary[nn.Module, FlatView] = weakref.WeakKeyDictionary()
+_optimizer_hook: Any = None
+
+
+class FlatView:
+    """Original-parameter views and skip sets over one FSDP-wrapped model.
+
+    Made by :func:`flatview.wrap`. Each original parameter of the model is reachable
+    again, on its original submodule under its original name, as an ``nn.Parameter``
+    that aliases this rank's shard of the flat parameter (a *view*); optimizers built
+    from ``submodule.parameters()`` update the shard in place. :meth:`step` declares the
+    parameters a step does not use, which then get no gradient and no communication.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: Adapter,
+        *,
+        check_skip_agreement: bool = True,
+        reduce_strategy: Strategy = Strategy.AUTO,
+    ) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.check_skip_agreement = check_skip_agreement
+        self.ledger = Ledger()
+        self.reducer = MaskedReducer(
+            adapter.group,
+            adapter.rank,
+            adapter.world_size,
+            self.ledger,
+            adapter.bucket_numel,
+            reduce_strategy,
+        )
+        self.phase = Phase.IDLE
+        self.stats: StepStats | None = None
+        """Communication figures of the last backward pass (``None`` before the first)."""
+
+        self._units: list[UnitSpec] = adapter.describe()
+        check_not_wrapped([unit.module for unit in self._units])
+        self._params: list[_Param] = []
+        self._flats: list[_Flat] = []
+        self._flat_of: dict[int, _Flat] = {}
+        self._build_tables()
+        self._params_of_unit: list[tuple[int, ...]] = [
+            tuple(p.index for p in self._params if p.unit == u) for u in range(len(self._units))
+        ]
+
+        self._step_skip: frozenset[int] | None = None
+        self._step_count = 0
+        self._iteration: _Iteration | None = None
+        # Per flat parameter, segments used in the backwards since the last synced one
+        # (gradient accumulation under no_sync()).
+        self._window: list[tuple[bool, ...]] | None = None
+        self._guards: list[torch.utils.hooks.RemovableHandle] = []
+        self._resolver = self._build_resolver()
+
+        for flat in self._flats:
+            flat.views.show()
+            flat.views.pull_grads(used=None)
+        # With the views shown, a walk of the module tree meets the parameters in the
+        # unwrapped model's order.
+        order = _traversal_order(self.model, self.adapter.clean_name)
+        self._order = sorted(
+            range(len(self._params)),
+            key=lambda i: order.get(self._params[i].name, (len(order), i)),
+        )
+        for unit in self._units:
+            _wrapped[unit.module] = self
+        _live.add(self)
+        _install_optimizer_hook()
+        adapter.install(self)
+
+    # ------------------------------------------------------------------ tables
+
+    def _build_tables(self) -> None:
+        seen: dict[int, int] = {}
+        for unit_index, unit in enumerate(self._units):
+            for spec in unit.flats:
+                views = ViewSet(
+                    spec.flat,
+                    spec.flat_owner,
+                    spec.layout,
+                    spec.rank,
+                    spec.local_shard(),
+                    spec.owners,
+                )
+                indices = []
+                for segment, (view, names) in enumerate(zip(views.views, spec.names, strict=True)):
+                    indices.append(len(self._params))
+                    self._params.append(
+                        _Param(
+                            len(self._params), names, view, unit_index, len(self._flats), segment
+                        )
+                    )
+                flat = _Flat(len(self._flats), unit_index, spec, views, tuple(indices))
+                self._flats.append(flat)
+                self._flat_of[id(spec.flat)] = flat
+            for name, param in unit.plain:
+                if id(param) in seen:
+                    continue
+                seen[id(param)] = len(self._params)
+                self._params.append(
+                    _Param(len(self._params), (name,), param, unit_index, None, None)
+                )
+
+    def _build_resolver(self) -> SkipResolver:
+        modules: dict[str, list[nn.Module]] = {}
+        direct: dict[int, list[int]] = {}
+        children: dict[int, list[nn.Module]] = {}
+        for raw_name, module in self.model.named_modules(remove_duplicate=False):
+            modules.setdefault(self.adapter.clean_name(raw_name), []).append(module)
+            direct.setdefault(id(module), [])
+            children[id(module)] = list(module.children())
+        tensors: dict[int, list[int]] = {id(p.tensor): [p.index] for p in self._params}
+        for flat in self._flats:
+            tensors[id(flat.spec.flat)] = list(flat.params)
+            for index, owners in zip(flat.params, flat.spec.owners, strict=True):
+                for owner in owners:
+                    direct[id(owner.module)].append(index)
+        # Plain parameters are registered where they always were.
+        plain = {id(p.tensor): p.index for p in self._params if p.flat is None}
+        for module in self.model.modules():
+            for tensor in module._parameters.values():
+                if tensor is not None and id(tensor) in plain:
+                    direct[id(module)].append(plain[id(tensor)])
+        return SkipResolver(modules, direct, children, [p.names for p in self._params], tensors)
+
+    # -------------------------------------------------------------- public API
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every original parameter once, as a view or plain parameter, under the name
+        the unwrapped model's ``named_parameters()`` gives it (tied parameters under
+        their first name)."""
+        for index in self._order:
+            param = self._params[index]
+            yield param.name, param.tensor
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Every original parameter once (see :meth:`named_parameters`)."""
+        for _, tensor in self.named_parameters():
+            yield tensor
+
+    def resolve(self, skip: SkipSet) -> list[str]:
+        """The original names of the parameters a skip set stands for, in model order."""
+        indices = self._resolver.resolve(skip)
+        return [self._params[i].name for i in self._order if i in indices]
+
+    @contextlib.contextmanager
+    def step(self, skip: SkipSet = None, *, check: bool | None = None) -> Iterator[FlatView]:
+        """Declare the parameters one iteration does not use.
+
+        Wrap one iteration's forward and backward. Parameters in ``skip`` get no
+        gradient (``grad`` stays ``None`` if it was, so optimizers leave them alone) and
+        cost no communication: partly skipped flat parameters reduce only their used
+        segments, and FSDP units whose parameters are all skipped are neither gathered
+        nor reduced (the model must not call them).
+
+        Args:
+            skip: modules, views, flat parameters or original names (parameter names or
+                module paths); see :mod:`flatview.skip`. Must be the same on every rank.
+            check: verify with one tiny all-gather that every rank passed the same skip
+                set, raising :class:`~flatview.errors.SkipSetMismatchError` on all ranks
+                otherwise; defaults to the ``check_skip_agreement`` given to ``wrap``.
+        """
+        if self._step_skip is not None:
+            raise StateError("FlatView.step() contexts cannot be nested")
+        if self.phase is Phase.LENT:
+            raise StateError("FlatView.step() entered inside a wrapper operation")
+        skipped = self._resolver.resolve(skip)
+        self.ledger.reset()
+        if self.check_skip_agreement if check is None else check:
+            check_agreement(
+                fingerprint(skipped),
+                lambda: [self._params[i].name for i in sorted(skipped)],
+                self.adapter.group,
+                self.adapter.device,
+                self.ledger,
+            )
+        self._step_count += 1
+        self._step_skip = skipped
+        try:
+            yield self
+        finally:
+            self._step_skip = None
+
+    # --------------------------------------------------------- adapter calls
+
+    def begin_compute(self) -> None:
+        """A unit's forward is about to run: views step aside, the skip set binds."""
+        if self.phase is Phase.LENT:
+            raise StateError(
+                "a forward pass started inside a wrapper operation (state_dict, "
+                "summon_full_params, ...): finish that first"
+            )
+        if self.phase is Phase.IDLE:
+            if self._window is None:
+                for flat in self._flats:
+                    flat.views.push_grads()
+            for flat in self._flats:
+                flat.views.hide()
+            self.phase = Phase.COMPUTING
+            self._bind_iteration()
+        elif self._iteration is not None and self._iteration.step != self._step_count:
+            # A forward without backward was abandoned and a new step began.
+            self._bind_iteration()
+
+    def _bind_iteration(self) -> None:
+        skipped = self._step_skip or frozenset()
+        if self._step_skip is None:
+            self.ledger.reset()
+        used = tuple(tuple(index not in skipped for index in flat.params) for flat in self._flats)
+        skipped_units = frozenset(
+            u
+            for u, params in enumerate(self._params_of_unit)
+            if params and skipped.issuperset(params)
+        )
+        self._iteration = _Iteration(skipped, used, skipped_units, self._step_count)
+
+    def check_unit_forward(self, unit: int) -> None:
+        """Refuse to run a non-root unit whose parameters are all declared skipped:
+        its all-gather would be wasted and its gradient dropped."""
+        iteration = self._iteration
+        if iteration is None or unit not in iteration.skipped_units or self._units[unit].is_root:
+            return
+        raise SkippedParameterUsedError(
+            f"FSDP unit {self._units[unit].name!r} is declared skipped for this step, but "
+            "its forward was called. Don't call skipped units (skipping them is what saves "
+            "their communication), or don't put them in the skip set."
+        )
+
+    def unit_skipped(self, unit: int) -> bool:
+        """Whether every parameter of ``unit`` is skipped in the current iteration."""
+        return self._iteration is not None and unit in self._iteration.skipped_units
+
+    def skipped_segments(self, flat: nn.Parameter) -> list[tuple[int, str]]:
+        """(segment, name) of the segments of ``flat`` skipped in the current iteration."""
+        iteration = self._iteration
+        record = self._flat_of.get(id(flat))
+        if iteration is None or record is None or not iteration.skipped:
+            return []
+        return [
+            (segment, self._params[index].name)
+            for segment, index in enumerate(record.params)
+            if index in iteration.skipped
+        ]
+
+    def guard(self, tensor: torch.Tensor, name: str) -> None:
+        """Raise during backward if ``tensor`` (a skipped parameter's compute tensor)
+        receives a gradient: the model used a parameter declared skipped."""
+
+        def refuse(grad: torch.Tensor) -> None:
+            raise SkippedParameterUsedError(
+                f"parameter {name!r} is declared skipped for this step but received a "
+                "gradient: the model used it. Remove it from the skip set or don't use it."
+            )
+
+        if tensor.requires_grad:
+            self._guards.append(tensor.register_hook(refuse))
+
+    def reduction_plan(self, flat: nn.Parameter) -> MaskPlan | None:
+        """The mask for reducing ``flat``'s gradient now, or ``None`` if it is unknown."""
+        record = self._flat_of.get(id(flat))
+        if record is None:
+            return None
+        return record.plan(self._used_so_far(record.index))
+
+    def _used_so_far(self, flat: int) -> tuple[bool, ...]:
+        iteration = self._iteration
+        now = (
+            iteration.used[flat]
+            if iteration is not None
+            else (True,) * len(self._flats[flat].params)
+        )
+        if self._window is None:
+            return now
+        return tuple(a or b for a, b in zip(self._window[flat], now, strict=True))
+
+    def flat_used_so_far(self, flat: nn.Parameter) -> bool:
+        """Whether any segment of ``flat`` was used since the last synced backward."""
+        record = self._flat_of.get(id(flat))
+        return record is not None and any(self._used_so_far(record.index))
+
+    def end_backward(self, synced: bool) -> None:
+        """A backward pass finished; ``synced`` is False under ``no_sync()``."""
+        if self.phase is not Phase.COMPUTING:
+            raise StateError(f"backward ended in phase {self.phase.name}, expected COMPUTING")
+        used = [self._used_so_far(flat.index) for flat in self._flats]
+        if synced:
+            for flat, flags in zip(self._flats, used, strict=True):
+                flat.views.pull_grads(used=flags)
+            self._window = None
+        else:
+            self._window = used
+        self.stats = self._step_stats(synced)
+        self._end_compute()
+
+    def end_forward_only(self) -> None:
+        """A forward ran without autograd: no backward will follow."""
+        if self.phase is Phase.COMPUTING:
+            self._end_compute()
+
+    def _end_compute(self) -> None:
+        for handle in self._guards:
+            handle.remove()
+        self._guards.clear()
+        self._show_views()
+        self._iteration = None
+        self.phase = Phase.IDLE
+
+    def _show_views(self) -> None:
+        for flat in self._flats:
+            flat.views.rebind(flat.spec.local_shard())
+            flat.views.show()
+
+    @contextlib.contextmanager
+    def lend(self) -> Iterator[None]:
+        """Let the wrapper run one of its own operations on the original attributes."""
+        if self.phase is not Phase.IDLE:
+            yield
+            return
+        for flat in self._flats:
+            flat.views.hide()
+        self.phase = Phase.LENT
+        try:
+            yield
+        finally:
+            self._show_views()
+            self.phase = Phase.IDLE
+
+    # ------------------------------------------------------------------ stats
+
+    def _step_stats(self, synced: bool) -> StepStats:
+        iteration = self._iteration
+        skipped = iteration.skipped if iteration is not None else frozenset()
+        dense = used = skipped_bytes = 0
+        for flat in self._flats:
+            layout = flat.spec.layout
+            size = flat.spec.flat.element_size()
+            dense += layout.padded_numel * size
+            for segment, index in zip(layout.segments, flat.params, strict=True):
+                if index in skipped:
+                    skipped_bytes += segment.numel * size
+                else:
+                    used += segment.numel * size
+        reduce_kinds = ("reduce_scatter", "all_to_all")
+        return StepStats(
+            reduced_bytes=sum(self.ledger.bytes[k] for k in reduce_kinds),
+            reduce_calls=sum(self.ledger.calls[k] for k in reduce_kinds),
+            dense_bytes=dense if synced else 0,
+            used_bytes=used if synced else 0,
+            skipped_bytes=skipped_bytes,
+            params_skipped=len(skipped),
+            units_skipped=len(iteration.skipped_units) if iteration is not None else 0,
+            units=len(self._units),
+            agreement_bytes=self.ledger.bytes["agreement"],
+            synced=synced,
+        )
+
+    # --------------------------------------------------------- double counting
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for flat in self._flats:
+            if id(flat.spec.flat) not in held:
+                continue
+            for index in flat.params:
+                if id(self._params[index].tensor) in held:
+                    raise DoubleCountError(
+                        f"optimizer {type(optimizer).__name__} holds the flat parameter of "
+                        f"unit {self._units[flat.unit].name or '<root>'!r} and the view "
+                        f"{self._params[index].name!r} that lives inside it: it would update "
+                        "those elements twice. Build optimizers from views "
+                        "(submodule.parameters() or FlatView.parameters()) or from the "
+                        "flat parameters, not both."
+                    )
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatView(backend={self.adapter.backend}, units={len(self._units)}, "
+            f"params={len(self._params)}, rank={self.adapter.rank}/{self.adapter.world_size}, "
+            f"phase={self.phase.name})"
+        )
+
+
+def check_not_wrapped(modules: Sequence[nn.Module]) -> None:
+    for module in modules:
+        if module in _wrapped:
+            raise WrapError(
+                f"{type(module).__name__} is already wrapped by {_wrapped[module]!r}; "
+                "wrap each model once"
+            )
+
+
+def _traversal_order(model: nn.Module, clean_name: Any) -> dict[str, tuple[int, int]]:
+    order: dict[str, tuple[int, int]] = {}
+    for module_name, module in model.named_modules():
+        prefix = clean_name(module_name)
+        for attr in module._parameters:
+            name = f"{prefix}.{attr}" if prefix else attr
+            order.setdefault(name, (len(order), 0))
+    return order
+
+
+# One step pre-hook for all optimizers; the per-optimizer result is cached until the
+# optimizer's parameter list changes, so steady-state cost is a length comparison.
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _install_optimizer_hook() -> None:
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(_before_step)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    signature = tuple(len(group["params"]) for group in optimizer.param_groups)
+    if _checked.get(optimizer) == signature:
+        return
+    for view in list(_live):
+        view._check_optimizer(optimizer)
+    _checked[optimizer] = signature

@@ -1,0 +1,35 @@
+"""Errors flatview raises. Each names the culprit: the parameter, module, unit or rank."""
+
+from __future__ import annotations
+
+
+class FlatViewError(RuntimeError):
+    """Base class of every error flatview raises on purpose."""
+
+
+class WrapError(FlatViewError, TypeError):
+    """``flatview.wrap`` was given something it cannot wrap."""
+
+
+class SkipSetError(FlatViewError, ValueError):
+    """A skip set names something that is not part of the wrapped model."""
+
+
+class SkipSetMismatchError(FlatViewError):
+    """Ranks passed different skip sets for the same step."""
+
+
+class SkippedParameterUsedError(FlatViewError):
+    """A parameter declared skipped for a step received a gradient in that step."""
+
+
+class UndeclaredUnusedError(FlatViewError):
+    """An FSDP unit took no part in a backward pass but was not declared skipped."""
+
+
+class DoubleCountError(FlatViewError):
+    """An optimizer holds both a view and the flat parameter the view lives in."""
+
+
+class StateError(FlatViewError):
+    """An operation was called in a phase where it cannot run (e.g. nested steps)."""

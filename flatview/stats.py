@@ -1,0 +1,31 @@
+"""Per-step communication figures, from the collectives flatview itself issued."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one backward pass (one micro-batch) communicated for gradients.
+
+    Byte counts are the sizes of the tensors handed to the collective calls.
+    """
+
+    reduced_bytes: int
+    """Input bytes of flatview's gradient-reduction collectives."""
+    reduce_calls: int
+    dense_bytes: int
+    """What the wrapper's own reduce-scatters would take as input with nothing skipped:
+    every flat parameter's padded gradient."""
+    used_bytes: int
+    """Gradient bytes of the parameters that took part (what an exact exchange moves)."""
+    skipped_bytes: int
+    """Gradient bytes of skipped parameters, which stayed local."""
+    params_skipped: int
+    units_skipped: int
+    units: int
+    agreement_bytes: int
+    """Input bytes of the skip-set agreement check (0 when it is turned off)."""
+    synced: bool
+    """False for a backward under ``no_sync()``: gradients were only accumulated."""

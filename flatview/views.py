@@ -1,0 +1,199 @@
+"""Views: one ``nn.Parameter`` per original parameter, aliasing this rank's local shard.
+
+Tensor roles (the names used throughout flatview, defined once here)
+--------------------------------------------------------------------
+original parameter
+    A parameter of the user's model before wrapping. FSDP with flattening deletes it
+    from its module; flatview puts a *view* back in its place.
+flat parameter
+    The wrapper's ``nn.Parameter`` that concatenates one unit's original parameters,
+    each flattened (fairscale ``FlatParameter``, torch ``FlatParameter``). Between passes
+    its ``.data`` is the local shard.
+unsharded flat
+    The flat parameter's full, all-gathered value (``numel`` elements plus padding),
+    which exists only while the wrapper computes.
+local shard
+    This rank's ``shard_numel`` elements of the padded flat parameter, in full precision
+    (fairscale ``_fp32_shard``, torch ``_local_shard``). The master copy an optimizer
+    updates. Layout math: :mod:`flatview.layout`.
+view
+    An ``nn.Parameter`` whose storage *is* a piece of the local shard: FULL (original
+    shape), PARTIAL (1-D) or EMPTY (numel 0). An optimizer step on a view writes
+    straight into the local shard.
+unsharded gradient
+    The gradient autograd produces for the unsharded flat on one rank, before reduction.
+packed gradient
+    The used elements of the unsharded gradient, grouped by destination rank: what a
+    masked reduction communicates (:mod:`flatview.comm`).
+sharded gradient
+    The reduced gradient of the local shard, ``flat.grad`` between steps.
+view gradient
+    ``view.grad``: the piece of the sharded gradient under the view (an alias, never a
+    copy), or ``None`` when the parameter took no part in the step.
+
+The invariant this module keeps: the sharded gradient equals the view gradients laid
+side by side, a ``None`` view gradient standing for zeros.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flatview.layout import FlatLayout, Piece, PieceKind
+
+
+class Placement(enum.Enum):
+    """Whose tensors the original submodules show under the original names."""
+
+    VIEWS = "views"
+    """The views are registered parameters of their submodules (between passes)."""
+    WRAPPER = "wrapper"
+    """The views stepped aside; the wrapper owns the attributes (while it computes,
+    or during one of its own operations such as ``state_dict``)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """One place an original parameter is registered: ``module.<attr>``."""
+
+    module: nn.Module
+    attr: str
+
+
+class ViewSet:
+    """The views of one flat parameter on one rank, and which of the two is shown.
+
+    ``owners[i]`` lists every place original parameter ``i`` is registered (more than one
+    when parameters are tied); the same view object is shown at all of them. While the
+    views are shown the flat parameter is hidden from its owner, so that no traversal
+    (``model.parameters()``, a plain parent's ``.parameters()``) meets both.
+    """
+
+    def __init__(
+        self,
+        flat: nn.Parameter,
+        flat_owner: Owner,
+        layout: FlatLayout,
+        rank: int,
+        local_shard: torch.Tensor,
+        owners: Sequence[Sequence[Owner]],
+    ) -> None:
+        if len(owners) != len(layout.segments):
+            raise ValueError(f"{len(owners)} owner lists for {len(layout.segments)} segments")
+        self.flat = flat
+        self.flat_owner = flat_owner
+        self.layout = layout
+        self.pieces: tuple[Piece, ...] = layout.pieces(rank)
+        self.owners = tuple(tuple(o) for o in owners)
+        self.views: tuple[nn.Parameter, ...] = tuple(
+            nn.Parameter(self._piece_of(local_shard, piece), requires_grad=flat.requires_grad)
+            for piece in self.pieces
+        )
+        self._bound_storage = local_shard.untyped_storage().data_ptr()
+        # The gradient tensors this set last handed to the views, and the sharded
+        # gradient they were cut from: anything else found there later was put there by
+        # someone else (an optimizer's zero_grad, or the user).
+        self._exposed: list[torch.Tensor | None] = [None] * len(self.views)
+        self._exposed_from: torch.Tensor | None = None
+        self.placement = Placement.WRAPPER
+
+    def _piece_of(self, tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+        start, end = piece.shard_interval
+        flat_piece = tensor[start:end]
+        if piece.kind is PieceKind.FULL:
+            return flat_piece.view(self.layout.segments[piece.segment].shape)
+        return flat_piece
+
+    # ----------------------------------------------------------------- placement
+
+    def show(self) -> None:
+        """Register the views on their submodules, replacing what the wrapper put there."""
+        assert self.placement is Placement.WRAPPER, self.placement
+        self.flat_owner.module._parameters.pop(self.flat_owner.attr, None)
+        for view, owners in zip(self.views, self.owners, strict=True):
+            for owner in owners:
+                # The wrapper leaves plain tensors as instance attributes, which would
+                # shadow a registered parameter.
+                owner.module.__dict__.pop(owner.attr, None)
+                owner.module._parameters.pop(owner.attr, None)
+                owner.module._parameters[owner.attr] = view
+        self.placement = Placement.VIEWS
+
+    def hide(self) -> None:
+        """Step aside so the wrapper can set its own tensors under the original names."""
+        assert self.placement is Placement.VIEWS, self.placement
+        for owners in self.owners:
+            for owner in owners:
+                owner.module._parameters.pop(owner.attr, None)
+        self.flat_owner.module._parameters[self.flat_owner.attr] = self.flat
+        self.placement = Placement.WRAPPER
+
+    def rebind(self, local_shard: torch.Tensor) -> None:
+        """Point the views at a new local shard storage (same view objects: optimizers
+        keep working). A no-op when the storage did not move."""
+        storage = local_shard.untyped_storage().data_ptr()
+        if storage == self._bound_storage:
+            return
+        for view, piece in zip(self.views, self.pieces, strict=True):
+            view.data = self._piece_of(local_shard, piece)
+        self._bound_storage = storage
+
+    # ----------------------------------------------------------------- gradients
+
+    def push_grads(self) -> None:
+        """Make the sharded gradient agree with the view gradients before a backward.
+
+        Optimizers over views zero or drop *view* gradients; this carries that into the
+        sharded gradient, so nothing stale accumulates there. When the sharded gradient
+        itself changed since the views last saw it (an optimizer over the flat
+        parameter), the flat parameter wins.
+        """
+        flat = self.flat
+        if flat.grad is not self._exposed_from:
+            self.pull_grads(used=None)
+            return
+        grads = [view.grad for view in self.views]
+        if all(g is e for g, e in zip(grads, self._exposed, strict=True)):
+            return
+        if all(g is None for g in grads):
+            flat.grad = None
+            self._exposed = [None] * len(self.views)
+            self._exposed_from = None
+            return
+        if flat.grad is None:
+            flat.grad = torch.zeros(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
+        flat_grad = flat.grad
+        for index, (piece, grad) in enumerate(zip(self.pieces, grads, strict=True)):
+            if grad is self._exposed[index] and grad is not None:
+                continue
+            start, end = piece.shard_interval
+            if grad is None:
+                flat_grad[start:end].zero_()
+            else:
+                flat_grad[start:end].copy_(grad.reshape(-1))
+        self.pull_grads(used=[g is not None for g in grads])
+
+    def pull_grads(self, used: Sequence[bool] | None) -> None:
+        """Hand each view its piece of the sharded gradient.
+
+        ``used[i]`` says whether original parameter ``i`` took part in the step(s) this
+        gradient comes from; one that did not keeps ``grad is None`` unless it already
+        had a gradient. ``used=None`` means every parameter did.
+        """
+        flat_grad = self.flat.grad
+        if flat_grad is None:
+            for view in self.views:
+                view.grad = None
+            self._exposed = [None] * len(self.views)
+            self._exposed_from = None
+            return
+        for index, (view, piece) in enumerate(zip(self.views, self.pieces, strict=True)):
+            if used is None or used[index] or view.grad is not None:
+                view.grad = self._piece_of(flat_grad, piece)
+            self._exposed[index] = view.grad
+        self._exposed_from = flat_grad
