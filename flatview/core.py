@@ -40,7 +40,7 @@ from flatview.errors import DoubleCountError, SkippedParameterUsedError, StateEr
 from flatview.layout import MaskPlan
 from flatview.skip import SkipResolver, SkipSet
 from flatview.stats import StepStats
-from flatview.views import ViewSet
+from flatview.views import ViewSet, WrapperViews
 
 
 class Phase(enum.Enum):
@@ -72,7 +72,7 @@ class _Flat:
     index: int
     unit: int
     spec: FlatSpec
-    views: ViewSet
+    views: ViewSet | WrapperViews
     params: tuple[int, ...]
     """Original-parameter index of each segment."""
     plans: dict[tuple[bool, ...], MaskPlan] = field(default_factory=dict)
@@ -175,14 +175,18 @@ class FlatView:
         seen: dict[int, int] = {}
         for unit_index, unit in enumerate(self._units):
             for spec in unit.flats:
-                views = ViewSet(
-                    spec.flat,
-                    spec.flat_owner,
-                    spec.layout,
-                    spec.rank,
-                    spec.local_shard(),
-                    spec.owners,
-                )
+                views: ViewSet | WrapperViews
+                if spec.wrapper_views is not None:
+                    views = WrapperViews(spec.wrapper_views)
+                else:
+                    views = ViewSet(
+                        spec.flat,
+                        spec.flat_owner,
+                        spec.layout,
+                        spec.rank,
+                        spec.local_shard(),
+                        spec.owners,
+                    )
                 indices = []
                 for segment, (view, names) in enumerate(zip(views.views, spec.names, strict=True)):
                     indices.append(len(self._params))

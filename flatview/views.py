@@ -197,3 +197,27 @@ class ViewSet:
                 view.grad = self._piece_of(flat_grad, piece)
             self._exposed[index] = view.grad
         self._exposed_from = flat_grad
+
+
+class WrapperViews:
+    """Per-parameter views the wrapper itself keeps and places (torch FSDP with
+    ``use_orig_params=True``); every placement and gradient call is a no-op."""
+
+    def __init__(self, views: Sequence[nn.Parameter]) -> None:
+        self.views = tuple(views)
+        self.placement = Placement.VIEWS
+
+    def show(self) -> None:
+        self.placement = Placement.VIEWS
+
+    def hide(self) -> None:
+        self.placement = Placement.WRAPPER
+
+    def rebind(self, local_shard: torch.Tensor) -> None:
+        pass
+
+    def push_grads(self) -> None:
+        pass
+
+    def pull_grads(self, used: Sequence[bool] | None) -> None:
+        pass

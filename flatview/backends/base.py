@@ -39,6 +39,10 @@ class FlatSpec:
     """Per original parameter, its original names, in the same order as ``owners``."""
     local_shard: Callable[[], torch.Tensor]
     """The current full-precision local shard (its storage can move, e.g. on ``.to()``)."""
+    wrapper_views: tuple[nn.Parameter, ...] | None = None
+    """Set when the wrapper already keeps its own per-parameter views (torch FSDP with
+    ``use_orig_params=True``): the core then uses them as they are and neither creates,
+    shows, hides nor feeds gradients to views for this flat parameter."""
 
 
 @dataclass(frozen=True)
