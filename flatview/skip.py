@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Union
+from typing import TypeAlias
 
 import torch
 from torch import nn
 
 from flatview.errors import SkipSetError
 
-SkipItem = Union[nn.Module, torch.Tensor, str]
-SkipSet = Union[SkipItem, Iterable[SkipItem], None]
+SkipItem: TypeAlias = nn.Module | torch.Tensor | str
+SkipSet: TypeAlias = SkipItem | Iterable[SkipItem] | None
 
 
 class SkipResolver:

@@ -56,7 +56,7 @@ def _fsdp_class() -> type[nn.Module] | None:
         from fairscale.nn.data_parallel import FullyShardedDataParallel
     except ImportError:
         return None
-    return FullyShardedDataParallel  # type: ignore[no-any-return]
+    return FullyShardedDataParallel
 
 
 def is_fairscale_fsdp(model: object) -> bool:
@@ -78,7 +78,7 @@ class FairscaleAdapter:
 
     backend = "fairscale"
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, model: nn.Module) -> None:
         import fairscale
 
         version = tuple(int(x) for x in fairscale.__version__.split(".")[:2])
@@ -94,7 +94,9 @@ class FairscaleAdapter:
         self._idle = TrainingState.IDLE
         self._pre = TrainingState.BACKWARD_PRE
         self._post = TrainingState.BACKWARD_POST
-        self.root: Any = root
+        # fairscale is untyped: its attributes are reached through ``Any``.
+        root: Any = model
+        self.root = root
         if root._is_root is False:
             raise WrapError(
                 "flatview.wrap was given a nested FSDP unit; wrap the outermost FSDP model"
@@ -175,7 +177,7 @@ class FairscaleAdapter:
         self._owners[id(flat)] = frozen_owners
 
         def local_shard() -> torch.Tensor:
-            shard: torch.Tensor = getattr(flat, "_fp32_shard", None)
+            shard: torch.Tensor | None = getattr(flat, "_fp32_shard", None)
             return shard if shard is not None else flat.data
 
         return FlatSpec(

@@ -231,6 +231,10 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
     lazy_init.__wrapped__ = real_lazy_init  # type: ignore[attr-defined]
     clip_grad_norm_.__wrapped__ = real_clip_grad_norm  # type: ignore[attr-defined]
 
+    # Measured with torch 2.13 (CPU build): dropping any one of these breaks FSDP on CPU,
+    # except torch.cuda.stream (torch's own StreamContext is already inert without CUDA)
+    # and the FSDP module's flag (gloo accepts the 1-D all_gather_into_tensor). Both stay
+    # replaced so the harness does not depend on those details of a torch version.
     return [
         (torch.cuda, "is_available", is_available),
         (torch.cuda, "Stream", _CpuStream),
@@ -243,9 +247,10 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
         (fsdp_cls, "_lazy_init", lazy_init),
         (fsdp_cls, "clip_grad_norm_", clip_grad_norm_),
         (fsdp_mod, "_get_default_cuda_device", default_device),
-        # gloo rejects the 2-D bucket fairscale hands to the tensor ("_base") forms of
-        # reduce-scatter; with the flag off fairscale uses the list forms, which gloo
-        # supports. The flags are read at call time, so flipping them here is enough.
+        # gloo rejects the 2-D bucket fairscale hands to _reduce_scatter_base ("Check
+        # failed: outputShape[0] * worldSize == inputShape[0]"); with the flags off
+        # fairscale uses the list forms, which gloo supports. fairscale reads the flags at
+        # call time, so flipping the module globals works even after import.
         (fsdp_mod, "enable_nccl_base_collectives", False),
         (bucketer_mod, "enable_nccl_base_collectives", False),
     ]
@@ -282,7 +287,10 @@ def fairscale_on_cpu() -> Iterator[None]:
     steps, ``clip_grad_norm_``, ``summon_full_params``, ``state_dict`` /
     ``load_state_dict``, ``local_state_dict`` / ``load_local_state_dict``, ``no_sync``,
     nested FSDP units, ``reshard_after_forward`` True or False, ``mixed_precision=True``
-    and CPU offload. Use the model only inside the context: it holds the stand-in stream.
+    and CPU offload (``cpu_offload`` / ``move_params_to_cpu`` / ``move_grads_to_cpu``).
+    Build the model inside the context (outside it FSDP picks ``cuda`` as its compute
+    device unless ``compute_device`` is given) and use it only inside: after its first
+    forward it holds the stand-in stream.
 
     While open, it replaces:
 

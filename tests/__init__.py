@@ -1,0 +1,1 @@
+"""Test suite for flatview (a package so that worker tasks pickle by reference)."""
