@@ -311,7 +311,14 @@ class FlatView:
         skipped = self._step_skip or frozenset()
         if self._step_skip is None:
             self.ledger.reset()
-        used = tuple(tuple(index not in skipped for index in flat.params) for flat in self._flats)
+        # A frozen view (requires_grad False) is not trained: like a skipped one, its
+        # gradient is neither communicated nor handed out. Unlike a skipped one, the
+        # model may still use it.
+        params = self._params
+        used = tuple(
+            tuple(i not in skipped and params[i].tensor.requires_grad for i in flat.params)
+            for flat in self._flats
+        )
         skipped_units = frozenset(
             u
             for u, params in enumerate(self._params_of_unit)

@@ -80,6 +80,8 @@ class Scenario:
     seed: int = 0
     backend: str = "fairscale"
     check: bool = True
+    frozen: tuple[str, ...] = ()
+    """Name prefixes of parameters frozen (``requires_grad_(False)``) before training."""
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -136,8 +138,15 @@ def optimizers(net_like: Any) -> list[torch.optim.Optimizer]:
     return groups
 
 
+def freeze(named: Any, scenario: Scenario) -> None:
+    for name, param in named:
+        if name.startswith(scenario.frozen) and scenario.frozen:
+            param.requires_grad_(False)
+
+
 def run_reference(scenario: Scenario) -> dict[str, np.ndarray]:
     net = make_net(scenario)
+    freeze(net.named_parameters(), scenario)
     opts = optimizers(net)
     for step, skip in enumerate(scenario.skips):
         x, y = batch(scenario, step)
@@ -192,6 +201,7 @@ def run_distributed(scenario: Scenario) -> dict[str, np.ndarray] | None:
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         fv = flatview.wrap(model)
+        freeze(fv.named_parameters(), scenario)
         net_like = _original_tree(model)
         opts = optimizers(net_like)
         for step, skip in enumerate(scenario.skips):

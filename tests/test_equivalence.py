@@ -64,3 +64,12 @@ def test_mixed_precision(dist_pool: Any) -> None:
         options={"mixed_precision": True},
     )
     check(dist_pool, scenario, tolerance=3e-3)
+
+
+def test_freezing_by_name(dist_pool: Any) -> None:
+    """requires_grad_(False) on views freezes exactly those parameters, partial ones too."""
+    scenario = Scenario(
+        world_size=3, inner=(5, 3), norms=(True, False), skips=((), (1,), ()),
+        frozen=("body.0.up", "head.bias", "stem.weight"),
+    )
+    check(dist_pool, scenario)
