@@ -131,6 +131,7 @@ class FlatView:
             reduce_strategy,
         )
         self.phase = Phase.IDLE
+        """Where the model is in its lifecycle: views are registered only in ``IDLE``."""
         self.stats: StepStats | None = None
         """Communication figures of the last backward pass (``None`` before the first)."""
 
