@@ -289,24 +289,37 @@ class FlatView:
 
     # --------------------------------------------------------- adapter calls
 
-    def begin_compute(self) -> None:
-        """A unit's forward is about to run: views step aside, the skip set binds."""
+    def begin_compute(self, outermost: bool) -> None:
+        """A unit's forward is about to run: views step aside, the skip set binds.
+
+        ``outermost`` says it is the root unit's forward: a new iteration. When one starts
+        while the last is still computing, that one's forward was never followed by a
+        backward (a validation pass with autograd on); gradients zeroed since must still
+        reach the flat parameters. Inner units start again during backward when
+        activation checkpointing recomputes them, and must not touch gradients then.
+        """
         if self.phase is Phase.LENT:
             raise StateError(
                 "a forward pass started inside a wrapper operation (state_dict, "
                 "summon_full_params, ...): finish that first"
             )
         if self.phase is Phase.IDLE:
-            if self._window is None:
-                for flat in self._flats:
-                    flat.views.push_grads()
+            self._push_grads()
             for flat in self._flats:
                 flat.views.hide()
             self.phase = Phase.COMPUTING
             self._bind_iteration()
-        elif self._iteration is not None and self._iteration.step != self._step_count:
-            # A forward without backward was abandoned and a new step began.
-            self._bind_iteration()
+        elif outermost:
+            self._push_grads()
+            if self._iteration is None or self._iteration.step != self._step_count:
+                self._bind_iteration()
+
+    def _push_grads(self) -> None:
+        # Inside a no_sync() window the flat parameters hold unsharded accumulated
+        # gradients that no view can describe; views catch up at the synced backward.
+        if self._window is None:
+            for flat in self._flats:
+                flat.views.push_grads()
 
     def _bind_iteration(self) -> None:
         skipped = self._step_skip or frozenset()

@@ -310,3 +310,21 @@ def _gather_pieces(fv: flatview.FlatView, grads: dict[str, Any]) -> dict[str, An
         else:
             merged[name] = np.concatenate([p for p in parts if p is not None])
     return merged
+
+
+def abandoned_forward_then_zero(scenario: Scenario) -> dict[str, np.ndarray] | None:
+    """A forward with autograd on but no backward (a validation loss computed without
+    no_grad), then zero_grad, then training: no stale gradient may survive."""
+    from tests.scenarios import optimizers
+
+    with wrapped(scenario) as (model, fv):
+        opts = optimizers(model.module)
+        for step, skip in enumerate(scenario.skips):
+            train_step(model, fv, scenario, step, skip)
+            for opt in opts:
+                opt.step()
+            x, _ = local_batch(scenario, 100 + step)
+            model(x)  # validation forward, graph discarded
+            for opt in opts:
+                opt.zero_grad(set_to_none=scenario.set_to_none)
+        return full_state(model, scenario)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests import fairscale_workers as w
-from tests.scenarios import Scenario, make_net
+from tests.scenarios import Scenario, compare, make_net, run_reference
 
 NESTED = Scenario(world_size=2, inner=(5, 3, 4), norms=(True, False, True), tie=True)
 
@@ -78,3 +78,9 @@ def test_optimizer_holding_view_and_flat_is_refused(dist_pool: Any) -> None:
 )
 def test_bad_wrap_inputs(dist_pool: Any, fn: Any, match: str) -> None:
     dist_pool(1).run_expecting_error(fn, Scenario(world_size=1), match=match)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_forward_without_backward_then_zero_grad(dist_pool: Any, set_to_none: bool) -> None:
+    scenario = Scenario(world_size=2, skips=((), (1,), ()), set_to_none=set_to_none)
+    compare(dist_pool(2).run(w.abandoned_forward_then_zero, scenario)[0], run_reference(scenario))

@@ -236,7 +236,7 @@ class FairscaleAdapter:
     # -------------------------------------------------------------- lifecycle
 
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
-        self.core.begin_compute()
+        self.core.begin_compute(outermost=module is self.root)
         self.core.check_unit_forward(unit_index)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
