@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flatview.backends.base import Adapter, FlatSpec, UnitSpec
 from flatview.comm.agreement import check_agreement, fingerprint
+from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
 from flatview.comm.reduce import MaskedReducer, Strategy
 from flatview.errors import DoubleCountError, SkippedParameterUsedError, StateError, WrapError
@@ -90,7 +91,10 @@ class _Iteration:
 
     skipped: frozenset[int]
     used: tuple[tuple[bool, ...], ...]
-    """Per flat parameter, per segment: used in this iteration."""
+    """Per flat parameter, per segment: trained in this iteration (not skipped, not
+    frozen): its gradient is reduced."""
+    read: tuple[tuple[bool, ...], ...]
+    """Per flat parameter, per segment: not skipped, so the forward may read it."""
     skipped_units: frozenset[int]
     step: int
 
@@ -333,12 +337,13 @@ class FlatView:
             tuple(i not in skipped and params[i].tensor.requires_grad for i in flat.params)
             for flat in self._flats
         )
+        read = tuple(tuple(i not in skipped for i in flat.params) for flat in self._flats)
         skipped_units = frozenset(
             u
             for u, params in enumerate(self._params_of_unit)
             if params and skipped.issuperset(params)
         )
-        self._iteration = _Iteration(skipped, used, skipped_units, self._step_count)
+        self._iteration = _Iteration(skipped, used, read, skipped_units, self._step_count)
 
     def check_unit_forward(self, unit: int) -> None:
         """Refuse to run a non-root unit whose parameters are all declared skipped:
@@ -387,6 +392,28 @@ class FlatView:
         if record is None:
             return None
         return record.plan(self._used_so_far(record.index))
+
+    def gather_plan(self, flat: nn.Parameter) -> MaskPlan | None:
+        """The mask for all-gathering ``flat`` in this iteration, or ``None`` to gather it
+        whole (nothing skipped in it, or too little for masking to pay)."""
+        iteration = self._iteration
+        record = self._flat_of.get(id(flat))
+        if iteration is None or record is None or not iteration.skipped:
+            return None
+        read = iteration.read[record.index]
+        if all(read):
+            return None
+        plan = record.plan(read)
+        return plan if masking_pays(plan) else None
+
+    def gather_masked(
+        self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan
+    ) -> None:
+        """All-gather only ``plan``'s elements into ``rows`` (see :mod:`flatview.comm.gather`)."""
+        index = self.reducer.index_of(plan, local_shard.device)
+        masked_all_gather(
+            rows, local_shard, plan, index, self.adapter.rank, self.adapter.group, self.ledger
+        )
 
     def _used_so_far(self, flat: int) -> tuple[bool, ...]:
         iteration = self._iteration

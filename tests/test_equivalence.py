@@ -60,7 +60,10 @@ def test_wrapper_options(dist_pool: Any, world_size: int, option: str) -> None:
 def test_mixed_precision(dist_pool: Any) -> None:
     """fp16 compute: parameters stay fp32 and agree to fp16 accuracy."""
     scenario = Scenario(
-        world_size=2, inner=(3, 4), norms=(True, False), skips=((1,), (0,), ()),
+        world_size=2,
+        inner=(3, 4),
+        norms=(True, False),
+        skips=((1,), (0,), ()),
         options={"mixed_precision": True},
     )
     check(dist_pool, scenario, tolerance=3e-3)
@@ -69,7 +72,24 @@ def test_mixed_precision(dist_pool: Any) -> None:
 def test_freezing_by_name(dist_pool: Any) -> None:
     """requires_grad_(False) on views freezes exactly those parameters, partial ones too."""
     scenario = Scenario(
-        world_size=3, inner=(5, 3), norms=(True, False), skips=((), (1,), ()),
+        world_size=3,
+        inner=(5, 3),
+        norms=(True, False),
+        skips=((), (1,), ()),
         frozen=("body.0.up", "head.bias", "stem.weight"),
+    )
+    check(dist_pool, scenario)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_one_unit_mostly_skipped(dist_pool: Any, world_size: int) -> None:
+    """One unit, most blocks skipped: gathers and reductions are both masked."""
+    scenario = Scenario(
+        world_size=world_size,
+        nested=False,
+        width=5,
+        inner=(7, 2, 6, 3, 5),
+        norms=(True, False, True, False, True),
+        skips=((0, 2, 3, 4), (1, 2, 3), (0, 1, 2, 4), ()),
     )
     check(dist_pool, scenario)

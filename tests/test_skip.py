@@ -124,3 +124,20 @@ def test_skip_items_resolve_to_original_names(dist_pool: Any) -> None:
     assert got["inner_module"] == ["body.0.up.weight", "body.0.up.bias"]
     assert got["view"] == ["head.bias"]
     assert got["names"] == [*body0, "head.weight"]
+
+
+def test_partly_skipped_unit_gathers_only_used_segments(dist_pool: Any) -> None:
+    """One unit for the whole model: with most of it skipped, the all-gather moves only
+    the used segments (padded to the largest rank's part); with little skipped, masking
+    would not pay and the unit is gathered whole."""
+    scenario = Scenario(**{**SC.__dict__, "nested": False})
+    whole = dist_pool(2).run(w.count_step, scenario, (), "auto")[0]
+    mostly = dist_pool(2).run(w.count_step, scenario, (0, 2, 3), "auto")[0]
+    little = dist_pool(2).run(w.count_step, scenario, (1,), "auto")[0]
+    total = sum(p.numel() for p in make_net(scenario).parameters())
+    padded = -(-total // 2) * 2
+    assert whole["bytes"]["all_gather"] == padded * 4  # root: gathered once, kept for backward
+    assert little["bytes"]["all_gather"] == padded * 4
+    used = total - sum(_numel(f"body.{i}.") for i in (0, 2, 3))
+    assert used * 4 <= mostly["bytes"]["all_gather"] <= 0.6 * padded * 4
+    assert mostly["bytes"]["all_gather"] < whole["bytes"]["all_gather"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -204,6 +205,7 @@ class FairscaleAdapter:
             self._patch(unit, "summon_full_params", self._lending_context(unit.summon_full_params))
             fpw = unit._fsdp_wrapped_module
             self._patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
+            self._patch(unit, "_rebuild_full_params", self._masking_gather(unit))
         self._hooks.append(self.root.register_forward_hook(self._post_forward))
         self._patch(
             self.root, "_wait_for_post_backward", self._finishing(self.root._wait_for_post_backward)
@@ -278,6 +280,35 @@ class FairscaleAdapter:
 
         return unflatten_and_guard
 
+    def _masking_gather(self, unit: Any) -> Callable[..., Any]:
+        """Gather only the used segments of partly skipped flat parameters.
+
+        fairscale's ``_rebuild_full_params`` gathers each flat parameter with
+        ``dist._all_gather_base`` (or ``dist.all_gather`` into chunks) on its module-level
+        ``dist``; for the duration of one call, that name is pointed at a stand-in that
+        masks the gathers of this unit's partly skipped flat parameters.
+        """
+        original = unit._rebuild_full_params
+        module: Any = sys.modules[type(unit).__module__]
+
+        def rebuild_full_params(force_full_precision: bool = False) -> Any:
+            plans = {}
+            if not force_full_precision:
+                for flat in unit._fsdp_wrapped_module.flat_params:
+                    plan = self.core.gather_plan(flat)
+                    if plan is not None:
+                        plans[id(flat)] = (flat, plan)
+            if not plans:
+                return original(force_full_precision)
+            real = module.dist
+            module.dist = _MaskedGatherDist(real, self.core, plans)
+            try:
+                return original(force_full_precision)
+            finally:
+                module.dist = real
+
+        return rebuild_full_params
+
     def _streams_then_shim(self, original: Callable[[], None]) -> Callable[[], None]:
         def setup_streams() -> None:
             original()
@@ -345,6 +376,43 @@ class FairscaleAdapter:
             layout = FlatLayout.packed([(param._orig_size.numel(),)], self.world_size)  # type: ignore[attr-defined]
             plan = self._plain_plans[id(param)] = MaskPlan.build(layout, (True,))
         return plan
+
+
+class _MaskedGatherDist:
+    """``torch.distributed`` as fairscale's ``_rebuild_full_params`` sees it while some
+    of the unit's flat parameters are partly skipped: their gathers are masked, every
+    other call passes through."""
+
+    def __init__(self, real: Any, core: FlatView, plans: dict[int, tuple[Any, MaskPlan]]):
+        self._real = real
+        self._core = core
+        self._plans = plans
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def _plan_for(self, source: torch.Tensor) -> MaskPlan | None:
+        # The gather's input is the flat parameter's current data (its fp32 or fp16
+        # shard); anything else (e.g. a copy moved to another device) goes unmasked.
+        for flat, plan in self._plans.values():
+            if flat.data.data_ptr() == source.data_ptr():
+                return plan
+        return None
+
+    def _all_gather_base(self, output: torch.Tensor, source: torch.Tensor, **kw: Any) -> Any:
+        plan = self._plan_for(source)
+        if plan is None:
+            return self._real._all_gather_base(output, source, **kw)
+        world = plan.layout.world_size
+        self._core.gather_masked(list(output.view(world, -1).unbind(0)), source, plan)
+        return None
+
+    def all_gather(self, chunks: list[torch.Tensor], source: torch.Tensor, **kw: Any) -> Any:
+        plan = self._plan_for(source)
+        if plan is None:
+            return self._real.all_gather(chunks, source, **kw)
+        self._core.gather_masked(chunks, source, plan)
+        return None
 
 
 class _ReducerShim:

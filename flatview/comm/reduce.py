@@ -49,7 +49,7 @@ def choose_strategy(counts: Sequence[int], requested: Strategy) -> Strategy:
     return Strategy.REDUCE_SCATTER if padded <= exact * (1 + PAD_TOLERANCE) else Strategy.ALL_TO_ALL
 
 
-class _PlanIndex:
+class PlanIndex:
     """How to pick one mask plan's used elements out of each rank's row, built once."""
 
     def __init__(self, plan: MaskPlan, device: torch.device) -> None:
@@ -87,7 +87,7 @@ class _PlanIndex:
 @dataclass
 class _Entry:
     plan: MaskPlan
-    index: _PlanIndex
+    index: PlanIndex
     packed: torch.Tensor
     on_done: Callable[[torch.Tensor], None]
 
@@ -115,12 +115,13 @@ class MaskedReducer:
         self.strategy = strategy
         self._entries: list[_Entry] = []
         self._queued_numel = 0
-        self._indices: dict[int, tuple[MaskPlan, _PlanIndex]] = {}
+        self._indices: dict[int, tuple[MaskPlan, PlanIndex]] = {}
 
-    def _index_of(self, plan: MaskPlan, device: torch.device) -> _PlanIndex:
+    def index_of(self, plan: MaskPlan, device: torch.device) -> PlanIndex:
+        """The (cached) index tensors of ``plan``."""
         cached = self._indices.get(id(plan))
         if cached is None or cached[0] is not plan:
-            cached = (plan, _PlanIndex(plan, device))
+            cached = (plan, PlanIndex(plan, device))
             self._indices[id(plan)] = cached
         return cached[1]
 
@@ -139,7 +140,7 @@ class MaskedReducer:
                 f"{len(rows)} rows and a plan for world size {plan.layout.world_size} given "
                 f"to a reducer of world size {self.world_size}"
             )
-        index = self._index_of(plan, rows[0].device)
+        index = self.index_of(plan, rows[0].device)
         # One copy: the caller may free or reuse its gradient as soon as we return.
         packed = torch.cat([index.pick(row, rank) for rank, row in enumerate(rows)])
         self._entries.append(_Entry(plan, index, packed, on_done))
