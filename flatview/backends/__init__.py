@@ -10,12 +10,17 @@ from flatview.errors import WrapError
 
 def detect(model: object) -> Adapter:
     """The adapter for ``model``, or a :class:`WrapError` saying why there is none."""
-    from flatview.backends import fairscale
+    from flatview.backends import fairscale, torch_fsdp
 
     if fairscale.is_fairscale_fsdp(model):
         assert isinstance(model, nn.Module)
         return fairscale.FairscaleAdapter(model)
+    if torch_fsdp.is_torch_fsdp(model):
+        assert isinstance(model, nn.Module)
+        return torch_fsdp.TorchFSDPAdapter(model)
+    if torch_fsdp.is_fsdp2(model):
+        raise WrapError(torch_fsdp.FSDP2_MESSAGE)
     raise WrapError(
-        "flatview.wrap expects the outermost fairscale FullyShardedDataParallel model, got "
-        f"{type(model).__module__}.{type(model).__qualname__}"
+        "flatview.wrap expects the outermost FullyShardedDataParallel model (fairscale's, or "
+        f"torch's FSDP1), got {type(model).__module__}.{type(model).__qualname__}"
     )

@@ -1,0 +1,678 @@
+"""Adapter for torch's own ``FullyShardedDataParallel`` (FSDP1, ``torch.distributed.fsdp``).
+
+Where torch keeps things (checked against torch 2.13; everything below is private to
+torch, which is why :class:`TorchFSDPAdapter` refuses untested versions):
+
+* Each FSDP unit (a ``FullyShardedDataParallel`` instance) has at most one
+  ``FlatParamHandle``, ``unit._handle``, whose ``flat_param`` is a ``FlatParameter``
+  registered on the wrapped module (``unit.module``) as ``_flat_param``. Per original
+  parameter the flat parameter records ``_param_infos`` (attribute, module, module
+  name), ``_shapes``, ``_contiguities``, ``_numels_with_padding`` with
+  ``_is_padding_mask`` (alignment padding between parameters, only with
+  ``use_orig_params=True``), and tied parameters in ``_shared_param_infos``.
+* Sharded strategies split the flat parameter like ``torch.chunk``, padded at its end;
+  the full-precision local shard is ``flat._local_shard`` (set at lazy initialisation,
+  which :class:`TorchFSDPAdapter` forces; ``flat.data`` points at it between passes).
+  ``NO_SHARD`` keeps the whole flat parameter on every rank; with a world size of 1
+  torch always uses ``NO_SHARD``.
+* A unit's ``forward`` unshards, then sets plain tensor views of the unsharded flat on
+  the submodules (deleting whatever is registered under the original names), then calls
+  ``unit._fsdp_wrapped_module``, so a forward pre-hook there sees the compute tensors.
+* Gradient reduction: the public ``register_comm_hook`` replaces the reduce-scatter
+  (``hook(state, padded_unsharded_grad, sharded_out)``, which must fill ``sharded_out``
+  before returning) and the ``NO_SHARD`` all-reduce (``hook(state, grad)``, in place)
+  of every unit. torch passes each unit's own ``unit._comm_hook_state``, which this
+  adapter sets per unit so that the hook knows whose gradient it reduces.
+* After a backward the root's final callback waits for the reductions, calls
+  ``next_iter()`` on the execution-order record ``unit._exec_order_data`` (one object
+  shared by every unit), and only then finalises each unit (the sharded gradient moves
+  from ``flat._saved_grad_shard`` to ``flat.grad``). Wrapping ``next_iter`` on that
+  object gives the point "every backward hook ran, nothing finalised yet", like
+  fairscale's ``_wait_for_post_backward``. A unit that took no part in the backward
+  still has ``handle._training_state`` other than ``BACKWARD_POST`` there.
+* Forward prefetching (``forward_prefetch=True``) follows the pre-forward order of the
+  *first* iteration, ``_exec_order_data.handles_pre_forward_order``, through
+  ``get_handle_to_forward_prefetch``: with skip sets that change per step it
+  all-gathers units the step skips. Backward prefetching follows the post-forward order
+  of the current iteration (``handles_post_forward_order``, through
+  ``get_handle_to_backward_prefetch``), which holds no skipped unit, except after a
+  forward that no backward followed: torch then keeps that forward's order and stale
+  ``handle._post_forward_index`` values, and prefetches units the next step skips. Both
+  choices are replaced by the same walk with this step's skipped units left out.
+* Summoning (``summon_full_params``, which is a static method, and the full and sharded
+  ``state_dict`` / ``load_state_dict`` hooks) unshards through ``handle.pre_unshard()``
+  with ``handle._training_state == SUMMON_FULL_PARAMS`` before it touches any module
+  attribute, and ends with ``handle.post_reshard()`` after the flat parameter is
+  registered again: views step aside between the two.
+
+Everything this adapter changes is an instance attribute, a hook or a unit's
+communication hook, removed by :meth:`TorchFSDPAdapter.uninstall`.
+
+Wrapping runs torch's lazy initialisation (it would otherwise run at the first forward).
+Before that, a nested unit cannot tell that it is nested: pass the outermost FSDP
+module, or torch will take the one given for the root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatview.backends.base import FlatSpec, UnitSpec
+from flatview.comm.allreduce import masked_all_reduce
+from flatview.errors import StateError, UndeclaredUnusedError, WrapError
+from flatview.layout import FlatLayout, MaskPlan, Segment
+from flatview.views import Owner
+
+if TYPE_CHECKING:
+    from flatview.core import FlatView
+
+TESTED_TORCH = ((2, 13),)
+"""``(major, minor)`` versions of torch whose FSDP1 internals this adapter was checked
+against."""
+
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module"})
+_FLAT_PARAM = "_flat_param"
+_LENDING_METHODS = ("state_dict", "load_state_dict", "_apply")
+# Views stepped aside also for the root's gradient clipping: FSDP adds the norm of every
+# parameter of `self.parameters()` it does not manage, and views would count twice.
+_ROOT_LENDING_METHODS = ("clip_grad_norm_",)
+_FLAT_ATTRS = (
+    "_param_infos",
+    "_shared_param_infos",
+    "_shapes",
+    "_contiguities",
+    "_numels_with_padding",
+    "_is_padding_mask",
+    "_unpadded_unsharded_size",
+    "_local_shard",
+)
+# The hook reduces at once, so nothing waits in the reducer's bucket between units (see
+# TorchFSDPAdapter.reduce); the bucket size only has to exceed any one gradient.
+_NO_BUCKETING = 2**62
+
+FSDP2_MESSAGE = (
+    "flatview.wrap was given a model sharded with FSDP2 (torch.distributed.fsdp.fully_shard). "
+    "FSDP2 keeps every original parameter as its own sharded DTensor and has no flat "
+    "parameters, so there is nothing for flatview to give back: build optimizers from "
+    "submodule.parameters() directly. FSDP2 already reduce-scatters only the parameters "
+    "that received a gradient."
+)
+
+
+def _fsdp_class() -> type[nn.Module] | None:
+    if not dist.is_available():
+        return None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return FullyShardedDataParallel
+
+
+def is_torch_fsdp(model: object) -> bool:
+    """Whether ``model`` is a torch FSDP1 ``FullyShardedDataParallel`` module."""
+    cls = _fsdp_class()
+    return cls is not None and isinstance(model, cls)
+
+
+def is_fsdp2(model: object) -> bool:
+    """Whether ``model`` or one of its submodules was sharded with FSDP2 ``fully_shard``."""
+    if not isinstance(model, nn.Module) or not dist.is_available():
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def torch_version() -> tuple[int, int]:
+    """``(major, minor)`` of the running torch."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def clean_name(name: str) -> str:
+    """An original name from a name in the wrapped tree (wrapper levels dropped)."""
+    return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_SEGMENTS)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def flat_layout(flat: Any, world_size: int) -> FlatLayout:
+    """The layout of a torch ``FlatParameter`` sharded over ``world_size`` ranks.
+
+    Alignment padding between parameters (``use_orig_params=True``) becomes gaps between
+    segments; the padding at the end that makes the flat divisible by the world size is
+    the layout's own.
+    """
+    shapes = iter(flat._shapes)
+    segments = []
+    offset = 0
+    for numel, is_padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+        if not is_padding:
+            segments.append(Segment(offset, int(numel), tuple(next(shapes))))
+        offset += int(numel)
+    return FlatLayout(tuple(segments), int(flat._unpadded_unsharded_size.numel()), world_size)
+
+
+class _UnitHookState:
+    """The communication-hook state torch hands back for one unit."""
+
+    def __init__(self, adapter: TorchFSDPAdapter, unit: Any) -> None:
+        self.adapter = adapter
+        self.unit = unit
+
+
+def _reduce_hook(
+    state: _UnitHookState, grad: torch.Tensor, output: torch.Tensor | None = None
+) -> None:
+    """The communication hook registered on every unit (both of torch's signatures)."""
+    state.adapter.reduce(state.unit, grad, output)
+
+
+class TorchFSDPAdapter:
+    """Maps the flatview core onto one torch FSDP1 model (root and nested units)."""
+
+    backend = "torch"
+
+    def __init__(self, model: nn.Module) -> None:
+        version = torch_version()
+        if version not in TESTED_TORCH:
+            tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
+            raise WrapError(
+                f"flatview's torch FSDP backend relies on FSDP1 internals checked against "
+                f"torch {tested}; found torch {torch.__version__}"
+            )
+        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp import _runtime_utils as runtime
+        from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
+
+        fsdp = _fsdp_class()
+        assert fsdp is not None
+        self._runtime: Any = runtime
+        self._forward_backward = TrainingState.FORWARD_BACKWARD
+        self._backward_pre = HandleTrainingState.BACKWARD_PRE
+        self._backward_post = HandleTrainingState.BACKWARD_POST
+        self._summoning_state = HandleTrainingState.SUMMON_FULL_PARAMS
+        # torch's FSDP internals are untyped: they are reached through ``Any``.
+        root: Any = model
+        self.root = root
+        if root._is_root is False:
+            raise WrapError(
+                "flatview.wrap was given a nested FSDP unit; wrap the outermost FSDP model"
+            )
+        self.units: list[tuple[str, Any]] = [
+            (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
+        ]
+        hybrid = {ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2}
+        for name, unit in self.units:
+            label = name or "<root>"
+            if unit.training_state is not TrainingState.IDLE:
+                raise StateError(
+                    f"FSDP unit {label!r} is in state {unit.training_state.name}; wrap the "
+                    "model between iterations"
+                )
+            # torch turns a hybrid strategy whose shard group has one rank into NO_SHARD
+            # but keeps the replica group; either way two groups would need reducing.
+            if unit.sharding_strategy in hybrid or hasattr(unit, "_inter_node_pg"):
+                raise WrapError(
+                    f"FSDP unit {label!r} uses hybrid sharding; flatview's torch "
+                    "backend supports FULL_SHARD, SHARD_GRAD_OP and NO_SHARD (hybrid sharding "
+                    "reduces over two process groups, which torch's communication hooks "
+                    "do not cover)"
+                )
+            if unit.process_group is not root.process_group:
+                raise WrapError(
+                    f"FSDP unit {label!r} uses its own process group; flatview needs all "
+                    "units on the root's group"
+                )
+            if unit.cpu_offload.offload_params:
+                raise WrapError(
+                    f"FSDP unit {label!r} offloads parameters to CPU (CPUOffload("
+                    "offload_params=True)); flatview's torch backend does not support that"
+                )
+            if unit._comm_hook is not None:
+                raise WrapError(
+                    f"FSDP unit {label!r} already has a communication hook; flatview reduces "
+                    "gradients through its own hook and cannot combine with another"
+                )
+        # Lazy initialisation creates the local shards the views alias and the shared
+        # execution-order record; torch would run it at the first forward anyway.
+        root.check_is_root()
+        for name, unit in self.units:
+            if unit._handle is not None:
+                self._check_flat(name, unit._handle)
+        self.group: dist.ProcessGroup | None = root.process_group
+        self.rank: int = root.rank
+        self.world_size: int = root.world_size
+        self.device = torch.device(root.compute_device)
+        self.bucket_numel = _NO_BUCKETING
+        self._core: FlatView | None = None
+        self._unit_index: dict[int, int] = {id(unit): i for i, (_, unit) in enumerate(self.units)}
+        self._handle_unit: dict[int, int] = {
+            id(unit._handle): i for i, (_, unit) in enumerate(self.units) if unit._handle
+        }
+        self._owners: dict[int, tuple[tuple[Owner, ...], ...]] = {}
+        self._patched: list[tuple[object, str]] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._lent = contextlib.ExitStack()
+        self._summoning: set[int] = set()
+        self._undeclared: list[str] = []
+        # use_orig_params=True: torch gives every original parameter of a reduced flat
+        # parameter a gradient, zeros for the skipped ones; those that had none when the
+        # first forward since the last synchronising backward began get None back (see
+        # _restore_none_grads).
+        self._accumulating = False
+        self._none_before: set[int] = set()
+        self._masked: list[tuple[Any, int]] = []
+
+    def _check_flat(self, unit_name: str, handle: Any) -> None:
+        flat = handle.flat_param
+        label = unit_name or "<root>"
+        missing = [attr for attr in _FLAT_ATTRS if not hasattr(flat, attr)]
+        if missing:
+            raise WrapError(
+                f"the flat parameter of FSDP unit {label!r} lacks {', '.join(missing)}; this "
+                f"torch ({torch.__version__}) is not one flatview's torch backend supports"
+            )
+        if not handle._use_orig_params and not all(flat._contiguities):
+            names = [fqn for fqn, c in zip(flat._fqns, flat._contiguities, strict=True) if not c]
+            raise WrapError(
+                f"FSDP unit {label!r} flattened non-contiguous parameters ({', '.join(names)}); "
+                "flatview's views assume a contiguous layout: make them contiguous before "
+                "wrapping in FSDP"
+            )
+        if any(ext is not None for ext in getattr(flat, "_param_extensions", ())):
+            raise WrapError(
+                f"FSDP unit {label!r} uses FSDP extensions (tensor parallelism); flatview's "
+                "torch backend does not support them"
+            )
+
+    @staticmethod
+    def clean_name(name: str) -> str:
+        return clean_name(name)
+
+    # --------------------------------------------------------------- describe
+
+    def describe(self) -> list[UnitSpec]:
+        specs = []
+        for unit_name, unit in self.units:
+            handle = unit._handle
+            flats = () if handle is None else (self._describe_flat(unit_name, unit, handle),)
+            plain = self._plain_params(unit_name, unit)
+            specs.append(UnitSpec(unit_name, unit, flats, plain, unit is self.root))
+        return specs
+
+    def _describe_flat(self, unit_name: str, unit: Any, handle: Any) -> FlatSpec:
+        flat = handle.flat_param
+        sharded = bool(handle.uses_sharded_strategy)
+        layout = flat_layout(flat, self.world_size if sharded else 1)
+        if flat._local_shard.numel() != layout.shard_numel:
+            raise WrapError(
+                f"the flat parameter of FSDP unit {unit_name or '<root>'!r} holds "
+                f"{flat._local_shard.numel()} elements per rank, but its layout says "
+                f"{layout.shard_numel}"
+            )
+        owners: list[list[Owner]] = []
+        names: list[list[str]] = []
+        primary: dict[tuple[int, str], int] = {}
+        for attr, module, module_name in flat._param_infos:
+            primary[(id(module), attr)] = len(owners)
+            owners.append([Owner(module, attr)])
+            names.append([_join(unit_name, clean_name(module_name), attr)])
+        for attr, module, module_name, prim_attr, prim_module, _ in flat._shared_param_infos:
+            segment = primary[(id(prim_module), prim_attr)]
+            owners[segment].append(Owner(module, attr))
+            names[segment].append(_join(unit_name, clean_name(module_name), attr))
+        frozen_owners = tuple(tuple(o) for o in owners)
+        self._owners[id(flat)] = frozen_owners
+
+        def local_shard() -> torch.Tensor:
+            shard: torch.Tensor = flat._local_shard
+            return shard
+
+        return FlatSpec(
+            flat=flat,
+            flat_owner=Owner(unit.module, _FLAT_PARAM),
+            layout=layout,
+            rank=self.rank if sharded else 0,
+            owners=frozen_owners,
+            names=tuple(tuple(n) for n in names),
+            local_shard=local_shard,
+            wrapper_views=tuple(flat._params) if handle._use_orig_params else None,
+        )
+
+    def _plain_params(self, unit_name: str, unit: Any) -> tuple[tuple[str, nn.Parameter], ...]:
+        """Parameters under ``unit`` (not under a nested unit) that FSDP did not flatten:
+        those it was told to ignore."""
+        handle = unit._handle
+        managed: set[int] = set()
+        if handle is not None:
+            flat = handle.flat_param
+            managed.add(id(flat))
+            managed.update(id(p) for p in flat._params or ())
+            managed.update(id(p) for p in flat._shared_params or ())
+        plain = []
+        for module_name, module in self._own_modules(unit):
+            for attr, param in module._parameters.items():
+                if param is None or id(param) in managed:
+                    continue
+                managed.add(id(param))
+                plain.append((_join(unit_name, clean_name(module_name), attr), param))
+        return tuple(plain)
+
+    def _own_modules(self, unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+        """``unit`` and its submodules, without descending into nested units."""
+        stack: list[tuple[str, nn.Module]] = [("", unit)]
+        while stack:
+            name, module = stack.pop()
+            yield name, module
+            for child_name, child in reversed(list(module.named_children())):
+                if id(child) not in self._unit_index:
+                    stack.append((_join(name, child_name), child))
+
+    # ---------------------------------------------------------------- install
+
+    def install(self, core: FlatView) -> None:
+        self._core = core
+        self.root.register_comm_hook(None, _reduce_hook)
+        for index, (_, unit) in enumerate(self.units):
+            # register_comm_hook gives every unit the same state; each gets its own so
+            # that the hook knows whose gradient it is given.
+            unit._comm_hook_state = _UnitHookState(self, unit)
+            self._hooks.append(
+                unit.register_forward_pre_hook(functools.partial(self._pre_forward, index))
+            )
+            self._hooks.append(
+                unit._fsdp_wrapped_module.register_forward_pre_hook(
+                    functools.partial(self._guard_skipped, index)
+                )
+            )
+            methods = _LENDING_METHODS + (_ROOT_LENDING_METHODS if unit is self.root else ())
+            for method in methods:
+                self._patch(unit, method, self._lending(getattr(unit, method)))
+            handle = unit._handle
+            if handle is not None:
+                self._patch(handle, "pre_unshard", self._summon_entry(handle))
+                self._patch(handle, "post_reshard", self._summon_exit(handle))
+        self._hooks.append(self.root.register_forward_hook(self._post_forward))
+        order = self.root._exec_order_data
+        self._patch(order, "next_iter", self._finishing(order.next_iter))
+        self._patch(order, "get_handle_to_forward_prefetch", self._forward_prefetch_target)
+        self._patch(order, "get_handle_to_backward_prefetch", self._backward_prefetch_target)
+
+    def uninstall(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for owner, name in self._patched:
+            owner.__dict__.pop(name, None)
+        self._patched.clear()
+        for _, unit in self.units:
+            unit._comm_hook = None
+            unit._comm_hook_state = None
+        self._summoning.clear()
+        self._lent.close()
+
+    def _patch(self, owner: object, name: str, replacement: Callable[..., Any]) -> None:
+        # An instance attribute shadows the class method for this object only.
+        object.__setattr__(owner, name, replacement)
+        self._patched.append((owner, name))
+
+    @property
+    def core(self) -> FlatView:
+        assert self._core is not None, "adapter used before install()"
+        return self._core
+
+    # -------------------------------------------------------------- lifecycle
+
+    def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
+        outermost = module is self.root
+        if outermost and not self._accumulating:
+            self._none_before = {
+                id(p) for flat in self._wrapper_flats() for p in flat._params if p.grad is None
+            }
+            # torch re-derives the mask from the gradients it finds (and resets it only
+            # after a synchronising backward): a stale entry would make it drop what
+            # no_sync() accumulates for that parameter.
+            for flat, index in self._masked:
+                flat._is_grad_none_mask[index] = False
+            self._masked.clear()
+        self.core.begin_compute(outermost=outermost)
+        self.core.check_unit_forward(unit_index)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            self.core.end_forward_only()
+
+    def _guard_skipped(self, unit_index: int, module: nn.Module, args: Any) -> None:
+        """Hook the compute tensors torch just set for skipped parameters, so that a
+        model that uses one anyway fails in backward."""
+        handle = self.units[unit_index][1]._handle
+        if handle is None:
+            return
+        core = self.core
+        flat = handle.flat_param
+        owners = self._owners[id(flat)]
+        for segment, name in core.skipped_segments(flat):
+            seen: set[int] = set()
+            for owner in owners[segment]:
+                tensor = owner.module.__dict__.get(owner.attr)
+                if tensor is None:
+                    tensor = owner.module._parameters.get(owner.attr)
+                if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    core.guard(tensor, name)
+
+    def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def lent(*args: Any, **kwargs: Any) -> Any:
+            with self.core.lend():
+                return method(*args, **kwargs)
+
+        return lent
+
+    def _summon_entry(self, handle: Any) -> Callable[[], bool]:
+        original = handle.pre_unshard
+
+        def pre_unshard() -> bool:
+            # Summoning (summon_full_params, full or sharded state_dict) unshards before
+            # it changes any module attribute: views step aside from here on.
+            if handle._training_state is self._summoning_state and id(handle) not in (
+                self._summoning
+            ):
+                if not self._summoning:
+                    self._lent.enter_context(self.core.lend())
+                self._summoning.add(id(handle))
+            result: bool = original()
+            return result
+
+        return pre_unshard
+
+    def _summon_exit(self, handle: Any) -> Callable[[], None]:
+        original = handle.post_reshard
+
+        def post_reshard() -> None:
+            original()
+            # Torch re-registered the flat parameter before resharding: the summoning of
+            # this unit is over.
+            if handle._training_state is self._summoning_state and id(handle) in self._summoning:
+                self._summoning.discard(id(handle))
+                if not self._summoning:
+                    self._lent.close()
+
+        return post_reshard
+
+    def _forward_prefetch_target(self, current: Any) -> Any:
+        """Torch's forward-prefetch choice (the unit ``limit`` steps ahead in the first
+        iteration's order) with the units this step skips left out."""
+        order = self.root._exec_order_data
+        index = current._pre_forward_order_index
+        if index is None:
+            return None
+        ahead = order.handles_pre_forward_order[index + 1 :]
+        return self._prefetch_target(ahead, order._forward_prefetch_limit)
+
+    def _backward_prefetch_target(self, current: Any) -> Any:
+        """Torch's backward-prefetch choice (the unit ``limit`` steps back in this
+        iteration's post-forward order) with the units this step skips left out.
+
+        The order normally holds only units that ran, but after a forward that no
+        backward followed it still holds that forward's units, under stale indices."""
+        order = self.root._exec_order_data
+        index = current._post_forward_index
+        if index is None:
+            return None
+        behind = order.handles_post_forward_order[index - 1 :: -1] if index > 0 else []
+        return self._prefetch_target(behind, order._backward_prefetch_limit)
+
+    def _prefetch_target(self, candidates: list[Any], limit: int) -> Any:
+        target = None
+        for candidate in candidates:
+            if limit <= 0:
+                break
+            unit = self._handle_unit.get(id(candidate))
+            if unit is not None and self.core.unit_skipped(unit):
+                continue
+            target = candidate
+            limit -= 1
+        return target
+
+    def _finishing(self, original: Callable[[], None]) -> Callable[[], None]:
+        def next_iter() -> None:
+            # Every backward hook has run; torch finalises the gradients after this.
+            self._settle_units_without_backward()
+            original()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+        return next_iter
+
+    @torch.no_grad()
+    def _settle_units_without_backward(self) -> None:
+        """Note units that took no part in this backward without being declared skipped,
+        and reduce what earlier ``no_sync()`` micro-batches accumulated in units this
+        synchronising backward skipped."""
+        synced = bool(self.root._sync_gradients)
+        self._undeclared = []
+        for index, (name, unit) in enumerate(self.units):
+            handle = unit._handle
+            if handle is None or not handle.flat_param.requires_grad:
+                continue
+            if handle._training_state is self._backward_post:
+                continue
+            if not self.core.unit_skipped(index):
+                self._undeclared.append(name or "<root>")
+            flat = handle.flat_param
+            pending = (
+                synced
+                and flat.grad is not None
+                and (
+                    not handle.uses_sharded_strategy
+                    or flat.grad.shape == flat._unpadded_unsharded_size
+                )
+                and self.core.flat_used_so_far(flat)
+            )
+            if pending:
+                # What the unit's own post-backward hook would have done; torch resets
+                # both states when it finalises the unit right after this.
+                unit.training_state = self._forward_backward
+                handle._training_state = self._backward_pre
+                self._runtime._post_backward_hook(unit, handle, flat)
+
+    def _end_backward(self) -> None:
+        synced = bool(self.root._sync_gradients)
+        if synced:
+            self._restore_none_grads()
+        self.core.end_backward(synced=synced)
+        self._accumulating = not synced
+        undeclared, self._undeclared = self._undeclared, []
+        if undeclared:
+            raise UndeclaredUnusedError(
+                f"FSDP unit(s) {', '.join(repr(n) for n in undeclared)} took no part in this "
+                "backward pass, but their parameters are not all declared skipped. Pass the "
+                "layers a step does not use to FlatView.step(skip=...)."
+            )
+
+    def _wrapper_flats(self) -> Iterator[Any]:
+        for _, unit in self.units:
+            handle = unit._handle
+            if handle is not None and handle._use_orig_params:
+                yield handle.flat_param
+
+    @torch.no_grad()
+    def _restore_none_grads(self) -> None:
+        """With ``use_orig_params=True`` torch hands every original parameter of a reduced
+        flat parameter its piece of the sharded gradient, zeros for skipped ones: give
+        back ``None`` to those skipped since the window opened that had none then."""
+        for flat in self._wrapper_flats():
+            plan = self.core.reduction_plan(flat)
+            if plan is None or plan.all_used:
+                continue
+            tied = [
+                (id(prim_module), prim_attr, param)
+                for (_, _, _, prim_attr, prim_module, _), param in zip(
+                    flat._shared_param_infos, flat._shared_params, strict=True
+                )
+            ]
+            for index, (used, param, info) in enumerate(
+                zip(plan.used, flat._params, flat._param_infos, strict=True)
+            ):
+                if used or id(param) not in self._none_before:
+                    continue
+                param.grad = None
+                # So that torch keeps it None when it hands out gradients again before
+                # the next forward (state_dict, summon_full_params).
+                flat._is_grad_none_mask[index] = True
+                self._masked.append((flat, index))
+                attr, module, _ = info
+                for prim_id, prim_attr, other in tied:
+                    if prim_id == id(module) and prim_attr == attr:
+                        other.grad = None
+
+    # -------------------------------------------------------------- reduction
+
+    @torch.no_grad()
+    def reduce(self, unit: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+        """Reduce one unit's gradient with skipped segments masked out.
+
+        ``output is None``: ``NO_SHARD``, all-reduce ``grad`` in place. Otherwise ``grad``
+        is the padded unsharded gradient and ``output`` receives this rank's shard. Both
+        average over the group as torch does (pre- and post-division).
+        """
+        core = self.core
+        handle = unit._handle
+        plan: MaskPlan | None = None if handle is None else core.reduction_plan(handle.flat_param)
+        if plan is None:
+            raise StateError(
+                f"torch FSDP asked flatview to reduce a gradient of unit "
+                f"{type(unit).__name__} that flatview does not know"
+            )
+        predivide = float(unit._gradient_predivide_factor)
+        postdivide = float(unit._gradient_postdivide_factor)
+        if output is None:
+            masked_all_reduce(
+                grad, plan, self.group, core.ledger, predivide=predivide, postdivide=postdivide
+            )
+            return
+        if predivide > 1 and not plan.none_used:
+            grad.div_(predivide)
+
+        def place(shard: torch.Tensor) -> None:
+            output.copy_(shard)
+            if postdivide > 1:
+                output.div_(postdivide)
+
+        # torch expects `output` filled when the hook returns, so each gradient is reduced
+        # at once, one collective per unit as in torch's own path.
+        core.reducer.add(grad.view(self.world_size, -1).unbind(0), plan, place)
+        core.reducer.flush()
