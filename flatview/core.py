@@ -17,6 +17,11 @@ Phases
 ``LENT``
     A wrapper operation that rebuilds module attributes runs (``state_dict``,
     ``summon_full_params``, ``load_state_dict``, ``.to()``): views stepped aside.
+``DETACHED``
+    After :meth:`FlatView.unwrap`: the model is plain FSDP again.
+
+The skip set of the last forward stays bound until the next forward begins, so that a
+second backward over a retained graph reduces with the same mask.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Phase(enum.Enum):
     IDLE = "idle"
     COMPUTING = "computing"
     LENT = "lent"
+    DETACHED = "detached"
 
 
 @dataclass(frozen=True)
@@ -272,6 +278,8 @@ class FlatView:
         """
         if self._step_skip is not None:
             raise StateError("FlatView.step() contexts cannot be nested")
+        if self.phase is Phase.DETACHED:
+            raise StateError("FlatView.step() after unwrap()")
         if self.phase is Phase.LENT:
             raise StateError("FlatView.step() entered inside a wrapper operation")
         skipped = self._resolver.resolve(skip)
@@ -365,7 +373,12 @@ class FlatView:
         """(segment, name) of the segments of ``flat`` skipped in the current iteration."""
         iteration = self._iteration
         record = self._flat_of.get(id(flat))
-        if iteration is None or record is None or not iteration.skipped:
+        if (
+            self.phase is not Phase.COMPUTING
+            or iteration is None
+            or record is None
+            or not iteration.skipped
+        ):
             return []
         return [
             (segment, self._params[index].name)
@@ -373,10 +386,25 @@ class FlatView:
             if index in iteration.skipped
         ]
 
-    def guard(self, tensor: torch.Tensor, name: str) -> None:
-        """Raise during backward if ``tensor`` (a skipped parameter's compute tensor)
-        receives a gradient: the model used a parameter declared skipped."""
+    def guard_skipped(self, flat: nn.Parameter) -> None:
+        """Hook the compute tensors the wrapper just set on the submodules for the
+        skipped parameters of ``flat``: if the model uses one, backward raises."""
+        record = self._flat_of.get(id(flat))
+        if record is None:
+            return
+        for segment, name in self.skipped_segments(flat):
+            seen: set[int] = set()
+            for owner in record.spec.owners[segment]:
+                # Wrappers set plain tensors, which land in the instance dict while the
+                # views are stepped aside; torch with use_orig_params registers its own.
+                tensor = owner.module.__dict__.get(owner.attr)
+                if tensor is None:
+                    tensor = owner.module._parameters.get(owner.attr)
+                if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    self._guard(tensor, name)
 
+    def _guard(self, tensor: torch.Tensor, name: str) -> None:
         def refuse(grad: torch.Tensor) -> None:
             raise SkippedParameterUsedError(
                 f"parameter {name!r} is declared skipped for this step but received a "
@@ -398,7 +426,12 @@ class FlatView:
         whole (nothing skipped in it, or too little for masking to pay)."""
         iteration = self._iteration
         record = self._flat_of.get(id(flat))
-        if iteration is None or record is None or not iteration.skipped:
+        if (
+            self.phase is not Phase.COMPUTING
+            or iteration is None
+            or record is None
+            or not iteration.skipped
+        ):
             return None
         read = iteration.read[record.index]
         if all(read):
@@ -433,7 +466,8 @@ class FlatView:
 
     def end_backward(self, synced: bool) -> None:
         """A backward pass finished; ``synced`` is False under ``no_sync()``."""
-        if self.phase is not Phase.COMPUTING:
+        repeated = self.phase is Phase.IDLE and self._iteration is not None
+        if self.phase is not Phase.COMPUTING and not repeated:
             raise StateError(f"backward ended in phase {self.phase.name}, expected COMPUTING")
         used = [self._used_so_far(flat.index) for flat in self._flats]
         if synced:
@@ -443,7 +477,8 @@ class FlatView:
         else:
             self._window = used
         self.stats = self._step_stats(synced)
-        self._end_compute()
+        if not repeated:
+            self._end_compute()
 
     def end_forward_only(self) -> None:
         """A forward ran without autograd: no backward will follow."""
@@ -455,7 +490,6 @@ class FlatView:
             handle.remove()
         self._guards.clear()
         self._show_views()
-        self._iteration = None
         self.phase = Phase.IDLE
 
     def _show_views(self) -> None:
@@ -478,6 +512,23 @@ class FlatView:
             self._show_views()
             self.phase = Phase.IDLE
 
+    def unwrap(self) -> None:
+        """Detach flatview: the model is plain FSDP again.
+
+        Views leave the submodules, flat parameters are registered again, and every hook
+        and patch flatview installed is removed. Optimizers built over views still hold
+        tensors that alias the shards; build new ones over the flat parameters.
+        """
+        if self.phase is not Phase.IDLE:
+            raise StateError(f"unwrap() needs phase IDLE, the model is {self.phase.name}")
+        for flat in self._flats:
+            flat.views.hide()
+        self.adapter.uninstall()
+        for unit in self._units:
+            _wrapped.pop(unit.module, None)
+        _live.discard(self)
+        self.phase = Phase.DETACHED
+
     # ------------------------------------------------------------------ stats
 
     def _step_stats(self, synced: bool) -> StepStats:
@@ -493,7 +544,7 @@ class FlatView:
                     skipped_bytes += segment.numel * size
                 else:
                     used += segment.numel * size
-        reduce_kinds = ("reduce_scatter", "all_to_all")
+        reduce_kinds = ("reduce_scatter", "all_to_all", "all_reduce")
         return StepStats(
             reduced_bytes=sum(self.ledger.bytes[k] for k in reduce_kinds),
             reduce_calls=sum(self.ledger.calls[k] for k in reduce_kinds),

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatview.backends._common import AdapterBase, join, without_segments
 from flatview.backends.base import FlatSpec, UnitSpec
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan
@@ -67,19 +68,16 @@ def is_fairscale_fsdp(model: object) -> bool:
 
 def clean_name(name: str) -> str:
     """An original name from a name in the wrapped tree (wrapper levels dropped)."""
-    return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_SEGMENTS)
+    return without_segments(name, _WRAPPER_SEGMENTS)
 
 
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
-class FairscaleAdapter:
+class FairscaleAdapter(AdapterBase):
     """Maps the flatview core onto one fairscale FSDP model (root and nested units)."""
 
     backend = "fairscale"
 
     def __init__(self, model: nn.Module) -> None:
+        super().__init__()
         import fairscale
 
         version = tuple(int(x) for x in fairscale.__version__.split(".")[:2])
@@ -122,10 +120,6 @@ class FairscaleAdapter:
         self.device = torch.device(root.compute_device)
         cap = int(root.bucket_cap_mb * 2**20 // 4)
         self.bucket_numel = max(cap, 1)
-        self._core: FlatView | None = None
-        self._owners: dict[int, tuple[tuple[Owner, ...], ...]] = {}
-        self._patched: list[tuple[nn.Module, str]] = []
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._plain_plans: dict[int, MaskPlan] = {}
 
     @staticmethod
@@ -145,7 +139,7 @@ class FairscaleAdapter:
             plain_params = unit.params[unit._num_flatten_params :]
             plain_names = unit._param_name_groups[unit._num_flatten_params :]
             plain = tuple(
-                (_join(unit_name, clean_name(names[0])), p)
+                (join(unit_name, clean_name(names[0])), p)
                 for names, p in zip(plain_names, plain_params, strict=True)
             )
             specs.append(UnitSpec(unit_name, unit, flats, plain, unit is self.root))
@@ -169,13 +163,12 @@ class FairscaleAdapter:
         for module_name, module, attr in flat._param_infos:
             primary[(id(module), attr)] = len(owners)
             owners.append([Owner(module, attr)])
-            names.append([_join(unit_name, clean_name(module_name), attr)])
+            names.append([join(unit_name, clean_name(module_name), attr)])
         for module_name, _, module, attr, shared_module, shared_attr in flat._shared_param_infos:
             segment = primary[(id(shared_module), shared_attr)]
             owners[segment].append(Owner(module, attr))
-            names[segment].append(_join(unit_name, clean_name(module_name), attr))
+            names[segment].append(join(unit_name, clean_name(module_name), attr))
         frozen_owners = tuple(tuple(o) for o in owners)
-        self._owners[id(flat)] = frozen_owners
 
         def local_shard() -> torch.Tensor:
             shard: torch.Tensor | None = getattr(flat, "_fp32_shard", None)
@@ -197,16 +190,14 @@ class FairscaleAdapter:
         self._core = core
         core.reducer.group = self.root.process_group_reduce_scatter
         for index, (_, unit) in enumerate(self.units):
-            self._hooks.append(
-                unit.register_forward_pre_hook(functools.partial(self._pre_forward, index))
-            )
+            self._hook(unit.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
             for method in _LENDING_METHODS:
                 self._patch(unit, method, self._lending(getattr(unit, method)))
             self._patch(unit, "summon_full_params", self._lending_context(unit.summon_full_params))
             fpw = unit._fsdp_wrapped_module
             self._patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
             self._patch(unit, "_rebuild_full_params", self._masking_gather(unit))
-        self._hooks.append(self.root.register_forward_hook(self._post_forward))
+        self._hook(self.root.register_forward_hook(self._post_forward))
         self._patch(
             self.root, "_wait_for_post_backward", self._finishing(self.root._wait_for_post_backward)
         )
@@ -215,43 +206,16 @@ class FairscaleAdapter:
             self._install_shim()
 
     def uninstall(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for module, name in self._patched:
-            module.__dict__.pop(name, None)
-        self._patched.clear()
+        super().uninstall()
         for _, unit in self.units:
             if isinstance(unit._reducer, _ReducerShim):
                 unit._reducer = unit._reducer.original
-
-    def _patch(self, module: nn.Module, name: str, replacement: Callable[..., Any]) -> None:
-        # An instance attribute shadows the class method for this object only.
-        object.__setattr__(module, name, replacement)
-        self._patched.append((module, name))
-
-    @property
-    def core(self) -> FlatView:
-        assert self._core is not None, "adapter used before install()"
-        return self._core
 
     # -------------------------------------------------------------- lifecycle
 
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
         self.core.begin_compute(outermost=module is self.root)
         self.core.check_unit_forward(unit_index)
-
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            self.core.end_forward_only()
-
-    def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def lent(*args: Any, **kwargs: Any) -> Any:
-            with self.core.lend():
-                return method(*args, **kwargs)
-
-        return lent
 
     def _lending_context(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @contextlib.contextmanager
@@ -267,16 +231,8 @@ class FairscaleAdapter:
 
         def unflatten_and_guard() -> None:
             original()
-            core = self.core
             for flat in fpw.flat_params:
-                owners = self._owners[id(flat)]
-                for segment, name in core.skipped_segments(flat):
-                    seen: set[int] = set()
-                    for owner in owners[segment]:
-                        tensor = owner.module.__dict__.get(owner.attr)
-                        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
-                            seen.add(id(tensor))
-                            core.guard(tensor, name)
+                self.core.guard_skipped(flat)
 
         return unflatten_and_guard
 

@@ -64,8 +64,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatview.backends._common import AdapterBase, join, without_segments
 from flatview.backends.base import FlatSpec, UnitSpec
-from flatview.comm.allreduce import masked_all_reduce
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan, Segment
 from flatview.views import Owner
@@ -141,11 +141,7 @@ def torch_version() -> tuple[int, int]:
 
 def clean_name(name: str) -> str:
     """An original name from a name in the wrapped tree (wrapper levels dropped)."""
-    return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_SEGMENTS)
-
-
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
+    return without_segments(name, _WRAPPER_SEGMENTS)
 
 
 def flat_layout(flat: Any, world_size: int) -> FlatLayout:
@@ -180,12 +176,13 @@ def _reduce_hook(
     state.adapter.reduce(state.unit, grad, output)
 
 
-class TorchFSDPAdapter:
+class TorchFSDPAdapter(AdapterBase):
     """Maps the flatview core onto one torch FSDP1 model (root and nested units)."""
 
     backend = "torch"
 
     def __init__(self, model: nn.Module) -> None:
+        super().__init__()
         version = torch_version()
         if version not in TESTED_TORCH:
             tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
@@ -257,14 +254,10 @@ class TorchFSDPAdapter:
         self.world_size: int = root.world_size
         self.device = torch.device(root.compute_device)
         self.bucket_numel = _NO_BUCKETING
-        self._core: FlatView | None = None
         self._unit_index: dict[int, int] = {id(unit): i for i, (_, unit) in enumerate(self.units)}
         self._handle_unit: dict[int, int] = {
             id(unit._handle): i for i, (_, unit) in enumerate(self.units) if unit._handle
         }
-        self._owners: dict[int, tuple[tuple[Owner, ...], ...]] = {}
-        self._patched: list[tuple[object, str]] = []
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._lent = contextlib.ExitStack()
         self._summoning: set[int] = set()
         self._undeclared: list[str] = []
@@ -329,13 +322,12 @@ class TorchFSDPAdapter:
         for attr, module, module_name in flat._param_infos:
             primary[(id(module), attr)] = len(owners)
             owners.append([Owner(module, attr)])
-            names.append([_join(unit_name, clean_name(module_name), attr)])
+            names.append([join(unit_name, clean_name(module_name), attr)])
         for attr, module, module_name, prim_attr, prim_module, _ in flat._shared_param_infos:
             segment = primary[(id(prim_module), prim_attr)]
             owners[segment].append(Owner(module, attr))
-            names[segment].append(_join(unit_name, clean_name(module_name), attr))
+            names[segment].append(join(unit_name, clean_name(module_name), attr))
         frozen_owners = tuple(tuple(o) for o in owners)
-        self._owners[id(flat)] = frozen_owners
 
         def local_shard() -> torch.Tensor:
             shard: torch.Tensor = flat._local_shard
@@ -368,7 +360,7 @@ class TorchFSDPAdapter:
                 if param is None or id(param) in managed:
                     continue
                 managed.add(id(param))
-                plain.append((_join(unit_name, clean_name(module_name), attr), param))
+                plain.append((join(unit_name, clean_name(module_name), attr), param))
         return tuple(plain)
 
     def _own_modules(self, unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -379,7 +371,7 @@ class TorchFSDPAdapter:
             yield name, module
             for child_name, child in reversed(list(module.named_children())):
                 if id(child) not in self._unit_index:
-                    stack.append((_join(name, child_name), child))
+                    stack.append((join(name, child_name), child))
 
     # ---------------------------------------------------------------- install
 
@@ -390,10 +382,8 @@ class TorchFSDPAdapter:
             # register_comm_hook gives every unit the same state; each gets its own so
             # that the hook knows whose gradient it is given.
             unit._comm_hook_state = _UnitHookState(self, unit)
-            self._hooks.append(
-                unit.register_forward_pre_hook(functools.partial(self._pre_forward, index))
-            )
-            self._hooks.append(
+            self._hook(unit.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
+            self._hook(
                 unit._fsdp_wrapped_module.register_forward_pre_hook(
                     functools.partial(self._guard_skipped, index)
                 )
@@ -405,34 +395,19 @@ class TorchFSDPAdapter:
             if handle is not None:
                 self._patch(handle, "pre_unshard", self._summon_entry(handle))
                 self._patch(handle, "post_reshard", self._summon_exit(handle))
-        self._hooks.append(self.root.register_forward_hook(self._post_forward))
+        self._hook(self.root.register_forward_hook(self._post_forward))
         order = self.root._exec_order_data
         self._patch(order, "next_iter", self._finishing(order.next_iter))
         self._patch(order, "get_handle_to_forward_prefetch", self._forward_prefetch_target)
         self._patch(order, "get_handle_to_backward_prefetch", self._backward_prefetch_target)
 
     def uninstall(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for owner, name in self._patched:
-            owner.__dict__.pop(name, None)
-        self._patched.clear()
+        super().uninstall()
         for _, unit in self.units:
             unit._comm_hook = None
             unit._comm_hook_state = None
         self._summoning.clear()
         self._lent.close()
-
-    def _patch(self, owner: object, name: str, replacement: Callable[..., Any]) -> None:
-        # An instance attribute shadows the class method for this object only.
-        object.__setattr__(owner, name, replacement)
-        self._patched.append((owner, name))
-
-    @property
-    def core(self) -> FlatView:
-        assert self._core is not None, "adapter used before install()"
-        return self._core
 
     # -------------------------------------------------------------- lifecycle
 
@@ -451,36 +426,12 @@ class TorchFSDPAdapter:
         self.core.begin_compute(outermost=outermost)
         self.core.check_unit_forward(unit_index)
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            self.core.end_forward_only()
-
     def _guard_skipped(self, unit_index: int, module: nn.Module, args: Any) -> None:
         """Hook the compute tensors torch just set for skipped parameters, so that a
         model that uses one anyway fails in backward."""
         handle = self.units[unit_index][1]._handle
-        if handle is None:
-            return
-        core = self.core
-        flat = handle.flat_param
-        owners = self._owners[id(flat)]
-        for segment, name in core.skipped_segments(flat):
-            seen: set[int] = set()
-            for owner in owners[segment]:
-                tensor = owner.module.__dict__.get(owner.attr)
-                if tensor is None:
-                    tensor = owner.module._parameters.get(owner.attr)
-                if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    core.guard(tensor, name)
-
-    def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def lent(*args: Any, **kwargs: Any) -> Any:
-            with self.core.lend():
-                return method(*args, **kwargs)
-
-        return lent
+        if handle is not None:
+            self.core.guard_skipped(handle.flat_param)
 
     def _summon_entry(self, handle: Any) -> Callable[[], bool]:
         original = handle.pre_unshard
@@ -552,6 +503,7 @@ class TorchFSDPAdapter:
         def next_iter() -> None:
             # Every backward hook has run; torch finalises the gradients after this.
             self._settle_units_without_backward()
+            self.core.reducer.flush()
             original()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -643,11 +595,16 @@ class TorchFSDPAdapter:
 
     @torch.no_grad()
     def reduce(self, unit: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
-        """Reduce one unit's gradient with skipped segments masked out.
+        """Queue one unit's gradient for masked reduction; the reducer's buckets are
+        reduced together, one collective per bucket instead of one per unit.
 
-        ``output is None``: ``NO_SHARD``, all-reduce ``grad`` in place. Otherwise ``grad``
-        is the padded unsharded gradient and ``output`` receives this rank's shard. Both
-        average over the group as torch does (pre- and post-division).
+        ``output is None``: ``NO_SHARD``, where ``grad`` is the flat gradient, reduced in
+        place. Otherwise ``grad`` is the padded unsharded gradient and ``output`` the
+        sharded gradient torch expects back: it is zero when the hook returns, torch
+        accumulates it into ``flat._saved_grad_shard``, and the reduced values are
+        added there when the bucket is flushed (at the latest in ``next_iter``, after
+        every backward hook and before torch finalises gradients). Both average over the
+        group as torch does (pre- and post-division).
         """
         core = self.core
         handle = unit._handle
@@ -657,22 +614,32 @@ class TorchFSDPAdapter:
                 f"torch FSDP asked flatview to reduce a gradient of unit "
                 f"{type(unit).__name__} that flatview does not know"
             )
+        flat = handle.flat_param
         predivide = float(unit._gradient_predivide_factor)
         postdivide = float(unit._gradient_postdivide_factor)
+        index = core.reducer.index_of(plan, grad.device)
         if output is None:
-            masked_all_reduce(
-                grad, plan, self.group, core.ledger, predivide=predivide, postdivide=postdivide
-            )
+
+            def place_replicated(values: torch.Tensor) -> None:
+                # Resolved now, not when queued: torch may have cast the gradient since.
+                if postdivide > 1:
+                    values.div_(postdivide)
+                index.place(flat.grad, values, 0)
+
+            core.reducer.add_replicated(grad, plan, place_replicated, predivide)
             return
+        output.zero_()
+        queued = True
+
+        def add_sharded(shard: torch.Tensor) -> None:
+            if postdivide > 1:
+                shard.div_(postdivide)
+            # A bucket that fills up flushes inside add(), before torch has taken
+            # `output`: then the result goes there; later it goes to the accumulator.
+            target = output if queued else flat._saved_grad_shard
+            target.add_(shard)
+
         if predivide > 1 and not plan.none_used:
             grad.div_(predivide)
-
-        def place(shard: torch.Tensor) -> None:
-            output.copy_(shard)
-            if postdivide > 1:
-                output.div_(postdivide)
-
-        # torch expects `output` filled when the hook returns, so each gradient is reduced
-        # at once, one collective per unit as in torch's own path.
-        core.reducer.add(grad.view(self.world_size, -1).unbind(0), plan, place)
-        core.reducer.flush()
+        core.reducer.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded)
+        queued = False

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from flatview.comm._compat import all_gather_single
 from flatview.comm.ledger import Ledger
 from flatview.errors import SkipSetMismatchError
 
@@ -41,7 +42,7 @@ def check_agreement(
     mine = torch.tensor([print_], dtype=torch.int64, device=device)
     everyone = torch.empty(world, dtype=torch.int64, device=device)
     ledger.record("agreement", mine)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    all_gather_single(everyone, mine, group=group)
     prints = everyone.tolist()
     if all(p == prints[0] for p in prints):
         return

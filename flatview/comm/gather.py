@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from flatview.comm._compat import all_gather_single
 from flatview.comm.ledger import Ledger
 from flatview.comm.reduce import PlanIndex
 from flatview.layout import MaskPlan
@@ -48,7 +49,7 @@ def masked_all_gather(
     packed[: plan.counts[rank]] = index.pick(local_shard, rank)
     gathered = local_shard.new_empty(width * world)
     ledger.record("masked_all_gather", gathered)
-    dist.all_gather_into_tensor(gathered, packed, group=group)
+    all_gather_single(gathered, packed, group=group)
     for r, row in enumerate(rows):
         row.fill_(float("nan"))
         index.place(row, gathered[r * width : r * width + plan.counts[r]], r)

@@ -14,6 +14,10 @@ collective per bucket. Two collectives can do it:
 :func:`choose_strategy` picks ``reduce_scatter`` unless its padding would cost more than
 :data:`PAD_TOLERANCE` over the exact size. The result handed back is a sharded gradient
 with zeros wherever nothing was used.
+
+Wrappers that replicate rather than shard (torch FSDP ``NO_SHARD``: DDP's job) queue
+their gradients with :meth:`MaskedReducer.add_replicated`; those buckets are reduced with
+one all-reduce of the packed used elements.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flatview.comm._compat import reduce_scatter_single
 from flatview.comm.ledger import Ledger
 from flatview.layout import MaskPlan
 
@@ -114,6 +119,7 @@ class MaskedReducer:
         self.bucket_numel = bucket_numel
         self.strategy = strategy
         self._entries: list[_Entry] = []
+        self._replicated: list[_Entry] = []
         self._queued_numel = 0
         self._indices: dict[int, tuple[MaskPlan, PlanIndex]] = {}
 
@@ -149,9 +155,40 @@ class MaskedReducer:
             self.flush()
 
     @torch.no_grad()
+    def add_replicated(
+        self,
+        grad: torch.Tensor,
+        plan: MaskPlan,
+        on_done: Callable[[torch.Tensor], None],
+        predivide: float = 1.0,
+    ) -> None:
+        """Queue one replicated flat gradient for an all-reduce of its used elements.
+
+        ``plan`` is over an unsharded layout (world size 1). ``on_done`` later receives
+        the reduced used elements, packed in flat order (place them with
+        ``index_of(plan, ...).place(target, values, 0)``). They are divided by
+        ``predivide`` before the reduction, as torch FSDP does against overflow.
+        """
+        if plan.layout.world_size != 1:
+            raise ValueError(f"add_replicated needs an unsharded plan, got {plan.layout}")
+        index = self.index_of(plan, grad.device)
+        # A copy (cat always copies): the caller's gradient may change before the flush.
+        packed = torch.cat([index.pick(grad, 0)])
+        if predivide != 1.0:
+            packed.div_(predivide)
+        self._replicated.append(_Entry(plan, index, packed, on_done))
+        self._queued_numel += packed.numel()
+        if self._queued_numel >= self.bucket_numel:
+            self.flush()
+
+    @torch.no_grad()
     def flush(self) -> None:
-        """Reduce everything queued with one collective and hand out the results."""
+        """Reduce everything queued, one collective per kind of bucket, and hand out
+        the results."""
+        replicated, self._replicated = self._replicated, []
         entries, self._entries, self._queued_numel = self._entries, [], 0
+        if replicated:
+            self._all_reduce(replicated)
         if not entries:
             return
         world = self.world_size
@@ -170,6 +207,17 @@ class MaskedReducer:
             offset += count
             entry.on_done(shard)
 
+    def _all_reduce(self, entries: list[_Entry]) -> None:
+        buffer = torch.cat([entry.packed for entry in entries])
+        if buffer.numel():
+            self.ledger.record("all_reduce", buffer)
+            dist.all_reduce(buffer, group=self.group)
+        offset = 0
+        for entry in entries:
+            count = entry.packed.numel()
+            entry.on_done(buffer[offset : offset + count])
+            offset += count
+
     def _parts(self, entries: list[_Entry], rank: int) -> list[torch.Tensor]:
         parts = []
         for entry in entries:
@@ -184,7 +232,7 @@ class MaskedReducer:
             torch.cat(self._parts(entries, rank), out=send[rank, : counts[rank]])
         out = send.new_empty(width)
         self.ledger.record("reduce_scatter", send)
-        dist.reduce_scatter_tensor(out, send.view(-1), group=self.group)
+        reduce_scatter_single(out, send.view(-1), group=self.group)
         return out[: counts[self.rank]]
 
     def _all_to_all(self, entries: list[_Entry], counts: list[int]) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""Plumbing every adapter shares: hooks and instance-level patches that ``uninstall``
+removes, lending wrappers, and wrapper-free names."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from flatview.core import FlatView
+
+
+def join(*parts: str) -> str:
+    """A dotted name from parts, empty parts dropped."""
+    return ".".join(p for p in parts if p)
+
+
+def without_segments(name: str, segments: Iterable[str]) -> str:
+    """``name`` with the wrapper levels in ``segments`` dropped: an original name."""
+    dropped = frozenset(segments)
+    return ".".join(part for part in name.split(".") if part and part not in dropped)
+
+
+class AdapterBase:
+    """What both adapters do the same way. Everything they attach goes through
+    :meth:`_patch` (an instance attribute shadowing a method of one object, never a
+    class) or :meth:`_hook`, so that :meth:`uninstall` can take it all back."""
+
+    root: Any
+
+    def __init__(self) -> None:
+        self._core: FlatView | None = None
+        self._patched: list[tuple[object, str]] = []
+        self._hooks: list[RemovableHandle] = []
+
+    @property
+    def core(self) -> FlatView:
+        assert self._core is not None, "adapter used before install()"
+        return self._core
+
+    def _patch(self, owner: object, name: str, replacement: Callable[..., Any]) -> None:
+        object.__setattr__(owner, name, replacement)
+        self._patched.append((owner, name))
+
+    def _hook(self, handle: RemovableHandle) -> None:
+        self._hooks.append(handle)
+
+    def uninstall(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for owner, name in self._patched:
+            owner.__dict__.pop(name, None)
+        self._patched.clear()
+
+    def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` run with the views stepped aside (a wrapper operation)."""
+
+        @functools.wraps(method)
+        def lent(*args: Any, **kwargs: Any) -> Any:
+            with self.core.lend():
+                return method(*args, **kwargs)
+
+        return lent
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Registered on the root: a forward without autograd has no backward to wait for."""
+        if not torch.is_grad_enabled():
+            self.core.end_forward_only()
