@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,12 +83,19 @@ class _Flat:
     views: ViewSet | WrapperViews
     params: tuple[int, ...]
     """Original-parameter index of each segment."""
-    plans: dict[tuple[bool, ...], MaskPlan] = field(default_factory=dict)
+    plans: OrderedDict[tuple[bool, ...], MaskPlan] = field(default_factory=OrderedDict)
+
+    PLAN_CACHE = 256
+    """Skip sets can vary every step (2**blocks patterns): recent plans only."""
 
     def plan(self, used: tuple[bool, ...]) -> MaskPlan:
         plan = self.plans.get(used)
         if plan is None:
             plan = self.plans[used] = MaskPlan.build(self.spec.layout, used)
+            if len(self.plans) > self.PLAN_CACHE:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(used)
         return plan
 
 

@@ -23,6 +23,7 @@ one all-reduce of the packed used elements.
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,38 +56,55 @@ def choose_strategy(counts: Sequence[int], requested: Strategy) -> Strategy:
 
 
 class PlanIndex:
-    """How to pick one mask plan's used elements out of each rank's row, built once."""
+    """How to pick one mask plan's used elements out of each rank's row, built once.
+
+    Runs of used elements are copied slice by slice (a memcpy each). Only a row with
+    many short runs, where a Python loop per run would cost more than the copy, gets an
+    index tensor for one gather; it is small precisely because the runs are short.
+    """
+
+    MANY_RUNS = 32
+    SHORT_RUN = 256
 
     def __init__(self, plan: MaskPlan, device: torch.device) -> None:
-        # A row whose used elements form one run is packed by slicing, without a gather.
-        self.slices: list[tuple[int, int] | None] = []
+        self.runs: list[tuple[tuple[int, int], ...] | None] = []
         self.indices: list[torch.Tensor | None] = []
         for intervals in plan.per_rank:
-            if len(intervals) <= 1:
-                self.slices.append(intervals[0] if intervals else (0, 0))
-                self.indices.append(None)
-            else:
-                self.slices.append(None)
+            used = sum(end - start for start, end in intervals)
+            if len(intervals) > self.MANY_RUNS and used < self.SHORT_RUN * len(intervals):
+                self.runs.append(None)
                 self.indices.append(
                     torch.cat([torch.arange(s, e, device=device) for s, e in intervals])
                 )
+            else:
+                self.runs.append(intervals)
+                self.indices.append(None)
 
     def pick(self, row: torch.Tensor, rank: int) -> torch.Tensor:
-        bounds = self.slices[rank]
-        if bounds is not None:
-            return row[bounds[0] : bounds[1]]
-        index = self.indices[rank]
-        assert index is not None
-        return row.index_select(0, index)
-
-    def place(self, shard: torch.Tensor, values: torch.Tensor, rank: int) -> None:
-        bounds = self.slices[rank]
-        if bounds is not None:
-            shard[bounds[0] : bounds[1]] = values
-        else:
+        """Rank ``rank``'s used elements of ``row``, packed (a view when one run)."""
+        runs = self.runs[rank]
+        if runs is None:
             index = self.indices[rank]
             assert index is not None
-            shard.index_copy_(0, index, values)
+            return row.index_select(0, index)
+        if len(runs) == 1:
+            return row[runs[0][0] : runs[0][1]]
+        if not runs:
+            return row[:0]
+        return torch.cat([row[start:end] for start, end in runs])
+
+    def place(self, target: torch.Tensor, values: torch.Tensor, rank: int) -> None:
+        """Write packed ``values`` back to rank ``rank``'s used positions of ``target``."""
+        runs = self.runs[rank]
+        if runs is None:
+            index = self.indices[rank]
+            assert index is not None
+            target.index_copy_(0, index, values)
+            return
+        offset = 0
+        for start, end in runs:
+            target[start:end] = values[offset : offset + end - start]
+            offset += end - start
 
 
 @dataclass
@@ -102,6 +120,8 @@ class MaskedReducer:
 
     Not thread-safe: one instance per model, driven from the backward pass.
     """
+
+    INDEX_CACHE = 256
 
     def __init__(
         self,
@@ -121,7 +141,9 @@ class MaskedReducer:
         self._entries: list[_Entry] = []
         self._replicated: list[_Entry] = []
         self._queued_numel = 0
-        self._indices: dict[int, tuple[MaskPlan, PlanIndex]] = {}
+        # Skip sets vary per step (2**blocks patterns for stochastic depth): keep the
+        # index of recent plans only.
+        self._indices: OrderedDict[int, tuple[MaskPlan, PlanIndex]] = OrderedDict()
 
     def index_of(self, plan: MaskPlan, device: torch.device) -> PlanIndex:
         """The (cached) index tensors of ``plan``."""
@@ -129,6 +151,10 @@ class MaskedReducer:
         if cached is None or cached[0] is not plan:
             cached = (plan, PlanIndex(plan, device))
             self._indices[id(plan)] = cached
+            if len(self._indices) > self.INDEX_CACHE:
+                self._indices.popitem(last=False)
+        else:
+            self._indices.move_to_end(id(plan))
         return cached[1]
 
     @torch.no_grad()
