@@ -19,9 +19,6 @@ Phases
     ``summon_full_params``, ``load_state_dict``, ``.to()``): views stepped aside.
 ``DETACHED``
     After :meth:`FlatView.unwrap`: the model is plain FSDP again.
-
-The skip set of the last forward stays bound until the next forward begins, so that a
-second backward over a retained graph reduces with the same mask.
 """
 
 from __future__ import annotations
@@ -474,8 +471,7 @@ class FlatView:
 
     def end_backward(self, synced: bool) -> None:
         """A backward pass finished; ``synced`` is False under ``no_sync()``."""
-        repeated = self.phase is Phase.IDLE and self._iteration is not None
-        if self.phase is not Phase.COMPUTING and not repeated:
+        if self.phase is not Phase.COMPUTING:
             raise StateError(f"backward ended in phase {self.phase.name}, expected COMPUTING")
         used = [self._used_so_far(flat.index) for flat in self._flats]
         if synced:
@@ -485,8 +481,7 @@ class FlatView:
         else:
             self._window = used
         self.stats = self._step_stats(synced)
-        if not repeated:
-            self._end_compute()
+        self._end_compute()
 
     def end_forward_only(self) -> None:
         """A forward ran without autograd: no backward will follow."""
