@@ -641,5 +641,5 @@ class TorchFSDPAdapter(AdapterBase):
 
         if predivide > 1 and not plan.none_used:
             grad.div_(predivide)
-        core.reducer.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded)
+        core.reducer.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded, whole=grad)
         queued = False

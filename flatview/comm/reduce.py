@@ -111,8 +111,16 @@ class PlanIndex:
 class _Entry:
     plan: MaskPlan
     index: PlanIndex
-    packed: torch.Tensor
+    parts: list[torch.Tensor]
+    """Per destination rank, the used elements it gets (views when all are used)."""
     on_done: Callable[[torch.Tensor], None]
+    whole: torch.Tensor | None = None
+    """The caller's padded gradient as one contiguous tensor, when all of it is used:
+    a bucket holding only this entry reduce-scatters it directly, without a copy."""
+
+    @property
+    def numel(self) -> int:
+        return sum(part.numel() for part in self.parts)
 
 
 class MaskedReducer:
@@ -163,20 +171,31 @@ class MaskedReducer:
         rows: Sequence[torch.Tensor],
         plan: MaskPlan,
         on_done: Callable[[torch.Tensor], None],
+        whole: torch.Tensor | None = None,
     ) -> None:
         """Queue one flat parameter's unsharded gradient, given as ``world_size`` rows of
         ``shard_numel`` elements (row ``r`` is what rank ``r`` owns, padding included);
-        ``on_done`` later receives this rank's sharded gradient."""
+        ``on_done`` later receives this rank's sharded gradient. ``whole`` may give the
+        same gradient as one contiguous padded tensor (the rows are then its views)."""
         if len(rows) != self.world_size or plan.layout.world_size != self.world_size:
             raise ValueError(
                 f"{len(rows)} rows and a plan for world size {plan.layout.world_size} given "
                 f"to a reducer of world size {self.world_size}"
             )
         index = self.index_of(plan, rows[0].device)
-        # One copy: the caller may free or reuse its gradient as soon as we return.
-        packed = torch.cat([index.pick(row, rank) for rank, row in enumerate(rows)])
-        self._entries.append(_Entry(plan, index, packed, on_done))
-        self._queued_numel += packed.numel()
+        if plan.all_used:
+            # Views, no copy. Holding them keeps the caller's gradient alive until the
+            # flush, which the bucket size bounds since every element is used; wrappers
+            # drop their reference to the unsharded gradient once handed over.
+            parts = [index.pick(row, rank) for rank, row in enumerate(rows)]
+        else:
+            # Pack now, so that the (larger) unsharded gradient can be freed at once.
+            packed = torch.cat([index.pick(row, rank) for rank, row in enumerate(rows)])
+            parts = list(packed.split(list(plan.counts)))
+            whole = None
+        entry = _Entry(plan, index, parts, on_done, whole)
+        self._entries.append(entry)
+        self._queued_numel += entry.numel
         if self._queued_numel >= self.bucket_numel:
             self.flush()
 
@@ -202,7 +221,7 @@ class MaskedReducer:
         packed = torch.cat([index.pick(grad, 0)])
         if predivide != 1.0:
             packed.div_(predivide)
-        self._replicated.append(_Entry(plan, index, packed, on_done))
+        self._replicated.append(_Entry(plan, index, [packed], on_done))
         self._queued_numel += packed.numel()
         if self._queued_numel >= self.bucket_numel:
             self.flush()
@@ -220,7 +239,7 @@ class MaskedReducer:
         world = self.world_size
         counts = [sum(e.plan.counts[r] for e in entries) for r in range(world)]
         if sum(counts) == 0:
-            mine = entries[0].packed.new_zeros(0)
+            mine = entries[0].parts[0].new_zeros(0)
         elif choose_strategy(counts, self.strategy) is Strategy.REDUCE_SCATTER:
             mine = self._reduce_scatter(entries, counts)
         else:
@@ -228,34 +247,35 @@ class MaskedReducer:
         offset = 0
         for entry in entries:
             count = entry.plan.counts[self.rank]
-            shard = entry.packed.new_zeros(entry.plan.layout.shard_numel)
+            shard = entry.parts[0].new_zeros(entry.plan.layout.shard_numel)
             entry.index.place(shard, mine[offset : offset + count], self.rank)
             offset += count
             entry.on_done(shard)
 
     def _all_reduce(self, entries: list[_Entry]) -> None:
-        buffer = torch.cat([entry.packed for entry in entries])
+        buffer = torch.cat([entry.parts[0] for entry in entries])
         if buffer.numel():
             self.ledger.record("all_reduce", buffer)
             dist.all_reduce(buffer, group=self.group)
         offset = 0
         for entry in entries:
-            count = entry.packed.numel()
+            count = entry.numel
             entry.on_done(buffer[offset : offset + count])
             offset += count
 
     def _parts(self, entries: list[_Entry], rank: int) -> list[torch.Tensor]:
-        parts = []
-        for entry in entries:
-            start = sum(entry.plan.counts[:rank])
-            parts.append(entry.packed[start : start + entry.plan.counts[rank]])
-        return parts
+        return [entry.parts[rank] for entry in entries]
 
     def _reduce_scatter(self, entries: list[_Entry], counts: list[int]) -> torch.Tensor:
         width = max(counts)
-        send = entries[0].packed.new_zeros(self.world_size, width)
-        for rank in range(self.world_size):
-            torch.cat(self._parts(entries, rank), out=send[rank, : counts[rank]])
+        whole = entries[0].whole
+        if len(entries) == 1 and whole is not None and whole.numel() == width * self.world_size:
+            # One fully used gradient, already laid out as the collective wants it.
+            send = whole.view(self.world_size, width)
+        else:
+            send = entries[0].parts[0].new_zeros(self.world_size, width)
+            for rank in range(self.world_size):
+                torch.cat(self._parts(entries, rank), out=send[rank, : counts[rank]])
         out = send.new_empty(width)
         self.ledger.record("reduce_scatter", send)
         reduce_scatter_single(out, send.view(-1), group=self.group)
