@@ -247,9 +247,14 @@ class MaskedReducer:
         offset = 0
         for entry in entries:
             count = entry.plan.counts[self.rank]
-            shard = entry.parts[0].new_zeros(entry.plan.layout.shard_numel)
-            entry.index.place(shard, mine[offset : offset + count], self.rank)
+            received = mine[offset : offset + count]
             offset += count
+            if entry.index.runs[self.rank] == ((0, entry.plan.layout.shard_numel),):
+                # This rank's whole shard was used: what arrived is the shard.
+                entry.on_done(received)
+                continue
+            shard = received.new_zeros(entry.plan.layout.shard_numel)
+            entry.index.place(shard, received, self.rank)
             entry.on_done(shard)
 
     def _all_reduce(self, entries: list[_Entry]) -> None:
@@ -273,9 +278,10 @@ class MaskedReducer:
             # One fully used gradient, already laid out as the collective wants it.
             send = whole.view(self.world_size, width)
         else:
-            send = entries[0].parts[0].new_zeros(self.world_size, width)
+            send = entries[0].parts[0].new_empty(self.world_size, width)
             for rank in range(self.world_size):
                 torch.cat(self._parts(entries, rank), out=send[rank, : counts[rank]])
+                send[rank, counts[rank] :].zero_()
         out = send.new_empty(width)
         self.ledger.record("reduce_scatter", send)
         reduce_scatter_single(out, send.view(-1), group=self.group)
