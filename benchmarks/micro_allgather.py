@@ -11,6 +11,7 @@ Run: python benchmarks/micro_allgather.py
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -32,6 +33,25 @@ def _time(fn: object) -> float:
         fn()  # type: ignore[operator]
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _masked_gather(
+    local: torch.Tensor,
+    full: torch.Tensor,
+    packed: torch.Tensor,
+    gathered: torch.Tensor,
+    mine: list[tuple[int, int]],
+    per_rank: list[list[tuple[int, int]]],
+    count: int,
+    width: int,
+) -> None:
+    torch.cat([local[a:b] for a, b in mine], out=packed[:count])
+    dist.all_gather_into_tensor(gathered, packed)
+    for r, runs in enumerate(per_rank):
+        offset = r * width
+        for a, b in runs:
+            full[a:b] = gathered[offset : offset + b - a]
+            offset += b - a
 
 
 def worker(rank: int, world: int, port: int) -> None:
@@ -61,15 +81,9 @@ def worker(rank: int, world: int, port: int) -> None:
         gathered = torch.empty(width * world)
         mine = [(a - rank * shard, b - rank * shard) for a, b in per_rank[rank]]
 
-        def masked() -> None:
-            torch.cat([local[a:b] for a, b in mine], out=packed[: counts[rank]])
-            dist.all_gather_into_tensor(gathered, packed)
-            for r in range(world):
-                offset = r * width
-                for a, b in per_rank[r]:
-                    full[a:b] = gathered[offset : offset + b - a]
-                    offset += b - a
-
+        masked = functools.partial(
+            _masked_gather, local, full, packed, gathered, mine, per_rank, counts[rank], width
+        )
         rows.append((fraction, width * world / NUMEL, _time(masked)))
     if rank == 0:
         print(f"plain all-gather of {NUMEL * 4 / 2**20:.1f} MiB: {plain * 1e3:.2f} ms")
