@@ -95,12 +95,38 @@ class ViewSet:
             for piece in self.pieces
         )
         self._bound_storage = local_shard.untyped_storage().data_ptr()
+        self._split = self._split_sizes()
         # The gradient tensors this set last handed to the views, and the sharded
         # gradient they were cut from: anything else found there later was put there by
         # someone else (an optimizer's zero_grad, or the user).
         self._exposed: list[torch.Tensor | None] = [None] * len(self.views)
         self._exposed_from: torch.Tensor | None = None
         self.placement = Placement.WRAPPER
+
+    def _split_sizes(self) -> list[int] | None:
+        """Sizes that ``Tensor.split`` turns into every piece, in order, and the padding
+        after them; ``None`` if pieces are not laid end to end (alignment gaps)."""
+        sizes, cursor = [], 0
+        for piece in self.pieces:
+            if piece.numel and piece.shard_offset != cursor:
+                return None
+            sizes.append(piece.numel)
+            cursor += piece.numel
+        sizes.append(self.layout.shard_numel - cursor)
+        return sizes
+
+    def _pieces_of(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every piece of a shard-shaped tensor: one ``split`` call when possible, since
+        this runs for every view after every backward."""
+        if self._split is None:
+            return [self._piece_of(tensor, piece) for piece in self.pieces]
+        chunks = tensor.split(self._split)
+        return [
+            chunk.view(self.layout.segments[piece.segment].shape)
+            if piece.kind is PieceKind.FULL
+            else chunk
+            for chunk, piece in zip(chunks, self.pieces, strict=False)
+        ]
 
     def _piece_of(self, tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
         start, end = piece.shard_interval
@@ -192,9 +218,11 @@ class ViewSet:
             self._exposed = [None] * len(self.views)
             self._exposed_from = None
             return
-        for index, (view, piece) in enumerate(zip(self.views, self.pieces, strict=True)):
+        for index, (view, grad) in enumerate(
+            zip(self.views, self._pieces_of(flat_grad), strict=True)
+        ):
             if used is None or used[index] or view.grad is not None:
-                view.grad = self._piece_of(flat_grad, piece)
+                view.grad = grad
             self._exposed[index] = view.grad
         self._exposed_from = flat_grad
 
