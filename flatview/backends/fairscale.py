@@ -121,6 +121,8 @@ class FairscaleAdapter(AdapterBase):
         cap = int(root.bucket_cap_mb * 2**20 // 4)
         self.bucket_numel = max(cap, 1)
         self._plain_plans: dict[int, MaskPlan] = {}
+        # Per unit, the masks of the masked gather its unsharded buffer holds, if any.
+        self._gathered: dict[int, tuple[tuple[int, tuple[bool, ...]], ...]] = {}
 
     @staticmethod
     def clean_name(name: str) -> str:
@@ -254,8 +256,17 @@ class FairscaleAdapter(AdapterBase):
                     plan = self.core.gather_plan(flat)
                     if plan is not None:
                         plans[id(flat)] = (flat, plan)
+            # fairscale reuses full parameters it still holds (no reshard after forward,
+            # no_sync); a masked gather left NaN where its step skipped, so a later gather
+            # that needs other segments must really gather.
+            held = self._gathered.get(id(unit))
+            wanted = tuple(sorted((key, plan.used) for key, (_, plan) in plans.items()))
+            if held is not None and held != wanted:
+                unit.has_full_params = False
             if not plans:
+                self._gathered.pop(id(unit), None)
                 return original(force_full_precision)
+            self._gathered[id(unit)] = wanted
             real = module.dist
             module.dist = _MaskedGatherDist(real, self.core, plans)
             try:
@@ -293,6 +304,7 @@ class FairscaleAdapter(AdapterBase):
         synced = bool(self.root._require_backward_grad_sync)
         for index, (name, unit) in enumerate(self.units):
             trainable = [p for p in unit.params if p.requires_grad]
+            self._reshard_unreached(unit, trainable, synced)
             if not trainable or unit.training_state is self._post:
                 continue
             if not self.core.unit_skipped(index):
@@ -319,6 +331,22 @@ class FairscaleAdapter(AdapterBase):
                 for p in pending:
                     unit._post_backward_hook(p)
             unit.training_state = self._post
+
+    @staticmethod
+    def _reshard_unreached(unit: Any, params: list[Any], synced: bool) -> None:
+        """A parameter no gradient reached (skipped, in a unit that ran) never got its
+        post-backward hook, which frees the full copy and points ``.data`` back at the
+        fp32 shard; fairscale's final callback does that for non-root units only. Do what
+        the hook would have done."""
+        for p in params:
+            shard = getattr(p, "_fp32_shard", None)
+            if shard is None or p.data.data_ptr() == shard.data_ptr():
+                continue
+            if synced or unit.reshard_after_forward:
+                unit._free_full_params([p])
+            if unit.mixed_precision:
+                unit._free_fp16_param_shard([p])
+            unit._use_fp32_param_shard([p])
 
     # -------------------------------------------------------------- reduction
 

@@ -66,6 +66,7 @@ from torch import nn
 
 from flatview.backends._common import AdapterBase, join, without_segments
 from flatview.backends.base import FlatSpec, UnitSpec
+from flatview.core import check_not_wrapped
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan, Segment
 from flatview.views import Owner
@@ -238,6 +239,8 @@ class TorchFSDPAdapter(AdapterBase):
                     f"FSDP unit {label!r} offloads parameters to CPU (CPUOffload("
                     "offload_params=True)); flatview's torch backend does not support that"
                 )
+            # flatview's own hook means flatview wrapped it already: say that instead.
+            check_not_wrapped([unit])
             if unit._comm_hook is not None:
                 raise WrapError(
                     f"FSDP unit {label!r} already has a communication hook; flatview reduces "
