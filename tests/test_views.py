@@ -137,9 +137,7 @@ BAD_WRAPS = {
 
 @pytest.mark.parametrize("case", sorted(BAD_WRAPS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_wrap_inputs(
-    dist_pool: PoolFactory, backend: BackendConfig, case: str
-) -> None:
+def test_bad_wrap_inputs(dist_pool: PoolFactory, backend: BackendConfig, case: str) -> None:
     fn, match = BAD_WRAPS[case]
     err = dist_pool(1).run_expecting_error(
         fn, backend.scenario(world_size=1), match=match[backend.backend], timeout=TIMEOUT
