@@ -374,17 +374,20 @@ class FlatView:
         """Whether every parameter of ``unit`` is skipped in the current iteration."""
         return self._iteration is not None and unit in self._iteration.skipped_units
 
-    def skipped_segments(self, flat: nn.Parameter) -> list[tuple[int, str]]:
-        """(segment, name) of the segments of ``flat`` skipped in the current iteration."""
+    def _skipping(self, flat: nn.Parameter) -> tuple[_Iteration, _Flat] | None:
+        """The iteration in flight and ``flat``'s record, if anything is skipped now."""
         iteration = self._iteration
         record = self._flat_of.get(id(flat))
-        if (
-            self.phase is not Phase.COMPUTING
-            or iteration is None
-            or record is None
-            or not iteration.skipped
-        ):
+        if self.phase is not Phase.COMPUTING or iteration is None or record is None:
+            return None
+        return (iteration, record) if iteration.skipped else None
+
+    def skipped_segments(self, flat: nn.Parameter) -> list[tuple[int, str]]:
+        """(segment, name) of the segments of ``flat`` skipped in the current iteration."""
+        found = self._skipping(flat)
+        if found is None:
             return []
+        iteration, record = found
         return [
             (segment, self._params[index].name)
             for segment, index in enumerate(record.params)
@@ -429,15 +432,10 @@ class FlatView:
     def gather_plan(self, flat: nn.Parameter) -> MaskPlan | None:
         """The mask for all-gathering ``flat`` in this iteration, or ``None`` to gather it
         whole (nothing skipped in it, or too little for masking to pay)."""
-        iteration = self._iteration
-        record = self._flat_of.get(id(flat))
-        if (
-            self.phase is not Phase.COMPUTING
-            or iteration is None
-            or record is None
-            or not iteration.skipped
-        ):
+        found = self._skipping(flat)
+        if found is None:
             return None
+        iteration, record = found
         read = iteration.read[record.index]
         if all(read):
             return None

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from flatview.views import Owner
+
 if TYPE_CHECKING:
     from flatview.core import FlatView
 
@@ -24,6 +26,33 @@ def without_segments(name: str, segments: Iterable[str]) -> str:
     """``name`` with the wrapper levels in ``segments`` dropped: an original name."""
     dropped = frozenset(segments)
     return ".".join(part for part in name.split(".") if part and part not in dropped)
+
+
+def owners_and_names(
+    unit_name: str,
+    params: Iterable[tuple[str, nn.Module, str]],
+    tied: Iterable[tuple[str, nn.Module, str, nn.Module, str]],
+    clean: Callable[[str], str],
+) -> tuple[tuple[tuple[Owner, ...], ...], tuple[tuple[str, ...], ...]]:
+    """Per original parameter of one flat parameter, every ``module.attr`` it is
+    registered at and its original names, primary first.
+
+    ``params`` lists ``(module_name, module, attr)`` per parameter in flat order; ``tied``
+    lists ``(module_name, module, attr, primary_module, primary_attr)`` for each extra
+    place a parameter is shown (names relative to the unit, in the wrapped tree).
+    """
+    owners: list[list[Owner]] = []
+    names: list[list[str]] = []
+    primary: dict[tuple[int, str], int] = {}
+    for module_name, module, attr in params:
+        primary[(id(module), attr)] = len(owners)
+        owners.append([Owner(module, attr)])
+        names.append([join(unit_name, clean(module_name), attr)])
+    for module_name, module, attr, primary_module, primary_attr in tied:
+        segment = primary[(id(primary_module), primary_attr)]
+        owners[segment].append(Owner(module, attr))
+        names[segment].append(join(unit_name, clean(module_name), attr))
+    return tuple(tuple(o) for o in owners), tuple(tuple(n) for n in names)
 
 
 class AdapterBase:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import AdapterBase, join, without_segments
+from flatview.backends._common import AdapterBase, join, owners_and_names, without_segments
 from flatview.backends.base import FlatSpec, UnitSpec
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan
@@ -159,18 +159,12 @@ class FairscaleAdapter(AdapterBase):
                 f"flat parameter {index} of unit {unit_name or '<root>'!r} holds "
                 f"{local.numel()} elements, but its layout says {layout.shard_numel} per rank"
             )
-        owners: list[list[Owner]] = []
-        names: list[list[str]] = []
-        primary: dict[tuple[int, str], int] = {}
-        for module_name, module, attr in flat._param_infos:
-            primary[(id(module), attr)] = len(owners)
-            owners.append([Owner(module, attr)])
-            names.append([join(unit_name, clean_name(module_name), attr)])
-        for module_name, _, module, attr, shared_module, shared_attr in flat._shared_param_infos:
-            segment = primary[(id(shared_module), shared_attr)]
-            owners[segment].append(Owner(module, attr))
-            names[segment].append(join(unit_name, clean_name(module_name), attr))
-        frozen_owners = tuple(tuple(o) for o in owners)
+        owners, names = owners_and_names(
+            unit_name,
+            flat._param_infos,
+            ((name, m, a, pm, pa) for name, _, m, a, pm, pa in flat._shared_param_infos),
+            clean_name,
+        )
 
         def local_shard() -> torch.Tensor:
             shard: torch.Tensor | None = getattr(flat, "_fp32_shard", None)
@@ -181,8 +175,8 @@ class FairscaleAdapter(AdapterBase):
             flat_owner=Owner(fpw, fpw.flat_param_names[index]),
             layout=layout,
             rank=self.rank if sharded else 0,
-            owners=frozen_owners,
-            names=tuple(tuple(n) for n in names),
+            owners=owners,
+            names=names,
             local_shard=local_shard,
         )
 

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import AdapterBase, join, without_segments
+from flatview.backends._common import AdapterBase, join, owners_and_names, without_segments
 from flatview.backends.base import FlatSpec, UnitSpec
 from flatview.core import check_not_wrapped
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
@@ -319,18 +319,12 @@ class TorchFSDPAdapter(AdapterBase):
                 f"{flat._local_shard.numel()} elements per rank, but its layout says "
                 f"{layout.shard_numel}"
             )
-        owners: list[list[Owner]] = []
-        names: list[list[str]] = []
-        primary: dict[tuple[int, str], int] = {}
-        for attr, module, module_name in flat._param_infos:
-            primary[(id(module), attr)] = len(owners)
-            owners.append([Owner(module, attr)])
-            names.append([join(unit_name, clean_name(module_name), attr)])
-        for attr, module, module_name, prim_attr, prim_module, _ in flat._shared_param_infos:
-            segment = primary[(id(prim_module), prim_attr)]
-            owners[segment].append(Owner(module, attr))
-            names[segment].append(join(unit_name, clean_name(module_name), attr))
-        frozen_owners = tuple(tuple(o) for o in owners)
+        owners, names = owners_and_names(
+            unit_name,
+            ((name, m, a) for a, m, name in flat._param_infos),
+            ((name, m, a, pm, pa) for a, m, name, pa, pm, _ in flat._shared_param_infos),
+            clean_name,
+        )
 
         def local_shard() -> torch.Tensor:
             shard: torch.Tensor = flat._local_shard
@@ -341,8 +335,8 @@ class TorchFSDPAdapter(AdapterBase):
             flat_owner=Owner(unit.module, _FLAT_PARAM),
             layout=layout,
             rank=self.rank if sharded else 0,
-            owners=frozen_owners,
-            names=tuple(tuple(n) for n in names),
+            owners=owners,
+            names=names,
             local_shard=local_shard,
             wrapper_views=tuple(flat._params) if handle._use_orig_params else None,
         )
