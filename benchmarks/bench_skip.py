@@ -257,6 +257,16 @@ def _fairscale_model(cfg: Config, per_block: bool, flatten: bool) -> nn.Module:
     return FSDP(net, flatten_parameters=flatten)
 
 
+def _torch_fsdp1_one_unit(cfg: Config, strategy: str) -> nn.Module:
+    """The whole model one unit: DDP-style replication (NO_SHARD) needs nothing finer."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return FSDP(
+        make_net(cfg), sharding_strategy=ShardingStrategy[strategy], device_id=torch.device("cpu")
+    )
+
+
 def _torch_fsdp1(cfg: Config, use_orig_params: bool, strategy: str) -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
@@ -306,6 +316,13 @@ def _with_flatview(model: nn.Module, cfg: Config, check: bool, strategy: str) ->
 def _flatview_fairscale(check: bool, strategy: str) -> Callable[[Config], Trainer]:
     def build(cfg: Config) -> Trainer:
         return _with_flatview(_fairscale_model(cfg, True, True), cfg, check, strategy)
+
+    return build
+
+
+def _flatview_torch_one_unit(check: bool) -> Callable[[Config], Trainer]:
+    def build(cfg: Config) -> Trainer:
+        return _with_flatview(_torch_fsdp1_one_unit(cfg, "NO_SHARD"), cfg, check, "auto")
 
     return build
 
@@ -394,6 +411,16 @@ APPROACHES: tuple[Approach, ...] = (
         "flatview_torch_no_shard",
         "flatview + torch FSDP1 per block, NO_SHARD",
         _flatview_torch("NO_SHARD"),
+    ),
+    Approach(
+        "flatview_torch_no_shard_one_unit",
+        "flatview + torch FSDP1 one unit, NO_SHARD (DDP-style), check on",
+        _flatview_torch_one_unit(True),
+    ),
+    Approach(
+        "flatview_torch_no_shard_one_unit_nocheck",
+        "flatview + torch FSDP1 one unit, NO_SHARD (DDP-style), check off",
+        _flatview_torch_one_unit(False),
     ),
     Approach(
         "flatview_torch_full_shard",
