@@ -29,9 +29,18 @@ def main() -> None:
     # Top row: the unsharded flat parameter with its segments and the padding.
     y = WORLD + 0.6
     for (name, _), segment, color in zip(PARAMS, layout.segments, COLORS, strict=True):
-        ax.add_patch(Rectangle((segment.offset * scale, y), segment.numel * scale, 0.6, color=color))
-        ax.text((segment.offset + segment.numel / 2) * scale, y + 0.3, name, ha="center",
-                va="center", fontsize=8, color="white")
+        ax.add_patch(
+            Rectangle((segment.offset * scale, y), segment.numel * scale, 0.6, color=color)
+        )
+        ax.text(
+            (segment.offset + segment.numel / 2) * scale,
+            y + 0.3,
+            name,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white",
+        )
     pad = layout.padded_numel - layout.numel
     ax.add_patch(Rectangle((layout.numel * scale, y), pad * scale, 0.6, fill=False, hatch="xx"))
     ax.text(-0.2, y + 0.3, "flat parameter", ha="right", va="center", fontsize=9)
@@ -46,8 +55,17 @@ def main() -> None:
                 kinds.append(f"{name}: empty")
                 continue
             x = (start + piece.shard_offset) * scale
-            ax.add_patch(Rectangle((x, y), piece.numel * scale, 0.6, facecolor=color,
-                                   hatch=HATCH[piece.kind], edgecolor="white", lw=0.5))
+            ax.add_patch(
+                Rectangle(
+                    (x, y),
+                    piece.numel * scale,
+                    0.6,
+                    facecolor=color,
+                    hatch=HATCH[piece.kind],
+                    edgecolor="white",
+                    lw=0.5,
+                )
+            )
             kinds.append(f"{name}: {piece.kind.value}")
         ax.text(-0.2, y + 0.3, f"rank {rank} shard", ha="right", va="center", fontsize=9)
         ax.text(10.2, y + 0.3, ", ".join(kinds), ha="left", va="center", fontsize=7)
