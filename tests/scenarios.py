@@ -256,6 +256,14 @@ ORIG_PARAMS_ACCUMULATION = (
 )
 
 
+def expect_known_bug(request: Any, scenario: Scenario) -> None:
+    """Mark the running test a strict xfail if ``scenario`` hits a known library bug, so
+    that it fails loudly once the bug is fixed."""
+    bug = known_bug(scenario)
+    if bug:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=bug))
+
+
 def known_bug(scenario: Scenario) -> str | None:
     """Why flatview is known to train ``scenario`` wrongly, or None. Each reason has a
     strict xfail test that reproduces it; the hypothesis test leaves such draws out so

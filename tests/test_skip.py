@@ -17,7 +17,7 @@ from tests.scenarios import (
     Scenario,
     assert_equivalent,
     backend_param,
-    known_bug,
+    expect_known_bug,
     make_net,
     run_distributed,
     run_reference,
@@ -159,9 +159,7 @@ def test_accumulation_after_a_mostly_skipped_micro_batch(
     """One unit for the whole model; the first micro-batch of each step skips every
     block (fairscale then gathers only the used segments), the second uses them all."""
     scenario = backend.scenario(SC, nested=False, skips=((0, 1, 2, 3), ()) * 2, accumulate=2)
-    bug = known_bug(scenario)
-    if bug:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=bug))
+    expect_known_bug(request, scenario)
     results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
     assert_equivalent(results, run_reference(scenario), scenario)
 

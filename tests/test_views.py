@@ -15,7 +15,7 @@ from tests.scenarios import (
     Scenario,
     assert_equivalent,
     backend_param,
-    known_bug,
+    expect_known_bug,
     make_net,
     run_distributed,
     run_reference,
@@ -160,8 +160,6 @@ def test_forward_without_backward_then_zero_grad(
     scenario = backend.scenario(
         skips=((), (0,), (), (1,), ()), set_to_none=set_to_none, evaluate=True
     )
-    bug = known_bug(scenario)
-    if bug:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=bug))
+    expect_known_bug(request, scenario)
     results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
     assert_equivalent(results, run_reference(scenario), scenario)
