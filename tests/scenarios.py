@@ -240,59 +240,13 @@ def optimizer_steps(scenario: Scenario) -> list[range]:
     return [range(i, i + k) for i in range(0, n, k)]
 
 
-STALE_UNSHARDED = (
-    "flatview bug: torch SHARD_GRAD_OP keeps a unit's unsharded parameters after a forward "
-    "that no backward follows; when the next step skips that unit, the stale copy stays, "
-    "the optimizer moves the shard (a zeroed gradient, not None, still moves it), and the "
-    "unit's next forward and state_dict use the stale copy"
-)
-ORIG_PARAMS_ACCUMULATION = (
-    "flatview bug: torch, use_orig_params=True (worst under NO_SHARD; also seen with "
-    "SHARD_GRAD_OP on 3 ranks), accumulation, with gradients zeroed to zeros or a "
-    "forward without backward between "
-    "steps: after a step that skipped a block of the root unit in every micro-batch, that "
-    "block's gradient in the next step is wrong in some elements (AdamW moves them by -lr "
-    "instead of +lr)"
-)
-
-
-def expect_known_bug(request: Any, scenario: Scenario) -> None:
-    """Mark the running test a strict xfail if ``scenario`` hits a known library bug, so
-    that it fails loudly once the bug is fixed."""
-    bug = known_bug(scenario)
-    if bug:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=bug))
-
-
-def known_bug(scenario: Scenario) -> str | None:
-    """Why flatview is known to train ``scenario`` wrongly, or None. Each reason has a
-    strict xfail test that reproduces it; the hypothesis test leaves such draws out so
-    that it keeps testing everything else (and stays deterministic in CI)."""
-    torch_backend = scenario.backend == "torch"
-    if (
-        torch_backend
-        and scenario.strategy == "SHARD_GRAD_OP"
-        and scenario.evaluate
-        and not scenario.set_to_none
-    ):
-        return STALE_UNSHARDED
-    if (
-        torch_backend
-        and scenario.options.get("use_orig_params")
-        and scenario.accumulate > 1
-        and (not scenario.set_to_none or scenario.evaluate)
-    ):
-        return ORIG_PARAMS_ACCUMULATION
-    return None
-
-
 @st.composite
 def scenarios(
     draw: st.DrawFn,
     world_sizes: Sequence[int] = (2, 3, 4, 1),
     configs: Sequence[BackendConfig] | None = None,
 ) -> Scenario:
-    """Random scenarios on a random backend configuration (some hit a :func:`known_bug`).
+    """Random scenarios on a random backend configuration.
     The first world size is the one hypothesis starts from and shrinks towards: one rank
     would shard nothing."""
     config = draw(st.sampled_from(configs or available_configs()))

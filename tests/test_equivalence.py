@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from hypothesis import assume, event, given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tests.scenarios import (
@@ -26,7 +26,6 @@ from tests.scenarios import (
     Scenario,
     assert_equivalent,
     backend_param,
-    known_bug,
     run_distributed,
     run_reference,
     scenarios,
@@ -55,9 +54,6 @@ def test_matches_single_process_reference(
     dist_pool: PoolFactory, backend: BackendConfig, data: st.DataObject
 ) -> None:
     scenario = data.draw(scenarios(configs=(backend,)), label="scenario")
-    # Known library bugs have strict xfail tests of their own; left out here so that a
-    # draw that hits one does not hide what else the draws would find.
-    assume(known_bug(scenario) is None)
     # Shown by --hypothesis-show-statistics: how the draws spread over world sizes.
     event(f"{scenario.world_size} rank(s)")
     check(dist_pool, scenario)

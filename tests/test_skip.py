@@ -17,7 +17,6 @@ from tests.scenarios import (
     Scenario,
     assert_equivalent,
     backend_param,
-    expect_known_bug,
     make_net,
     run_distributed,
     run_reference,
@@ -154,12 +153,11 @@ def test_accumulation_with_different_skip_sets(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_accumulation_after_a_mostly_skipped_micro_batch(
-    dist_pool: PoolFactory, request: pytest.FixtureRequest, backend: BackendConfig
+    dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
     """One unit for the whole model; the first micro-batch of each step skips every
     block (fairscale then gathers only the used segments), the second uses them all."""
     scenario = backend.scenario(SC, nested=False, skips=((0, 1, 2, 3), ()) * 2, accumulate=2)
-    expect_known_bug(request, scenario)
     results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
     assert_equivalent(results, run_reference(scenario), scenario)
 

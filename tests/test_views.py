@@ -15,7 +15,6 @@ from tests.scenarios import (
     Scenario,
     assert_equivalent,
     backend_param,
-    expect_known_bug,
     make_net,
     run_distributed,
     run_reference,
@@ -148,10 +147,7 @@ def test_bad_wrap_inputs(dist_pool: PoolFactory, backend: BackendConfig, case: s
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_without_backward_then_zero_grad(
-    dist_pool: PoolFactory,
-    request: pytest.FixtureRequest,
-    backend: BackendConfig,
-    set_to_none: bool,
+    dist_pool: PoolFactory, backend: BackendConfig, set_to_none: bool
 ) -> None:
     """After each step a validation loss computed with autograd on (a forward whose graph
     is dropped), zero_grad, and a forward under no_grad inside a step: no stale gradient
@@ -160,6 +156,5 @@ def test_forward_without_backward_then_zero_grad(
     scenario = backend.scenario(
         skips=((), (0,), (), (1,), ()), set_to_none=set_to_none, evaluate=True
     )
-    expect_known_bug(request, scenario)
     results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
     assert_equivalent(results, run_reference(scenario), scenario)

@@ -45,6 +45,14 @@ torch, which is why :class:`TorchFSDPAdapter` refuses untested versions):
   attribute, and ends with ``handle.post_reshard()`` after the flat parameter is
   registered again: views step aside between the two.
 
+* Two of torch's assumptions break once units or parameters sit out a step, and the
+  adapter makes up for both: ``SHARD_GRAD_OP`` frees a unit's unsharded flat parameter
+  only in that unit's post-backward (a skipped unit kept it from an earlier forward,
+  stale after the next optimizer step: :meth:`TorchFSDPAdapter._holds_stale_unsharded`),
+  and with ``use_orig_params=True`` the ``flat._is_grad_none_mask`` marks are cleared
+  only in a synchronising backward (a parameter handed ``None`` would lose what
+  ``no_sync()`` accumulated for it: :meth:`TorchFSDPAdapter._unmark_accumulated_grads`).
+
 Everything this adapter changes is an instance attribute, a hook or a unit's
 communication hook, removed by :meth:`TorchFSDPAdapter.uninstall`.
 
@@ -537,11 +545,33 @@ class TorchFSDPAdapter(AdapterBase):
                 unit.training_state = self._forward_backward
                 handle._training_state = self._backward_pre
                 self._runtime._post_backward_hook(unit, handle, flat)
+            elif self._holds_stale_unsharded(unit, handle):
+                self._runtime._reshard(unit, handle, True)
+
+    def _holds_stale_unsharded(self, unit: Any, handle: Any) -> bool:
+        """Whether a unit that took no part in this backward still holds an unsharded
+        flat parameter that torch would have freed in its post-backward.
+
+        After a forward that no backward followed (an evaluation with autograd on),
+        ``SHARD_GRAD_OP`` keeps the unsharded storage and points the flat parameter back
+        at its shard, so torch's catch-all reshard takes the unit for resharded and
+        keeps the storage. The optimizer then moves the shard, and the unit's next
+        forward (or a full ``state_dict``) reuses the storage instead of gathering:
+        stale parameters. A unit that runs in every backward never gets there; one
+        that a skip set leaves out does.
+        """
+        return (
+            handle.uses_sharded_strategy
+            and not handle.needs_unshard()
+            and bool(self._runtime._should_free_in_backward(unit, handle))
+        )
 
     def _end_backward(self) -> None:
         synced = bool(self.root._sync_gradients)
         if synced:
             self._restore_none_grads()
+        else:
+            self._unmark_accumulated_grads()
         self.core.end_backward(synced=synced)
         self._accumulating = not synced
         undeclared, self._undeclared = self._undeclared, []
@@ -557,6 +587,27 @@ class TorchFSDPAdapter(AdapterBase):
             handle = unit._handle
             if handle is not None and handle._use_orig_params:
                 yield handle.flat_param
+
+    def _unmark_accumulated_grads(self) -> None:
+        """After a ``no_sync()`` backward, clear torch's "gradient is None" mark of the
+        original parameters used since the window opened.
+
+        With ``use_orig_params=True`` torch marks a parameter whose ``.grad`` it finds
+        ``None`` while the flat gradient exists (which :meth:`_restore_none_grads`, or
+        per-submodule optimizers zeroing differently, leave behind), and clears the mark
+        only in a synchronising backward. Until then every reshard hands the parameter
+        ``None`` again and the next unshard zeroes its part of the flat gradient: what
+        the earlier micro-batches accumulated for it would be lost. A parameter used in
+        the window received a gradient, so it is unmarked, as torch's own post-backward
+        does for every parameter it reduces.
+        """
+        for flat in self._wrapper_flats():
+            plan = self.core.reduction_plan(flat)
+            if plan is None:
+                continue
+            for index, used in enumerate(plan.used):
+                if used:
+                    flat._is_grad_none_mask[index] = False
 
     @torch.no_grad()
     def _restore_none_grads(self) -> None:
