@@ -16,6 +16,8 @@ from flatview.core import FlatView, Phase
 from flatview.errors import (
     DoubleCountError,
     FlatViewError,
+    NormError,
+    OptimStateError,
     SkippedParameterUsedError,
     SkipSetError,
     SkipSetMismatchError,
@@ -29,6 +31,8 @@ __all__ = [
     "DoubleCountError",
     "FlatView",
     "FlatViewError",
+    "NormError",
+    "OptimStateError",
     "Phase",
     "SkipSetError",
     "SkipSetMismatchError",

@@ -35,13 +35,15 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from flatview import norms as _norms
+from flatview import optim_state
 from flatview.backends.base import Adapter, FlatSpec, UnitSpec
 from flatview.comm.agreement import check_agreement, fingerprint
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
 from flatview.comm.reduce import MaskedReducer, Strategy
 from flatview.errors import DoubleCountError, SkippedParameterUsedError, StateError, WrapError
-from flatview.layout import MaskPlan
+from flatview.layout import MaskPlan, Placement
 from flatview.skip import SkipResolver, SkipSet
 from flatview.stats import StepStats
 from flatview.views import ViewSet, WrapperViews
@@ -66,6 +68,8 @@ class _Param:
     unit: int
     flat: int | None
     segment: int | None
+    placement: Placement
+    """Where its elements live across ranks (what whole-parameter operations need)."""
 
     @property
     def name(self) -> str:
@@ -204,22 +208,46 @@ class FlatView:
                         spec.owners,
                     )
                 indices = []
+                sharded = spec.layout if spec.layout.world_size > 1 else None
                 for segment, (view, names) in enumerate(zip(views.views, spec.names, strict=True)):
+                    shape = spec.layout.segments[segment].shape
+                    placement = Placement(names[0], shape, sharded, segment, spec.rank)
                     indices.append(len(self._params))
                     self._params.append(
                         _Param(
-                            len(self._params), names, view, unit_index, len(self._flats), segment
+                            len(self._params),
+                            names,
+                            view,
+                            unit_index,
+                            len(self._flats),
+                            segment,
+                            placement,
                         )
                     )
                 flat = _Flat(len(self._flats), unit_index, spec, views, tuple(indices))
                 self._flats.append(flat)
                 self._flat_of[id(spec.flat)] = flat
-            for name, param in unit.plain:
-                if id(param) in seen:
+            for plain in unit.plain:
+                if id(plain.param) in seen:
                     continue
-                seen[id(param)] = len(self._params)
+                seen[id(plain.param)] = len(self._params)
+                placement = Placement(
+                    plain.name,
+                    plain.shape,
+                    plain.layout,
+                    rank=plain.rank,
+                    whole_shard=plain.layout is not None,
+                )
                 self._params.append(
-                    _Param(len(self._params), (name,), param, unit_index, None, None)
+                    _Param(
+                        len(self._params),
+                        (plain.name,),
+                        plain.param,
+                        unit_index,
+                        None,
+                        None,
+                        placement,
+                    )
                 )
 
     def _build_resolver(self) -> SkipResolver:
@@ -258,6 +286,96 @@ class FlatView:
         """Every original parameter once (see :meth:`named_parameters`)."""
         for _, tensor in self.named_parameters():
             yield tensor
+
+    def param_norms(
+        self, params: _norms.ParamSelection = None, *, norm_type: float = 2.0
+    ) -> dict[str, torch.Tensor]:
+        """The norm of each whole original parameter, computed from every rank's piece.
+
+        ``view.norm()`` on a partial view is the norm of this rank's piece; this is the
+        norm of the parameter, what LARC, LAMB or weight-norm logging need. Each rank
+        takes the norm of its piece and one all-reduce (a sum of ``|x|**p``, or a
+        maximum for ``inf``) combines those of all requested parameters.
+
+        A collective: every rank must call it with the same arguments, between
+        iterations. Arguments that are not this model's parameters, or an unsupported
+        ``norm_type``, raise before the collective; ranks that pass different
+        ``params`` or ``norm_type`` all raise after it, naming the parameters.
+
+        Args:
+            params: views or parameters of this model, or their names (as in
+                :meth:`named_parameters`; e.g. an optimizer's ``group["params"]``);
+                ``None`` for every original parameter.
+            norm_type: ``p`` of the p-norm (any positive number), or ``inf``.
+
+        Returns:
+            ``{name: norm}`` in model order, under the names of :meth:`named_parameters`;
+            each norm a 0-dim tensor on the wrapper's device, float32 (float64 for
+            float64 parameters), the same on every rank.
+
+        Raises:
+            flatview.NormError: ``params`` holds something that is not an original
+                parameter of the model (a flat parameter, a gradient, an unknown name),
+                ``norm_type`` is not positive, or ranks disagree on the arguments.
+            StateError: called while the model computes or inside a wrapper operation.
+        """
+        return _norms.param_norms(self, params, norm_type)
+
+    def grad_norms(
+        self, params: _norms.ParamSelection = None, *, norm_type: float = 2.0
+    ) -> dict[str, torch.Tensor | None]:
+        """The norm of each whole original parameter's gradient, from every rank's piece:
+        for per-parameter gradient clipping, LARC and LAMB trust ratios.
+
+        Like :meth:`param_norms` (one all-reduce, a collective with the same arguments
+        on every rank), over ``.grad``. A parameter without a gradient (skipped in this
+        step, frozen, or zeroed with ``set_to_none=True``) gets ``None``, on every
+        rank: skip sets agree across ranks. A rank that holds no element of a parameter
+        counts as holding zeros, whether its ``grad`` is an empty tensor (flatview's
+        empty views) or ``None`` (torch's views with ``use_orig_params=True``).
+
+        Args:
+            params: as for :meth:`param_norms`.
+            norm_type: as for :meth:`param_norms`.
+
+        Returns:
+            ``{name: norm or None}`` in model order.
+
+        Raises:
+            flatview.NormError: as for :meth:`param_norms`.
+            StateError: as for :meth:`param_norms`, and inside a ``no_sync()`` window,
+                where gradients are not reduced yet.
+        """
+        return _norms.grad_norms(self, params, norm_type)
+
+    def tensor_norms(
+        self,
+        tensors: _norms.TensorsByParam,
+        *,
+        norm_type: float = 2.0,
+    ) -> dict[str, torch.Tensor | None]:
+        """The norm of whole tensors laid out like original parameters, from the pieces
+        laid out like this rank's views: optimizer state (``exp_avg``) or an update,
+        as LAMB's trust ratio ``||w|| / ||update||`` needs.
+
+        Like :meth:`param_norms` (one all-reduce, a collective with the same keys on
+        every rank).
+
+        Args:
+            tensors: ``{parameter or name: tensor}``, each tensor with as many elements as
+                the view on this rank (e.g. ``optimizer.state[view]["exp_avg"]``), or
+                ``None`` where this rank has none (its elements count as zeros).
+            norm_type: as for :meth:`param_norms`.
+
+        Returns:
+            ``{name: norm}`` in model order; ``None`` where no rank gave a tensor.
+
+        Raises:
+            flatview.NormError: as for :meth:`param_norms`; also when on some rank
+                a tensor has neither the view's number of elements nor the parameter's.
+            StateError: as for :meth:`param_norms`.
+        """
+        return _norms.tensor_norms(self, tensors, norm_type)
 
     def resolve(self, skip: SkipSet) -> list[str]:
         """The original names of the parameters a skip set stands for, in model order."""
@@ -582,6 +700,82 @@ class FlatView:
             f"FlatView(backend={self.adapter.backend}, units={len(self._units)}, "
             f"params={len(self._params)}, rank={self.adapter.rank}/{self.adapter.world_size}, "
             f"phase={self.phase.name})"
+        )
+
+    # --------------------------------------------------------- optimizer state
+
+    def optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
+    ) -> dict[str, Any]:
+        """The consolidated state of an optimizer built over this model's views, keyed by
+        original parameter name: the same at any world size, on any backend.
+
+        Shaped like ``optimizer.state_dict()``, with names where that has numbers::
+
+            {"state": {name: {key: value}}, "param_groups": [{..., "params": [name, ...]}]}
+
+        Names are those of :meth:`named_parameters`. Per-element state (``exp_avg``,
+        ``momentum_buffer``, ...) comes back as one tensor of the original parameter's
+        shape, assembled from every rank's piece; other state (``step``, python
+        numbers) as it is, after checking that every rank holding it agrees. Tensors
+        are fresh CPU copies: the dict is a snapshot. The optimizer may hold any subset
+        of the model's parameters (per-submodule optimizers: call this once per
+        optimizer), including parameters FSDP does not flatten.
+
+        A collective: every rank must call it, with its counterpart of the same
+        optimizer, between iterations. It all-gathers a small description of each
+        rank's state, then the per-element state of sharded parameters, packed, one
+        collective per bucket and dtype. Nothing is communicated when every rank holds
+        every parameter (torch ``NO_SHARD``, one rank).
+
+        Args:
+            optimizer: an optimizer over views and other parameters of this model
+                (:meth:`parameters`, ``submodule.parameters()``).
+            rank0_only: assemble the full tensors on rank 0 only (the others join the
+                collectives and receive nothing); other ranks get the same
+                ``param_groups`` and an empty ``state``.
+
+        Returns:
+            The consolidated state dict, for :meth:`load_optim_state_dict`.
+
+        Raises:
+            flatview.OptimStateError: the optimizer holds a tensor that is
+                not one of this model's parameters (a flat parameter, say), or state
+                that cannot be cut into pieces (neither per-element nor scalar). Both
+                are raised before any collective. Ranks that hold different parameters
+                or state, or disagree on a scalar such as ``step``, make every rank
+                raise after the description exchange, before any state tensor moves.
+        """
+        return optim_state.consolidate(
+            self._params, self._flats, self._units, self.adapter, optimizer, rank0_only=rank0_only
+        )
+
+    def load_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> None:
+        """Load a state from :meth:`optim_state_dict` into an optimizer over this model's
+        views: each rank takes its piece of every per-element tensor, then calls
+        ``optimizer.load_state_dict``.
+
+        The state may come from any world size and any backend or sharding strategy;
+        training resumes exactly where it was saved. Parameters are matched by name
+        within each parameter group (hyperparameters come from the state dict, as with
+        ``optimizer.load_state_dict``). Every rank needs the full dict (load the same
+        file everywhere); nothing is communicated.
+
+        Args:
+            optimizer: an optimizer built like the saved one, over this model's views.
+            state_dict: the consolidated state.
+
+        Raises:
+            flatview.OptimStateError: the optimizer holds a tensor that is
+                not one of this model's parameters; the dict names parameters this model
+                does not have, lacks ones the optimizer holds, or has a different number
+                of parameter groups; or a per-element tensor does not have its
+                parameter's shape. Nothing is loaded then.
+        """
+        optim_state.load(
+            self._params, self._flats, self._units, self.adapter, optimizer, state_dict
         )
 
 

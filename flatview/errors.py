@@ -33,3 +33,12 @@ class DoubleCountError(FlatViewError):
 
 class StateError(FlatViewError):
     """An operation was called in a phase where it cannot run (e.g. nested steps)."""
+
+
+class NormError(FlatViewError, ValueError):
+    """A per-parameter norm was asked of something that is not an original parameter of
+    the model, with an unsupported norm type, or differently on different ranks."""
+
+
+class OptimStateError(FlatViewError, ValueError):
+    """An optimizer, or an optimizer state dict, does not fit the wrapped model."""

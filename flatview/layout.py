@@ -147,6 +147,65 @@ class FlatLayout:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the elements of one original parameter live across ranks, and where this
+    rank's elements are in the tensor it holds for the parameter (its *local tensor*:
+    a view, a parameter, or optimizer state shaped like either).
+
+    Three cases: every rank holds all of it (``layout`` is ``None``: replicated flat
+    parameters, one rank, parameters the wrapper does not manage); the local tensor is
+    this rank's piece of a segment of ``layout`` (views); or the local tensor is the
+    whole padded shard of a one-segment layout (``whole_shard``: parameters a wrapper
+    shards one by one without flattening, fairscale's ``flatten_parameters=False``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    layout: FlatLayout | None = None
+    segment: int = 0
+    rank: int = 0
+    """This rank, in the layout's ranks."""
+    whole_shard: bool = False
+
+    def __post_init__(self) -> None:
+        if self.whole_shard and (self.layout is None or len(self.layout.segments) != 1):
+            raise ValueError(f"{self.name}: a whole-shard placement needs a one-segment layout")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def sharded(self) -> bool:
+        """Other ranks hold other elements."""
+        return self.layout is not None
+
+    def piece(self, rank: int) -> Piece:
+        """The part of the parameter that ``rank`` holds."""
+        if self.layout is None:
+            return Piece(self.segment, PieceKind.FULL, 0, 0, self.numel)
+        return self.layout.piece(self.segment, rank)
+
+    @property
+    def local_numel(self) -> int:
+        """Elements of this rank's local tensor."""
+        if self.layout is not None and self.whole_shard:
+            return self.layout.shard_numel
+        return self.piece(self.rank).numel
+
+    @property
+    def local_interval(self) -> Interval:
+        """Where this rank's elements of the parameter lie in its flattened local tensor."""
+        piece = self.piece(self.rank)
+        return piece.shard_interval if self.whole_shard else (0, piece.numel)
+
+    @property
+    def param_interval(self) -> Interval:
+        """Where this rank's elements lie in the flattened original parameter."""
+        return self.piece(self.rank).param_interval
+
+
 def merge_intervals(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
     """Sort, drop empty intervals and merge touching or overlapping ones."""
     merged: list[Interval] = []

@@ -46,6 +46,22 @@ class FlatSpec:
 
 
 @dataclass(frozen=True)
+class PlainSpec:
+    """A parameter a unit manages without flattening it."""
+
+    name: str
+    """Its original name."""
+    param: nn.Parameter
+    shape: tuple[int, ...]
+    """The original shape (the parameter itself may hold a shard of it)."""
+    layout: FlatLayout | None = None
+    """Set when the wrapper shards the parameter on its own (fairscale's
+    ``flatten_parameters=False``): a one-segment layout, of which the parameter holds
+    rank ``rank``'s whole padded shard. ``None``: every rank holds all of it."""
+    rank: int = 0
+
+
+@dataclass(frozen=True)
 class UnitSpec:
     """One FSDP unit: a wrapper module and the parameters it manages directly."""
 
@@ -53,8 +69,8 @@ class UnitSpec:
     """The original name of the wrapped module (``""`` for the root)."""
     module: nn.Module
     flats: tuple[FlatSpec, ...]
-    plain: tuple[tuple[str, nn.Parameter], ...]
-    """Parameters the unit manages without flattening, by original name."""
+    plain: tuple[PlainSpec, ...]
+    """Parameters the unit manages without flattening."""
     is_root: bool
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatview.backends._common import AdapterBase, join, owners_and_names, without_segments
-from flatview.backends.base import FlatSpec, UnitSpec
+from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan
 from flatview.views import Owner
@@ -141,11 +141,20 @@ class FairscaleAdapter(AdapterBase):
             plain_params = unit.params[unit._num_flatten_params :]
             plain_names = unit._param_name_groups[unit._num_flatten_params :]
             plain = tuple(
-                (join(unit_name, clean_name(names[0])), p)
+                self._describe_plain(join(unit_name, clean_name(names[0])), p)
                 for names, p in zip(plain_names, plain_params, strict=True)
             )
             specs.append(UnitSpec(unit_name, unit, flats, plain, unit is self.root))
         return specs
+
+    def _describe_plain(self, name: str, param: nn.Parameter) -> PlainSpec:
+        # fairscale shards a parameter it does not flatten on its own (``_is_sharded``,
+        # original size ``_orig_size``), split and padded like a one-segment flat.
+        size: torch.Size | None = getattr(param, "_orig_size", None)
+        if size is None or not getattr(param, "_is_sharded", False) or self.world_size == 1:
+            return PlainSpec(name, param, tuple(param.shape))
+        shape = tuple(int(d) for d in size)
+        return PlainSpec(name, param, shape, FlatLayout.packed([shape], self.world_size), self.rank)
 
     def _describe_flat(
         self, unit_name: str, unit: Any, fpw: Any, index: int, flat: Any

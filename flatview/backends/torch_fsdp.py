@@ -73,7 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatview.backends._common import AdapterBase, join, owners_and_names, without_segments
-from flatview.backends.base import FlatSpec, UnitSpec
+from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
 from flatview.core import check_not_wrapped
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan, Segment
@@ -349,7 +349,7 @@ class TorchFSDPAdapter(AdapterBase):
             wrapper_views=tuple(flat._params) if handle._use_orig_params else None,
         )
 
-    def _plain_params(self, unit_name: str, unit: Any) -> tuple[tuple[str, nn.Parameter], ...]:
+    def _plain_params(self, unit_name: str, unit: Any) -> tuple[PlainSpec, ...]:
         """Parameters under ``unit`` (not under a nested unit) that FSDP did not flatten:
         those it was told to ignore."""
         handle = unit._handle
@@ -365,7 +365,8 @@ class TorchFSDPAdapter(AdapterBase):
                 if param is None or id(param) in managed:
                     continue
                 managed.add(id(param))
-                plain.append((join(unit_name, clean_name(module_name), attr), param))
+                name = join(unit_name, clean_name(module_name), attr)
+                plain.append(PlainSpec(name, param, tuple(param.shape)))
         return tuple(plain)
 
     def _own_modules(self, unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -1,0 +1,124 @@
+"""The one collective of a per-parameter norm call, which also checks that ranks agree.
+
+A call of :meth:`flatview.FlatView.param_norms` (or its siblings) all-reduces one float64
+tensor, :class:`NormExchange`, whose length depends only on the number of original
+parameters of the model, so ranks that pass different arguments still meet in a
+collective of the same shape and cannot hang. Its parts:
+
+``header`` (2 slots)
+    A 16-bit code of what the call computes (norm type, which tensors), laid out so that
+    the reduced values tell whether every rank sent the same code: ``(c, c * c)`` under a
+    sum (equal sums of ``c`` and ``c * c`` force every ``c`` to be equal), ``(c, -c)``
+    under a maximum (the largest ``c`` is also the smallest).
+``flags`` (5 slots per parameter)
+    Requested by this rank, not requested, bad (a tensor that does not fit the view),
+    and, per column, present (this rank has the tensor: a gradient may be ``None``).
+    Under a sum or a maximum alike, a flag reduced to more than zero was set on some
+    rank, so "requested on some ranks and not requested on others" shows as both set.
+``values`` (one slot per parameter and column)
+    This rank's share of the norm: the sum of ``|x|**p`` over its elements, or their
+    largest ``|x|`` for the infinity norm (then the reduction is a maximum).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flatview.comm.ledger import Ledger
+
+COLUMNS = 2
+"""Tensors per parameter one call can take norms of (e.g. the parameter and its
+gradient); every call sends this many, so all calls have the same shape."""
+FLAGS = 3 + COLUMNS
+_REQUESTED, _NOT_REQUESTED, _BAD, _PRESENT = 0, 1, 2, 3
+_HEADER = 2
+
+
+def request_code(description: str) -> int:
+    """A code in ``[1, 2**16]`` for what a call computes, equal on every process. Its
+    square summed over a million ranks stays exact in float64."""
+    digest = hashlib.blake2b(description.encode(), digest_size=2).digest()
+    return 1 + int.from_bytes(digest, "little")
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the reduced flags say about the ranks' arguments."""
+
+    same_request: bool
+    """Every rank sent the same request code."""
+    disputed: tuple[int, ...]
+    """Parameters some ranks asked for and others did not."""
+    bad: tuple[int, ...]
+    """Parameters for which some rank gave a tensor that does not fit its view."""
+
+
+class NormExchange:
+    """Builds, reduces and reads the tensor of one norm call over ``params`` parameters."""
+
+    def __init__(self, params: int, code: int, maximum: bool) -> None:
+        self.params = params
+        self.code = code
+        self.maximum = maximum
+        self.flags = torch.zeros(params, FLAGS, dtype=torch.float64)
+        self.flags[:, _NOT_REQUESTED] = 1.0
+        self.reduced_flags: torch.Tensor | None = None
+
+    def request(self, index: int) -> None:
+        self.flags[index, _REQUESTED] = 1.0
+        self.flags[index, _NOT_REQUESTED] = 0.0
+
+    def mark_bad(self, index: int) -> None:
+        self.flags[index, _BAD] = 1.0
+
+    def mark_present(self, index: int, column: int) -> None:
+        self.flags[index, _PRESENT + column] = 1.0
+
+    def all_reduce(
+        self,
+        values: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        ledger: Ledger,
+    ) -> torch.Tensor:
+        """Reduce this rank's flags and ``values`` (``params x COLUMNS`` shares, on
+        ``device``) over ``group`` with one all-reduce; return the reduced values."""
+        c = float(self.code)
+        header = torch.tensor([c, -c if self.maximum else c * c], dtype=torch.float64)
+        host = torch.cat([header, self.flags.reshape(-1)])
+        buffer = torch.cat([host.to(device), values.reshape(-1).to(torch.float64)])
+        op = dist.ReduceOp.MAX if self.maximum else dist.ReduceOp.SUM
+        ledger.record("norms", buffer)
+        dist.all_reduce(buffer, op=op, group=group)
+        reduced_host = buffer[: host.numel()].cpu()
+        self._header = reduced_host[:_HEADER]
+        self.reduced_flags = reduced_host[_HEADER:].view(self.params, FLAGS)
+        self._world = dist.get_world_size(group)
+        return buffer[host.numel() :].view(self.params, COLUMNS)
+
+    def agreement(self) -> Agreement:
+        """Read the reduced flags (after :meth:`all_reduce`); the same on every rank."""
+        flags = self.reduced_flags
+        assert flags is not None, "agreement() before all_reduce()"
+        first, second = (float(v) for v in self._header)
+        c = float(self.code)
+        if self.maximum:
+            same = first == c and second == -c
+        else:
+            same = first == self._world * c and second == self._world * c * c
+        set_ = flags > 0.5
+        disputed = (set_[:, _REQUESTED] & set_[:, _NOT_REQUESTED]).nonzero().flatten()
+        bad = set_[:, _BAD].nonzero().flatten()
+        return Agreement(same, tuple(disputed.tolist()), tuple(bad.tolist()))
+
+    def present(self) -> list[list[bool]]:
+        """Per parameter and column, whether any rank had the tensor (after
+        :meth:`all_reduce`)."""
+        flags = self.reduced_flags
+        assert flags is not None, "present() before all_reduce()"
+        found: list[list[bool]] = (flags[:, _PRESENT:] > 0.5).tolist()
+        return found

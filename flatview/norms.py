@@ -1,0 +1,359 @@
+"""Norms of whole original parameters, computed from the pieces each rank holds.
+
+A partial view holds only this rank's elements of a parameter, so ``view.norm()`` is the
+norm of a piece. The p-norm of the whole parameter is ``(sum over ranks of
+sum |x|**p)**(1/p)`` and its infinity norm the largest ``|x|`` over ranks: each rank
+computes its share from its piece, and one all-reduce combines the shares of every
+requested parameter at once (:mod:`flatview.comm.norms`). This is what LARC, LAMB and
+per-parameter gradient clipping need (see the recipes).
+
+Where the elements are
+----------------------
+Each original parameter has a :class:`~flatview.layout.Placement`:
+
+* a view of a sharded flat parameter (flatview's own views, and torch's views with
+  ``use_orig_params=True``): this rank holds one piece, possibly empty;
+* a parameter fairscale does not flatten (``flatten_parameters=False``), which
+  fairscale shards on its own: this rank holds its padded shard, of which the part
+  before the padding is the piece;
+* replicated (torch ``NO_SHARD``, one rank, parameters FSDP does not manage): this rank
+  holds all of it and its norm needs no reduction. It still takes part in the one
+  collective, so every call has the same shape.
+
+Agreement
+---------
+Every call is a collective. Errors that the arguments alone decide (a name or tensor
+that is not an original parameter of the model, an unsupported norm type, a call while
+the model computes) are raised before the collective, on every rank alike. The
+collective itself checks that all ranks asked for the same parameters and the same
+norm: a disagreement raises :class:`NormError` on every rank, naming the parameters,
+instead of hanging or returning norms of different things.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias
+
+import torch
+from torch import nn
+
+from flatview.comm.norms import COLUMNS, NormExchange, request_code
+from flatview.errors import NormError, StateError
+from flatview.layout import Placement
+
+if TYPE_CHECKING:
+    from flatview.core import FlatView
+
+ParamSelection: TypeAlias = torch.Tensor | str | Iterable[torch.Tensor | str] | None
+"""Original parameters: views or parameters of the model, or their names (e.g. an
+optimizer's ``group["params"]``); ``None`` for all of them."""
+
+TensorsByParam: TypeAlias = Mapping[torch.Tensor | str, torch.Tensor | None]
+"""Per original parameter (a view, parameter or name), a tensor laid out like its view."""
+
+Column: TypeAlias = Callable[[nn.Parameter], torch.Tensor | None]
+"""Which tensor of a parameter a norm is taken of, given the view (or parameter)."""
+
+
+# ----------------------------------------------------------------------- placements
+
+
+def local_elements(placement: Placement, tensor: torch.Tensor) -> torch.Tensor | None:
+    """This rank's elements of the parameter in ``tensor`` (laid out like its local
+    tensor, or, on a sharded parameter, like the whole parameter), 1-D; ``None`` if
+    ``tensor`` has neither size."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == placement.local_numel:
+        start, end = placement.local_interval
+    elif placement.sharded and flat.numel() == placement.numel:
+        # torch's own views can show the unsharded parameter for a while.
+        start, end = placement.param_interval
+    else:
+        return None
+    return flat[start:end]
+
+
+# ----------------------------------------------------------------------- arguments
+
+
+def check_norm_type(norm_type: object) -> float:
+    """``norm_type`` as a float: a positive finite number or ``inf``."""
+    try:
+        p = float(norm_type)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise NormError(f"norm_type must be a positive number or inf, got {norm_type!r}") from None
+    if math.isnan(p) or p <= 0:
+        raise NormError(f"norm_type must be a positive number or inf, got {norm_type!r}")
+    return p
+
+
+def select(fv: FlatView, params: ParamSelection) -> list[int]:
+    """Indices of the original parameters ``params`` stands for, in model order (each
+    once); raises :class:`NormError` naming anything that is not one of them."""
+    if params is None:
+        return list(fv._order)
+    items: Iterable[object]
+    items = (params,) if isinstance(params, (torch.Tensor, str)) else params
+    if isinstance(items, Mapping):
+        raise NormError(
+            "params must be parameters or names, not a mapping; pass an optimizer's "
+            "param group as group['params']"
+        )
+    if isinstance(items, nn.Module):
+        raise NormError(
+            f"params must be parameters or names, not a module ({type(items).__name__}); "
+            "pass module.parameters()"
+        )
+    chosen = set(indices_of(fv, items))
+    return [i for i in fv._order if i in chosen]
+
+
+def indices_of(fv: FlatView, items: Iterable[object], argument: str = "params") -> list[int]:
+    """The original-parameter index of each item (a view, parameter or name), in order;
+    raises :class:`NormError` naming the first that is none of them."""
+    by_tensor = {id(p.tensor): p.index for p in fv._params}
+    by_name = {name: p.index for p in fv._params for name in p.names}
+    found = []
+    for item in items:
+        if isinstance(item, str):
+            if item not in by_name:
+                close = difflib.get_close_matches(item, list(by_name), n=3)
+                hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                raise NormError(
+                    f"{argument} names {item!r}, which is not an original parameter name of the "
+                    f"wrapped model (see FlatView.named_parameters()){hint}"
+                )
+            found.append(by_name[item])
+        elif isinstance(item, torch.Tensor):
+            index = by_tensor.get(id(item))
+            if index is None:
+                raise NormError(_unknown_tensor(item, fv, argument))
+            found.append(index)
+        else:
+            raise NormError(
+                f"{argument} must hold parameters (views) or names, got "
+                f"{type(item).__name__}: {item!r}"
+            )
+    return found
+
+
+def _unknown_tensor(tensor: torch.Tensor, fv: FlatView, argument: str) -> str:
+    what = f"{type(tensor).__name__} of shape {tuple(tensor.shape)}"
+    if any(flat.spec.flat is tensor for flat in fv._flats):
+        return (
+            f"{argument} holds a flat parameter ({what}), whose elements differ from rank to "
+            "rank; pass its views (the submodules' parameters) or their names"
+        )
+    grads = {id(p.tensor.grad): p.name for p in fv._params if p.tensor.grad is not None}
+    if id(tensor) in grads:
+        return (
+            f"{argument} holds the gradient of {grads[id(tensor)]!r}, not a parameter; pass the "
+            "parameter (grad_norms takes its gradient)"
+        )
+    return (
+        f"{argument} holds a tensor that is not an original parameter (view) of the wrapped "
+        f"model: {what}"
+    )
+
+
+def check_phase(fv: FlatView, method: str, *, grads: bool) -> None:
+    from flatview.core import Phase
+
+    if fv.phase is not Phase.IDLE:
+        hint = {
+            Phase.COMPUTING: (
+                "a forward pass is in flight, or a forward ran with autograd on and no "
+                "backward followed; call it between iterations (after the backward, before "
+                "the next forward; run evaluation passes under torch.no_grad())"
+            ),
+            Phase.LENT: "a wrapper operation (state_dict, summon_full_params, ...) runs",
+            Phase.DETACHED: "flatview was unwrapped",
+        }[fv.phase]
+        raise StateError(
+            f"FlatView.{method}() needs phase IDLE, the model is {fv.phase.name}: {hint}"
+        )
+    if grads and fv._window is not None:
+        raise StateError(
+            f"FlatView.{method}() inside a no_sync() window: gradients are not reduced yet "
+            "(each rank holds its own unreduced ones); call it after the synchronising backward"
+        )
+
+
+# ---------------------------------------------------------------------------- math
+
+
+def whole_norms(
+    fv: FlatView,
+    indices: Sequence[int],
+    columns: Sequence[tuple[str, Column]],
+    norm_type: float,
+) -> list[list[torch.Tensor | None]]:
+    """The ``norm_type``-norm of whole tensors, per parameter in ``indices`` and per
+    column, from this rank's pieces, with one all-reduce.
+
+    Each column is ``(kind, tensor_of)``: ``tensor_of(view)`` gives the tensor laid out
+    like the view whose norm is wanted (the view itself, its gradient, ...), or ``None``
+    (that entry is then ``None`` unless another rank has the tensor: elements a rank has
+    no tensor for count as zeros). ``kind`` names the column in the agreement check.
+    Results are 0-dim tensors on the collective's device, in float32 (float64 if any of
+    the parameters is float64).
+    """
+    if not 1 <= len(columns) <= COLUMNS:
+        raise ValueError(f"1 to {COLUMNS} columns, got {len(columns)}")
+    p = norm_type
+    maximum = math.isinf(p)
+    device = fv.adapter.device
+    table = [param.placement for param in fv._params]
+    exchange = NormExchange(
+        len(fv._params), request_code(f"{p!r}:{','.join(k for k, _ in columns)}"), maximum
+    )
+    dtype = torch.float32
+    # Per dtype and device, the entries (parameter, column) with elements here: their
+    # positions and the norms of this rank's pieces; and the entries this rank has a
+    # tensor for.
+    pieces: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[torch.Tensor]]] = {}
+    here: set[tuple[int, int]] = set()
+    for index in indices:
+        exchange.request(index)
+        placement = table[index]
+        tensor = fv._params[index].tensor
+        if tensor.dtype == torch.float64:
+            dtype = torch.float64
+        for column, (_, tensor_of) in enumerate(columns):
+            value = tensor_of(tensor)
+            if value is None:
+                continue
+            elements = local_elements(placement, value)
+            if elements is None:
+                exchange.mark_bad(index)
+                continue
+            exchange.mark_present(index, column)
+            here.add((index, column))
+            if elements.numel():
+                acc = torch.promote_types(elements.dtype, torch.float32)
+                positions, found = pieces.setdefault((acc, elements.device), ([], []))
+                positions.append(index * COLUMNS + column)
+                found.append(torch.linalg.vector_norm(elements, p, dtype=acc))
+
+    # Every entry's norm here, then its share of the sum (or maximum): replicated
+    # parameters send nothing, their norm is this rank's own.
+    local = torch.zeros(len(table) * COLUMNS, dtype=torch.float64, device=device)
+    for positions, found in pieces.values():
+        where = torch.tensor(positions, dtype=torch.long, device=device)
+        local[where] = torch.stack(found).to(device, torch.float64)
+    sharded = torch.tensor([pl.sharded for pl in table for _ in range(COLUMNS)], device=device)
+    share = local if maximum else local.pow(p)
+    share = torch.where(sharded, share, torch.zeros_like(share))
+    reduced = exchange.all_reduce(share, fv.adapter.group, device, fv.ledger).reshape(-1)
+
+    _raise_on_disagreement(exchange, table, columns, p)
+    whole = reduced if maximum else reduced.pow(1.0 / p)
+    norms = torch.where(sharded, whole, local).to(dtype).unbind()
+    have = exchange.present()
+    for index in indices:
+        if not table[index].sharded:
+            have[index] = [(index, column) in here for column in range(COLUMNS)]
+    return [
+        [norms[i * COLUMNS + c] if have[i][c] else None for c in range(len(columns))]
+        for i in indices
+    ]
+
+
+def _raise_on_disagreement(
+    exchange: NormExchange,
+    table: Sequence[Placement],
+    columns: Sequence[tuple[str, Column]],
+    p: float,
+) -> None:
+    agreement = exchange.agreement()
+    what = "/".join(kind for kind, _ in columns)
+    if not agreement.same_request:
+        raise NormError(
+            f"ranks asked for different norms in the same call (this rank: {what} norms "
+            f"with norm_type={p}); every rank must make the same call with the same "
+            "arguments"
+        )
+    if agreement.disputed:
+        names = [table[i].name for i in agreement.disputed]
+        raise NormError(
+            f"ranks asked for the norms of different parameters: {_listing(names)} were "
+            "asked for on some ranks and not on others; every rank must pass the same "
+            "params (e.g. all of an optimizer's group['params'], not only those with "
+            "elements or a gradient on this rank)"
+        )
+    if agreement.bad:
+        names = [table[i].name for i in agreement.bad]
+        raise NormError(
+            f"on some rank the tensor given for {_listing(names)} is laid out like neither "
+            "the view nor the whole parameter (its number of elements is neither)"
+        )
+
+
+def _listing(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# ------------------------------------------------------------------ public helpers
+
+
+def _param(view: nn.Parameter) -> torch.Tensor:
+    return view
+
+
+def _grad(view: nn.Parameter) -> torch.Tensor | None:
+    return view.grad
+
+
+def param_norms(fv: FlatView, params: ParamSelection, norm_type: object) -> dict[str, torch.Tensor]:
+    """See :meth:`flatview.FlatView.param_norms`."""
+    p = check_norm_type(norm_type)
+    indices = select(fv, params)
+    check_phase(fv, "param_norms", grads=False)
+    rows = whole_norms(fv, indices, [("param", _param)], p)
+    out = {}
+    for index, (norm,) in zip(indices, rows, strict=True):
+        assert norm is not None
+        out[fv._params[index].name] = norm
+    return out
+
+
+def grad_norms(
+    fv: FlatView, params: ParamSelection, norm_type: object
+) -> dict[str, torch.Tensor | None]:
+    """See :meth:`flatview.FlatView.grad_norms`."""
+    p = check_norm_type(norm_type)
+    indices = select(fv, params)
+    check_phase(fv, "grad_norms", grads=True)
+    rows = whole_norms(fv, indices, [("grad", _grad)], p)
+    return {fv._params[i].name: norm for i, (norm,) in zip(indices, rows, strict=True)}
+
+
+def tensor_norms(
+    fv: FlatView,
+    tensors: TensorsByParam,
+    norm_type: object,
+) -> dict[str, torch.Tensor | None]:
+    """See :meth:`flatview.FlatView.tensor_norms`."""
+    p = check_norm_type(norm_type)
+    if not isinstance(tensors, Mapping):
+        raise NormError(
+            "tensors must map parameters (or names) to tensors laid out like their views, "
+            f"got {type(tensors).__name__}"
+        )
+    given: dict[int, torch.Tensor | None] = {}
+    for index, value in zip(indices_of(fv, tensors, "tensors"), tensors.values(), strict=True):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise NormError(
+                f"tensors[{fv._params[index].name!r}] must be a tensor or None, got "
+                f"{type(value).__name__}"
+            )
+        given[index] = value
+    indices = [i for i in fv._order if i in given]
+    check_phase(fv, "tensor_norms", grads=False)
+    by_view = {id(fv._params[i].tensor): given[i] for i in indices}
+    rows = whole_norms(fv, indices, [("tensor", lambda view: by_view[id(view)])], p)
+    return {fv._params[i].name: norm for i, (norm,) in zip(indices, rows, strict=True)}

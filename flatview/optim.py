@@ -1,0 +1,166 @@
+"""Layer-wise adaptive learning rates over views: LARC / LARS with whole-parameter norms.
+
+A torch optimizer over views sees one piece of each parameter, and ``p.norm()`` on a
+partial view is the norm of that piece. :class:`LARC` wraps any torch optimizer the way
+NVIDIA apex's ``LARC`` does, but takes the norms of whole parameters from
+:meth:`flatview.FlatView.param_norms` and :meth:`~flatview.FlatView.grad_norms`: one
+all-reduce per step for all of them. :func:`trust_ratios` gives the same local learning
+rates for your own optimizer code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flatview import norms
+
+if TYPE_CHECKING:
+    from flatview.core import FlatView
+
+
+def param_and_grad_norms(
+    fv: FlatView, params: norms.ParamSelection = None, *, norm_type: float = 2.0
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(param norm, grad norm)`` of each original parameter in ``params``, by name: what
+    :meth:`~flatview.FlatView.param_norms` and :meth:`~flatview.FlatView.grad_norms` give,
+    with one all-reduce for both. A collective, like them."""
+    p = norms.check_norm_type(norm_type)
+    indices = norms.select(fv, params)
+    norms.check_phase(fv, "param_and_grad_norms", grads=True)
+    columns = [("param", norms._param), ("grad", norms._grad)]
+    rows = norms.whole_norms(fv, indices, columns, p)
+    out = {}
+    for index, (weight, grad) in zip(indices, rows, strict=True):
+        assert weight is not None
+        out[fv._params[index].name] = (weight, grad)
+    return out
+
+
+def trust_ratios(
+    fv: FlatView,
+    params: norms.ParamSelection = None,
+    *,
+    trust_coefficient: float = 0.02,
+    weight_decay: float = 0.0,
+    eps: float = 1e-8,
+) -> dict[str, torch.Tensor | None]:
+    """LARC's local learning rate of each original parameter in ``params``, by name:
+    ``trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)`` over whole
+    parameters (2-norms), 1 where either norm is zero, ``None`` where the parameter has
+    no gradient. A collective (one all-reduce): every rank calls it with the same
+    arguments."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, (weight, grad) in param_and_grad_norms(fv, params).items():
+        if grad is None:
+            out[name] = None
+            continue
+        ratio = trust_coefficient * weight / (grad + weight_decay * weight + eps)
+        out[name] = torch.where((weight != 0) & (grad != 0), ratio, torch.ones_like(ratio))
+    return out
+
+
+class LARC:
+    """apex's LARC (layer-wise adaptive rate control) around any torch optimizer over
+    views, with the norms of whole parameters.
+
+    Before each ``optimizer.step()``, every parameter with a gradient whose weight and
+    gradient norms are both non-zero gets its gradient replaced by
+    ``(grad + weight_decay * w) * local_lr``, where ``local_lr = trust_coefficient *
+    ||w|| / (||g|| + weight_decay * ||w|| + eps)``, clipped to ``min(local_lr / lr, 1)``
+    when ``clip`` (LARC) and used as it is otherwise (LARS-style scaling). Each
+    group's ``weight_decay`` is applied here and set to 0 while the wrapped optimizer
+    steps, then restored: exactly apex's ``LARC.step``. The norms of all parameters of
+    all groups come from one all-reduce, so :meth:`step` is a collective: every rank
+    calls it, with an optimizer over the same parameters.
+
+    Args:
+        fv: the wrapped model the optimizer's parameters belong to.
+        optimizer: any torch optimizer over views or parameters of ``fv``'s model.
+        trust_coefficient: LARC's trust coefficient (eta).
+        clip: clip the local learning rate at the group's ``lr`` (LARC) or not (LARS).
+        eps: added to the denominator.
+    """
+
+    def __init__(
+        self,
+        fv: FlatView,
+        optimizer: torch.optim.Optimizer,
+        *,
+        trust_coefficient: float = 0.02,
+        clip: bool = True,
+        eps: float = 1e-8,
+    ) -> None:
+        self.fv = fv
+        self.optimizer = optimizer
+        self.trust_coefficient = trust_coefficient
+        self.clip = clip
+        self.eps = eps
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Scale every gradient by its local learning rate, then step the optimizer."""
+        groups = self.optimizer.param_groups
+        params: list[torch.Tensor] = [p for group in groups for p in group["params"]]
+        found = param_and_grad_norms(self.fv, params)
+        names = {id(t): name for name, t in self.fv.named_parameters()}
+        # One host transfer for all norms (apex reads each one on its own).
+        entries = [(name, w, g) for name, (w, g) in found.items() if g is not None]
+        values = (
+            torch.stack([torch.stack([w, g]) for _, w, g in entries]).tolist() if entries else []
+        )
+        host = {name: (w, g) for (name, _, _), (w, g) in zip(entries, values, strict=True)}
+        decays = []
+        for group in groups:
+            decay = group.get("weight_decay", 0)
+            decays.append(decay)
+            group["weight_decay"] = 0
+            self._scale(group, decay, [host.get(names[id(p)]) for p in group["params"]])
+        try:
+            self.optimizer.step()
+        finally:
+            for group, decay in zip(groups, decays, strict=True):
+                group["weight_decay"] = decay
+
+    def _scale(
+        self,
+        group: dict[str, Any],
+        decay: float,
+        norms_: Sequence[tuple[float, float] | None],
+    ) -> None:
+        for param, found in zip(group["params"], norms_, strict=True):
+            if found is None or param.grad is None:
+                continue
+            weight, grad = found
+            if weight == 0 or grad == 0:
+                continue
+            local_lr = self.trust_coefficient * weight / (grad + weight * decay + self.eps)
+            if self.clip:
+                local_lr = min(local_lr / group["lr"], 1.0)
+            param.grad.add_(param, alpha=decay)
+            param.grad.mul_(local_lr)
+
+    def __repr__(self) -> str:
+        return (
+            f"LARC({self.optimizer!r}, trust_coefficient={self.trust_coefficient}, "
+            f"clip={self.clip}, eps={self.eps})"
+        )

@@ -1,0 +1,561 @@
+"""Optimizer state by original parameter name: consolidated across ranks, loaded back at
+any world size and on any backend.
+
+An optimizer built over views keeps, per view, state tensors shaped like the view: this
+rank's piece of the parameter, full, partial (1-D) or empty. The consolidated form is
+that of ``torch.optim.Optimizer.state_dict()`` keyed by original parameter names (those
+of :meth:`flatview.FlatView.named_parameters`)::
+
+    {"state": {name: {key: value}}, "param_groups": [{..., "params": [name, ...]}]}
+
+Per-element state (Adam's ``exp_avg``, SGD's ``momentum_buffer``, ...) is a tensor of
+the original parameter's shape, assembled from every rank's piece; any other state
+(``step``, python numbers) is taken as it is, after checking that every rank holding it
+agrees. Nothing in it depends on the world size, the backend or the sharding strategy.
+
+Which state is per-element
+--------------------------
+On a rank, a state tensor is per-element when it has as many elements as the optimizer's
+parameter has of the original parameter there (the piece; for fairscale parameters that
+are not flattened, the padded shard) and at least one dimension. A 0-dim tensor is a
+scalar (``step``), except for a 0-dim parameter, whose 0-dim state is per-element unless
+its key is ``step``. In the consolidated dict every tensor with a dimension must have the
+original parameter's shape. A state tensor that is neither (a factored second moment, a
+per-row statistic) cannot be cut into pieces and is refused with
+:class:`OptimStateError`.
+
+Where the elements are
+----------------------
+Each original parameter has a :class:`~flatview.layout.Placement`: replicated (every
+rank holds all of it: torch ``NO_SHARD``, one rank, parameters FSDP does not manage), a
+segment of a sharded flat parameter (flatview's views, and torch's own views with
+``use_orig_params=True``, whose pieces follow the same layout), or a fairscale parameter
+that is not flattened (``flatten_parameters=False``), which fairscale shards on its own,
+padded like a flat parameter of one segment. It says which elements each rank holds.
+
+Agreement and hangs
+-------------------
+Errors that the model and the optimizer alone decide (a parameter the model does not
+hold, a state tensor that cannot be consolidated on a replicated parameter) are raised
+before any collective; on ranks built alike they are raised on every rank. Then one
+small all-gather of descriptions (keys, kinds, dtypes and scalar values, no data) lets
+every rank check the same facts: that the optimizers on all ranks hold the same
+parameters, that every rank holding elements of a parameter has its state, and that
+those ranks agree on its keys, dtypes and scalars. Ranks holding none of a parameter
+are not asked: torch's ``use_orig_params`` views give them no gradient, so no state, or
+after a load state that no longer moves. A disagreement raises the same error on every
+rank before any state tensor moves. The state of parameters that every rank holds whole
+is this rank's, taken as it is and not compared (FSDP keeps it identical across ranks,
+except for parameters torch FSDP is told to ignore, which are each rank's own).
+Loading communicates nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flatview.comm.consolidate import exchange, gather_packed
+from flatview.errors import OptimStateError
+from flatview.layout import Placement
+
+if TYPE_CHECKING:
+    from flatview.backends.base import Adapter, UnitSpec
+    from flatview.core import _Flat, _Param
+
+BUCKET_NUMEL = 2**24
+"""Largest number of elements one gathering collective receives (all ranks together),
+unless a single state tensor is larger."""
+
+_STEP = "step"
+
+Kind = tuple[Any, ...]
+"""How one rank holds one state value: ``("elem", dtype)``, ``("value", value)`` or
+``("other", shape)`` (a tensor that is neither)."""
+
+
+# ---------------------------------------------------------------- per-element state
+
+
+def local_part(
+    home: Placement, full: torch.Tensor, like: torch.Tensor | None = None
+) -> torch.Tensor:
+    """This rank's part of a full per-element tensor, shaped like ``like`` (the
+    optimizer's parameter) where it holds as many elements, 1-D otherwise. A copy."""
+    full = full.detach()
+    if home.layout is None:
+        return full.clone()
+    piece = home.piece(home.rank)
+    start, end = piece.param_interval
+    values = full.reshape(-1)[start:end]
+    if home.whole_shard:
+        # Padding only ever gets zero gradients: its state is zero.
+        out = full.new_zeros(home.local_numel)
+        lo, hi = home.local_interval
+        out[lo:hi] = values
+        return out
+    if like is not None and like.numel() == piece.numel:
+        return values.clone().view(like.shape)
+    return values.clone()
+
+
+def _kind(home: Placement, key: Any, value: Any) -> Kind:
+    """How this rank holds the state ``key`` (see the module docstring)."""
+    if not isinstance(value, torch.Tensor):
+        return ("value", value)
+    if not _is_elementwise(home, key, value):
+        if value.dim() == 0:
+            return ("value", value.detach().to("cpu", copy=True))
+        return ("other", tuple(value.shape))
+    if value.numel() != home.local_numel:
+        return ("other", tuple(value.shape))
+    return ("elem", value.dtype)
+
+
+def _is_elementwise(home: Placement, key: Any, value: Any) -> bool:
+    """Whether ``value`` is shaped to be per-element state of this parameter (any
+    tensor with a dimension; a 0-dim one only for a 0-dim parameter, not ``step``)."""
+    return isinstance(value, torch.Tensor) and (
+        value.dim() > 0 or (home.shape == () and key != _STEP)
+    )
+
+
+def _optimizer_params(
+    params: Sequence[_Param],
+    flats: Sequence[_Flat],
+    units: Sequence[UnitSpec],
+    optimizer: torch.optim.Optimizer,
+) -> list[list[int]]:
+    """Per parameter group of ``optimizer``, the indices of its parameters; raises
+    :class:`OptimStateError` for any tensor that is not one of the model's parameters."""
+    index_of = {id(p.tensor): p.index for p in params}
+    flat_of = {id(f.spec.flat): f for f in flats}
+    groups = []
+    for g, group in enumerate(optimizer.param_groups):
+        indices = []
+        for j, tensor in enumerate(group["params"]):
+            index = index_of.get(id(tensor))
+            if index is None:
+                raise OptimStateError(
+                    f"{type(optimizer).__name__}: parameter {j} of parameter group {g} is "
+                    f"{_describe_foreign(tensor, flat_of, units, params)}, not one of this "
+                    "FlatView's parameters. Optimizer state is saved and loaded by name only "
+                    "for optimizers over views and the model's other parameters "
+                    "(FlatView.parameters(), submodule.parameters())."
+                )
+            indices.append(index)
+        groups.append(indices)
+    return groups
+
+
+def _describe_foreign(
+    tensor: Any,
+    flat_of: Mapping[int, _Flat],
+    units: Sequence[UnitSpec],
+    params: Sequence[_Param],
+) -> str:
+    flat = flat_of.get(id(tensor))
+    if flat is not None:
+        names = [params[i].name for i in flat.params]
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        unit = units[flat.unit].name or "<root>"
+        return f"the flat parameter of FSDP unit {unit!r} (holding {shown})"
+    if isinstance(tensor, torch.Tensor):
+        return (
+            f"a {type(tensor).__name__} of shape {tuple(tensor.shape)} and dtype "
+            f"{tensor.dtype} that the model does not hold"
+        )
+    return f"a {type(tensor).__name__}"
+
+
+# ------------------------------------------------------------------------ consolidate
+
+
+def consolidate(
+    params: Sequence[_Param],
+    flats: Sequence[_Flat],
+    units: Sequence[UnitSpec],
+    adapter: Adapter,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank0_only: bool = False,
+) -> dict[str, Any]:
+    """The consolidated state of ``optimizer`` (see :meth:`flatview.FlatView.optim_state_dict`)."""
+    homes = [param.placement for param in params]
+    groups = _optimizer_params(params, flats, units, optimizer)
+    saved = optimizer.state_dict()
+    # Optimizer.state_dict() numbers the parameters in group order: position k is the
+    # k-th parameter over all groups.
+    order = [index for group in groups for index in group]
+    states: dict[int, dict[Any, Any]] = saved["state"]
+
+    # Local facts; what cannot be consolidated on a replicated parameter is refused
+    # here, before any collective (replicated state is the same on every rank).
+    described: dict[int, dict[Any, Kind]] = {}
+    for position, index in enumerate(order):
+        state = states.get(position)
+        if state is None:
+            continue
+        home = homes[index]
+        kinds = {key: _kind(home, key, value) for key, value in state.items()}
+        if home.layout is None:
+            for key, kind in kinds.items():
+                if kind[0] == "other":
+                    raise _not_consolidable(home, key, kind[1], None)
+        else:
+            described[position] = kinds
+
+    gathering = adapter.world_size > 1 and any(home.layout is not None for home in homes)
+    receiving = not rank0_only or adapter.rank == 0
+    fulls: dict[tuple[int, Any], torch.Tensor] = {}
+    plan: dict[int, dict[Any, Kind]] = {}
+    if gathering:
+        descriptions = exchange({"params": tuple(order), "state": described}, adapter.group)
+        plan = merge(descriptions, order, homes, params)
+        fulls = _gather(plan, states, order, homes, adapter, rank0_only)
+
+    out_state: dict[str, dict[Any, Any]] = {}
+    if receiving:
+        for position, index in enumerate(order):
+            home = homes[index]
+            if home.layout is None:
+                state = states.get(position)
+                if state is not None:
+                    out_state[home.name] = {
+                        key: _snapshot(value.reshape(home.shape))
+                        if _kind(home, key, value)[0] == "elem"
+                        else _snapshot(value)
+                        for key, value in state.items()
+                    }
+                continue
+            if position not in plan:
+                continue
+            # Scalars as the first rank holding elements of the parameter has them, the
+            # same on every rank.
+            out_state[home.name] = {
+                key: fulls[(position, key)] if kind[0] == "elem" else _snapshot(kind[1])
+                for key, kind in plan[position].items()
+            }
+
+    out_groups = []
+    for group, saved_group in zip(groups, saved["param_groups"], strict=True):
+        out_group = {k: copy.deepcopy(v) for k, v in saved_group.items() if k != "params"}
+        out_group["params"] = [homes[index].name for index in group]
+        out_groups.append(out_group)
+    return {"state": out_state, "param_groups": out_groups}
+
+
+def _snapshot(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return copy.deepcopy(value)
+
+
+def _not_consolidable(home: Placement, key: Any, shape: Any, rank: int | None) -> OptimStateError:
+    where = "" if rank is None else f" on rank {rank}"
+    return OptimStateError(
+        f"optimizer state {key!r} of parameter {home.name!r} is a tensor of shape "
+        f"{tuple(shape)}{where}: neither per-element (shaped like the parameter's local "
+        "elements) nor a scalar, so it cannot be consolidated by name"
+    )
+
+
+def merge(
+    descriptions: Sequence[Mapping[str, Any]],
+    order: Sequence[int],
+    homes: Sequence[Placement],
+    params: Sequence[_Param],
+) -> dict[int, dict[Any, Kind]]:
+    """Every rank's description of its state merged into one plan (position -> key ->
+    kind), or :class:`OptimStateError` when ranks disagree. Every rank computes it from
+    the same descriptions, so all raise alike or none does."""
+    world = len(descriptions)
+    # Rank 0's list, not this rank's: every rank must word the error alike.
+    expected = tuple(descriptions[0]["params"])
+    for rank, description in enumerate(descriptions):
+        held = description["params"]
+        if held != expected:
+            mine = [params[i].name for i in expected]
+            theirs = [params[i].name for i in held]
+            first = next(
+                (k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+                min(len(mine), len(theirs)),
+            )
+            raise OptimStateError(
+                f"the optimizers passed on different ranks hold different parameters: "
+                f"rank 0 holds {len(mine)}, rank {rank} holds {len(theirs)}; at position "
+                f"{first} rank 0 has {mine[first] if first < len(mine) else 'none'!r}, rank "
+                f"{rank} {theirs[first] if first < len(theirs) else 'none'!r}. Every rank "
+                "must pass its counterpart of the same optimizer."
+            )
+    plan: dict[int, dict[Any, Kind]] = {}
+    for position, index in enumerate(order):
+        home = homes[index]
+        if home.layout is None:
+            continue
+        having = [r for r in range(world) if position in descriptions[r]["state"]]
+        if not having:
+            continue
+        lacking = [r for r in range(world) if r not in having and home.piece(r).numel > 0]
+        if lacking:
+            raise OptimStateError(
+                f"optimizer state of parameter {home.name!r} exists on rank(s) {having} but "
+                f"not on rank(s) {lacking}, which hold elements of it: the ranks did not "
+                "step the same parameters (every rank must run the same optimizer steps)"
+            )
+        # Only ranks holding elements of the parameter speak for it. One holding none
+        # may have state that has fallen behind: torch's use_orig_params views give it
+        # no gradient, so after a load its `step` stays where the load put it.
+        speaking = [r for r in having if home.piece(r).numel > 0] or having
+        per_rank = {r: descriptions[r]["state"][position] for r in speaking}
+        first = per_rank[speaking[0]]
+        for rank in speaking[1:]:
+            if set(per_rank[rank]) != set(first):
+                raise OptimStateError(
+                    f"ranks disagree on the optimizer state of parameter {home.name!r}: rank "
+                    f"{speaking[0]} holds {sorted(map(str, first))}, rank {rank} holds "
+                    f"{sorted(map(str, per_rank[rank]))}"
+                )
+        merged: dict[Any, Kind] = {}
+        for key, kind in first.items():
+            for rank in speaking:
+                other = per_rank[rank][key]
+                if other[0] == "other":
+                    raise _not_consolidable(home, key, other[1], rank)
+            for rank in speaking[1:]:
+                other = per_rank[rank][key]
+                if other[0] != kind[0] or (kind[0] == "elem" and other[1] != kind[1]):
+                    raise OptimStateError(
+                        f"ranks disagree on optimizer state {key!r} of parameter "
+                        f"{home.name!r}: rank {speaking[0]} holds {_show(kind)}, rank {rank} "
+                        f"{_show(other)}"
+                    )
+                if kind[0] == "value" and not _same(kind[1], other[1]):
+                    raise OptimStateError(
+                        f"ranks disagree on optimizer state {key!r} of parameter "
+                        f"{home.name!r}: rank {speaking[0]} has {kind[1]!r}, rank {rank} has "
+                        f"{other[1]!r} (every rank must run the same optimizer steps)"
+                    )
+            merged[key] = kind
+        plan[position] = merged
+    return plan
+
+
+def _show(kind: Kind) -> str:
+    if kind[0] == "elem":
+        return f"a per-element {kind[1]} tensor"
+    return f"the scalar {kind[1]!r}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+# ----------------------------------------------------------------------- gathering
+
+
+def buckets(counts: Sequence[Sequence[int]], cap: int = BUCKET_NUMEL) -> list[range]:
+    """Split entries (``counts[i][r]``: elements entry ``i`` has on rank ``r``) into runs
+    whose gathered size, ``world * max over ranks of the run's elements there``, stays
+    within ``cap`` (a run of one entry may exceed it)."""
+    runs: list[range] = []
+    start = 0
+    totals: list[int] = []
+    for i, row in enumerate(counts):
+        grown = [a + b for a, b in zip(totals, row, strict=True)] if totals else list(row)
+        if totals and i > start and max(grown) * len(row) > cap:
+            runs.append(range(start, i))
+            start, grown = i, list(row)
+        totals = grown
+    if start < len(counts):
+        runs.append(range(start, len(counts)))
+    return runs
+
+
+def pack(
+    entries: Sequence[tuple[Placement, torch.Tensor | None]],
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """This rank's elements of every entry's state tensor, laid end to end and padded to
+    ``width``. A tensor may be ``None`` only where this rank holds none of the parameter."""
+    packed = torch.zeros(width, dtype=dtype, device=device)
+    cursor = 0
+    for home, value in entries:
+        start, end = home.local_interval
+        if end == start:
+            continue
+        assert value is not None, home.name
+        packed[cursor : cursor + end - start].copy_(value.detach().reshape(-1)[start:end])
+        cursor += end - start
+    return packed
+
+
+def unpack(rows: Sequence[torch.Tensor], homes: Sequence[Placement]) -> list[torch.Tensor]:
+    """The full tensors of ``homes`` from every rank's packed row (in rank order)."""
+    dtype = rows[0].dtype if rows else torch.float32
+    fulls = [torch.zeros(home.numel, dtype=dtype) for home in homes]
+    for rank, row in enumerate(rows):
+        cursor = 0
+        for home, full in zip(homes, fulls, strict=True):
+            piece = home.piece(rank)
+            if piece.numel:
+                start, end = piece.param_interval
+                full[start:end] = row[cursor : cursor + piece.numel]
+                cursor += piece.numel
+    return [full.view(home.shape) for full, home in zip(fulls, homes, strict=True)]
+
+
+def _gather(
+    plan: Mapping[int, Mapping[Any, Kind]],
+    states: Mapping[int, Mapping[Any, Any]],
+    order: Sequence[int],
+    homes: Sequence[Placement],
+    adapter: Adapter,
+    rank0_only: bool,
+) -> dict[tuple[int, Any], torch.Tensor]:
+    """Every per-element tensor of ``plan``, assembled (on rank 0 only with
+    ``rank0_only``), by (position, key)."""
+    by_dtype: dict[torch.dtype, list[tuple[int, Any]]] = {}
+    for position, kinds in plan.items():
+        for key, kind in kinds.items():
+            if kind[0] == "elem":
+                by_dtype.setdefault(kind[1], []).append((position, key))
+    world = adapter.world_size
+    out: dict[tuple[int, Any], torch.Tensor] = {}
+    for dtype, entries in by_dtype.items():
+        counts = [[homes[order[p]].piece(r).numel for r in range(world)] for p, _ in entries]
+        for run in buckets(counts):
+            chosen = [entries[i] for i in run]
+            width = max(sum(counts[i][r] for i in run) for r in range(world))
+            chosen_homes = [homes[order[p]] for p, _ in chosen]
+            packed = pack(
+                [
+                    (home, states.get(p, {}).get(key))
+                    for home, (p, key) in zip(chosen_homes, chosen, strict=True)
+                ],
+                width,
+                dtype,
+                adapter.device,
+            )
+            gathered = gather_packed(packed, adapter.group, rank0_only) if width else packed
+            if gathered is None:
+                continue
+            rows = list(gathered.to("cpu").view(world, width).unbind(0))
+            for entry, full in zip(chosen, unpack(rows, chosen_homes), strict=True):
+                out[entry] = full
+    return out
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def load(
+    params: Sequence[_Param],
+    flats: Sequence[_Flat],
+    units: Sequence[UnitSpec],
+    adapter: Adapter,
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+) -> None:
+    """Load a consolidated state (see :meth:`flatview.FlatView.load_optim_state_dict`)."""
+    homes = [param.placement for param in params]
+    groups = _optimizer_params(params, flats, units, optimizer)
+    if not (
+        isinstance(state_dict, Mapping)
+        and isinstance(state_dict.get("state"), Mapping)
+        and isinstance(state_dict.get("param_groups"), Sequence)
+    ):
+        raise OptimStateError(
+            "not a consolidated optimizer state dict: expected a mapping with 'state' "
+            "(name -> state) and 'param_groups' (as FlatView.optim_state_dict returns)"
+        )
+    saved_groups = state_dict["param_groups"]
+    saved_state = state_dict["state"]
+    if len(saved_groups) != len(groups):
+        raise OptimStateError(
+            f"the state dict has {len(saved_groups)} parameter group(s), "
+            f"{type(optimizer).__name__} has {len(groups)}"
+        )
+    by_name = {name: p.index for p in params for name in p.names}
+    position_of: dict[int, int] = {}
+    for group in groups:
+        for index in group:
+            position_of[index] = len(position_of)
+
+    internal_groups = []
+    listed: set[int] = set()
+    for g, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
+        names = list(saved.get("params", ()))
+        unknown = [n for n in names if not isinstance(n, str) or n not in by_name]
+        if unknown:
+            raise OptimStateError(
+                f"parameter group {g} of the state dict lists {unknown}: unknown to this "
+                "model (names are those of FlatView.named_parameters())"
+            )
+        indices = [by_name[n] for n in names]
+        mine = set(group)
+        missing = [params[i].name for i in group if i not in set(indices)]
+        extra = [n for n, i in zip(names, indices, strict=True) if i not in mine]
+        if missing or extra or len(set(indices)) != len(indices):
+            problems = []
+            if missing:
+                problems.append(f"missing from the state dict: {missing}")
+            if extra:
+                problems.append(f"not in the optimizer's group: {extra}")
+            if len(set(indices)) != len(indices):
+                problems.append("some parameter is listed twice")
+            raise OptimStateError(
+                f"parameter group {g} of the state dict does not match parameter group {g} "
+                f"of {type(optimizer).__name__}: " + "; ".join(problems)
+            )
+        listed.update(indices)
+        internal = {
+            k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", "param_names")
+        }
+        internal["params"] = [position_of[i] for i in group]
+        internal_groups.append(internal)
+
+    internal_state: dict[int, dict[Any, Any]] = {}
+    for name, entry in saved_state.items():
+        found = by_name.get(name) if isinstance(name, str) else None
+        if found is None:
+            raise OptimStateError(
+                f"the state dict has optimizer state for {name!r}, which is unknown to this "
+                "model (names are those of FlatView.named_parameters())"
+            )
+        index = found
+        if index not in listed:
+            raise OptimStateError(
+                f"the state dict has optimizer state for {name!r}, which none of its "
+                "parameter groups lists"
+            )
+        home = homes[index]
+        local: dict[Any, Any] = {}
+        for key, value in entry.items():
+            if _is_elementwise(home, key, value):
+                if tuple(value.shape) != home.shape:
+                    raise OptimStateError(
+                        f"optimizer state {key!r} of parameter {home.name!r} has shape "
+                        f"{tuple(value.shape)}, but the parameter's shape is {home.shape}"
+                    )
+                local[key] = local_part(home, value, params[index].tensor)
+            else:
+                local[key] = _snapshot(value)
+        internal_state[position_of[index]] = local
+    optimizer.load_state_dict({"state": internal_state, "param_groups": internal_groups})

@@ -1,0 +1,306 @@
+"""Per-parameter norms over views equal the norms of the whole parameters.
+
+``FlatView.param_norms`` / ``grad_norms`` / ``tensor_norms`` are compared with
+``torch.linalg.vector_norm`` of the unwrapped model's parameters and gradients, trained
+alike in one process: on every backend configuration, world sizes 1 to 4, shapes that
+put shard boundaries inside parameters, skip sets (skipped parameters have no gradient:
+``None``), frozen parameters, gradient accumulation. Each call is one all-reduce. LARC
+over views trains exactly as apex's LARC on the unwrapped model. Bad arguments raise
+before any collective; ranks that disagree all raise instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from flatview.errors import NormError
+from flatview.layout import FlatLayout, Placement
+from flatview.norms import check_norm_type, local_elements
+from tests import norm_workers as w
+from tests.scenarios import (
+    BACKEND_CONFIGS,
+    BACKENDS,
+    FAIRSCALE,
+    GATED,
+    BackendConfig,
+    Scenario,
+    backend_param,
+    compare,
+    scenarios,
+)
+
+if TYPE_CHECKING:
+    from tests.conftest import PoolFactory
+
+TIMEOUT = 120.0
+NORM_TYPES = (2.0, math.inf, 1.5)
+ONE_ALL_REDUCE = {"all_reduce": 1}
+
+
+def assert_norms_equal(got: w.Norms, want: w.Norms, label: str) -> None:
+    assert list(got) == list(want), label
+    for name, value in want.items():
+        if value is None:
+            assert got[name] is None, f"{label}: {name}"
+        else:
+            assert got[name] is not None, f"{label}: {name} has no norm"
+            np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def check_training(dist_pool: PoolFactory, scenario: Scenario) -> None:
+    results = dist_pool(scenario.world_size).run(
+        w.norms_while_training, scenario, NORM_TYPES, timeout=TIMEOUT
+    )
+    reference = w.reference_norms_while_training(scenario, NORM_TYPES)
+    for rank, (records, calls) in enumerate(results):
+        # The same norms on every rank, each call one all-reduce and nothing else.
+        assert records == results[0][0], rank
+        assert all(c == ONE_ALL_REDUCE for c in calls), (rank, calls)
+    for step, (got, want) in enumerate(zip(results[0][0], reference, strict=True)):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert_norms_equal(got[key], want[key], f"step {step}, {key}")
+
+
+# --------------------------------------------------------------- equivalence
+
+
+# One example set per backend configuration, each with its share of the profile's
+# examples (drawn configurations would cluster on the first).
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=max(2, settings().max_examples // 4))
+@given(data=st.data())
+def test_norms_match_single_process_reference(
+    dist_pool: PoolFactory, backend: BackendConfig, data: st.DataObject
+) -> None:
+    scenario = data.draw(scenarios(configs=(backend,)), label="scenario")
+    # Norms are taken before each optimizer step; evaluation passes do not matter here.
+    scenario = replace(scenario, evaluate=False)
+    event(f"{scenario.world_size} rank(s)")
+    check_training(dist_pool, scenario)
+
+
+# Per backend, the configurations where parameters live elsewhere than in flatview's
+# views: fairscale's unflattened parameters (sharded one by one, padded), torch's own
+# views (use_orig_params=True: None gradients on ranks holding no element).
+OPTIONS = {
+    "fairscale": {"unflattened": {"flatten_parameters": False}},
+    "torch": {"use-orig-params": {"use_orig_params": True}},
+}
+
+
+def _option_params() -> list[Any]:
+    params = []
+    for index, backend in enumerate(BACKEND_CONFIGS):
+        for option in OPTIONS[backend.backend]:
+            # Quick: fairscale on 4 ranks, torch FULL_SHARD on 3.
+            slow = backend.backend == "torch" and backend.strategy != "FULL_SHARD"
+            params.append(backend_param(backend, option, (4, 3, 2, 3)[index], slow=slow))
+    return params
+
+
+@pytest.mark.parametrize(("backend", "option", "world_size"), _option_params())
+def test_wrapper_options(
+    dist_pool: PoolFactory, backend: BackendConfig, option: str, world_size: int
+) -> None:
+    scenario = backend.scenario(
+        GATED,
+        world_size=world_size,
+        skips=GATED.skips[:3],
+        set_to_none=False,
+        options=OPTIONS[backend.backend][option],
+    )
+    check_training(dist_pool, scenario)
+
+
+# Quick: fairscale, and torch NO_SHARD (replicated: nothing to combine across ranks).
+QUICK_PAIR = [
+    backend_param(c, slow=c.backend == "torch" and not c.replicated) for c in BACKEND_CONFIGS
+]
+
+
+@pytest.mark.parametrize(
+    ("backend", "world_size"),
+    # Quick: fairscale on 3 ranks, and one rank (torch then replicates: NO_SHARD).
+    [
+        backend_param(c, 1 if c.replicated else 3, slow=c.backend == "torch" and not c.replicated)
+        for c in BACKEND_CONFIGS
+    ],
+)
+def test_groups_optimizer_state_and_trust_ratios(
+    dist_pool: PoolFactory, backend: BackendConfig, world_size: int
+) -> None:
+    """Norms of a parameter group given as views and names in any order (model order
+    back), of Adam's ``exp_avg`` (``tensor_norms``), and LARC trust ratios."""
+    skips = ((), (1, "body.0.gate", "aux"))
+    scenario = backend.scenario(GATED, world_size=world_size, skips=skips)
+    results = dist_pool(world_size).run(w.subsets_and_tensors, scenario, timeout=TIMEOUT)
+    want = w.reference_state_norms(scenario)
+    for rank, got in enumerate(results):
+        assert all(c == ONE_ALL_REDUCE for c in got["calls"]), (rank, got["calls"])
+        assert list(got["group"]) == ["stem.weight", "head.weight", "head.bias"]
+        assert_norms_equal(got["group"], want["group"], "group")
+        # exp_avg: the pieces assembled by hand, and what a whole-model Adam holds.
+        assert_norms_equal(got["exp_avg"], got["exp_avg_full"], "exp_avg (gathered)")
+        assert_norms_equal(got["exp_avg"], want["exp_avg"], "exp_avg")
+        assert_norms_equal(got["trust"], want["trust"], "trust ratios")
+    assert any(v is None for v in want["trust"].values())  # the skip set shows
+
+
+# ------------------------------------------------------------------------- LARC
+
+
+@pytest.mark.parametrize(
+    ("backend", "world_size"),
+    [
+        backend_param(c, ws, slow=(c, ws) not in ((FAIRSCALE, 3), (BACKEND_CONFIGS[1], 2)))
+        for c in BACKEND_CONFIGS
+        for ws in (2, 3)
+    ],
+)
+def test_larc_trains_like_apex_larc_in_one_process(
+    dist_pool: PoolFactory, backend: BackendConfig, world_size: int
+) -> None:
+    scenario = backend.scenario(GATED, world_size=world_size)
+    params, calls = dist_pool(world_size).run(w.larc_training, scenario, timeout=TIMEOUT)[0]
+    # One all-reduce per step for every norm of every group; the optimizer adds none.
+    assert calls == [ONE_ALL_REDUCE] * len(GATED.skips)
+    compare(params, w.reference_larc_training(scenario))
+
+
+def test_larc_is_not_plain_sgd() -> None:
+    """The reference LARC changes training, so the comparison above can fail."""
+    scenario = FAIRSCALE.scenario(GATED)
+    larc = w.reference_larc_training(scenario)
+    net = w.make_net(scenario)
+    opt = torch.optim.SGD(w.larc_groups(net.named_parameters()), lr=0.1, momentum=0.9)
+    for micros in w.optimizer_steps(scenario):
+        for micro in micros:
+            x, y = w.batch(scenario, micro)
+            w.loss_of(net(x, w.skip_names(scenario, micro)), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert not all(np.allclose(larc[n], p.detach().numpy()) for n, p in net.named_parameters())
+
+
+@pytest.mark.parametrize(
+    ("backend", "world_size"),
+    [backend_param(c, 3, slow=c.backend == "torch" and not c.replicated) for c in BACKEND_CONFIGS],
+)
+def test_lamb_recipe_trains_like_lamb_in_one_process(
+    dist_pool: PoolFactory, backend: BackendConfig, world_size: int
+) -> None:
+    """The LAMB recipe: trust ratios ``||w|| / ||update||`` with ``tensor_norms``."""
+    scenario = backend.scenario(GATED, world_size=world_size)
+    params, calls = dist_pool(world_size).run(w.lamb_training, scenario, timeout=TIMEOUT)[0]
+    assert calls == [{"all_reduce": 2}] * len(GATED.skips)
+    compare(params, w.reference_lamb_training(scenario))
+
+
+# ----------------------------------------------------------------------- errors
+
+
+BAD_ARGUMENTS = {
+    "name": r"NormError: params names 'body\.9\.up\.weight', which is not",
+    "typo": r"NormError: params names 'head\.wieght'.*did you mean 'head\.weight'",
+    "foreign": r"NormError: .*not an original parameter.*Tensor of shape \(3,\)",
+    "flat": r"NormError: params holds a flat parameter",
+    "grad": r"NormError: params holds the gradient of 'stem\.bias'",
+    "number": r"NormError: params must hold parameters \(views\) or names, got int",
+    "mapping": r"NormError: params must be parameters or names, not a mapping",
+    "module": r"NormError: params must be .* not a module \(Linear\); pass module\.param",
+    "zero": r"NormError: norm_type must be a positive number or inf, got 0",
+    "negative": r"NormError: norm_type must be .*got -2",
+    "nan": r"NormError: norm_type must be .*got nan",
+    "text": r"NormError: norm_type must be .*got 'fro'",
+    "tensors": r"NormError: tensors must map parameters",
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", QUICK_PAIR)
+def test_bad_arguments_raise_before_any_collective(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    results = dist_pool(2).run(w.bad_arguments, backend.scenario(GATED), timeout=TIMEOUT)
+    assert results[0] == results[1]
+    for kind, pattern in BAD_ARGUMENTS.items():
+        assert results[0][kind] != "accepted", kind
+        assert re.search(pattern, results[0][kind]), (kind, results[0][kind])
+        assert "after collectives" not in results[0][kind], (kind, results[0][kind])
+
+
+WRONG_PHASE = {
+    "forward": r"StateError: FlatView\.param_norms\(\) needs phase IDLE, the model is COMPUTING",
+    "no_sync": r"StateError: FlatView\.grad_norms\(\) inside a no_sync\(\) window",
+    "unwrapped": r"StateError: .*the model is DETACHED: flatview was unwrapped",
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("where", list(WRONG_PHASE))
+@pytest.mark.parametrize("backend", [backend_param(FAIRSCALE), BACKENDS[1]])
+def test_wrong_phase(dist_pool: PoolFactory, backend: BackendConfig, where: str) -> None:
+    dist_pool(2).run_expecting_error(
+        w.wrong_phase, backend.scenario(GATED), where, match=WRONG_PHASE[where], timeout=TIMEOUT
+    )
+
+
+DISAGREEING = {
+    "params": r"NormError: ranks asked for the norms of different parameters: .*'body\.",
+    "subset": r"NormError: ranks asked for .* different parameters: 'stem\.bias', 'body\.0",
+    "norm_type": r"NormError: ranks asked for different norms in the same call",
+    "inf": r"NormError: ranks asked for different norms in the same call",
+    "kind": r"NormError: ranks asked for different norms .*(param|grad) norms",
+    "tensor_size": r"NormError: on some rank the tensor given for 'stem\.weight'",
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", list(DISAGREEING))
+@pytest.mark.parametrize("backend", [backend_param(FAIRSCALE), BACKENDS[1]])
+def test_disagreeing_ranks_all_raise(
+    dist_pool: PoolFactory, backend: BackendConfig, how: str
+) -> None:
+    """Every rank raises the same error after the one collective; none hangs."""
+    scenario = backend.scenario(GATED, world_size=3)
+    err = dist_pool(3).run_expecting_error(
+        w.disagreeing_ranks, scenario, how, match=DISAGREEING[how], timeout=TIMEOUT
+    )
+    assert not err.unfinished
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_local_elements() -> None:
+    # Rank 2 of 3 holds elements [8, 10) of a 10-element parameter that fairscale
+    # shards unflattened: its shard has 4 elements, the last 2 padding.
+    layout = FlatLayout.packed([(2, 5)], 3)
+    home = Placement("p", (2, 5), layout, 0, 2, whole_shard=True)
+    assert (home.local_numel, home.local_interval, home.param_interval) == (4, (0, 2), (8, 10))
+    assert local_elements(home, torch.arange(4.0)).tolist() == [0.0, 1.0]
+    # A sharded parameter shown whole (torch's views, for a while): this rank's part.
+    assert local_elements(home, torch.arange(10.0).view(2, 5)).tolist() == [8.0, 9.0]
+    assert local_elements(home, torch.zeros(5)) is None
+    replicated = Placement("q", (2, 3))
+    assert local_elements(replicated, torch.ones(2, 3)).tolist() == [1.0] * 6
+    assert local_elements(replicated, torch.zeros(10)) is None
+
+
+def test_norm_types() -> None:
+    assert check_norm_type(2) == 2.0
+    assert check_norm_type("inf") == math.inf
+    assert check_norm_type(torch.tensor(1.5)) == 1.5
+    for bad in (0, -1, math.nan, "fro", None, -math.inf):
+        with pytest.raises(NormError, match="norm_type must be"):
+            check_norm_type(bad)
