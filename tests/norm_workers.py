@@ -24,15 +24,17 @@ from tests.scenarios import (
     Scenario,
     _original_tree,
     backend_context,
-    batch,
-    freeze,
+    distributed_model,
+    distributed_training,
     full_state,
     local_batch,
     loss_of,
     make_net,
     optimizer_steps,
-    optimizers,
-    skip_names,
+    reference_backward,
+    reference_model,
+    reference_training,
+    synced_backward,
     wrap_fsdp,
 )
 
@@ -59,17 +61,6 @@ def wrapped(scenario: Scenario) -> Iterator[tuple[nn.Module, flatview.FlatView]]
         yield model, flatview.wrap(model)
 
 
-def _synced_backward(
-    model: nn.Module, fv: flatview.FlatView, scenario: Scenario, micros: range
-) -> None:
-    for micro in micros:
-        xs, ys = local_batch(scenario, micro)
-        skip = skip_names(scenario, micro)
-        sync = contextlib.nullcontext() if micro == micros[-1] else model.no_sync()
-        with sync, fv.step(skip=list(skip)):
-            loss_of(model(xs, skip), ys).backward()
-
-
 # ------------------------------------------------------------------ equivalence
 
 
@@ -79,12 +70,12 @@ def norms_while_training(
     """Train the scenario with per-submodule optimizers over views; after every synced
     backward record the parameter and gradient norms of every norm type, and the
     collectives each call issued."""
-    with wrapped(scenario) as (model, fv):
-        freeze(fv.named_parameters(), scenario)
-        opts = optimizers(_original_tree(model))
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
         records, calls = [], []
-        for micros in optimizer_steps(scenario):
-            _synced_backward(model, fv, scenario, micros)
+        for stepped in distributed_training(scenario, model, fv, opts):
+            if stepped:
+                continue
             record: Record = {}
             for norm_type in norm_types:
                 with CollectiveCounter() as counter:
@@ -94,32 +85,20 @@ def norms_while_training(
                     record[f"grad {norm_type}"] = as_floats(fv.grad_norms(norm_type=norm_type))
                 calls.append(dict(counter.calls))
             records.append(record)
-            for opt in opts:
-                opt.step()
-            for opt in opts:
-                opt.zero_grad(set_to_none=scenario.set_to_none)
         return records, calls
 
 
 def reference_norms_while_training(scenario: Scenario, norm_types: Sequence[float]) -> list[Record]:
     """:func:`norms_while_training` in one process, without any wrapper."""
-    net = make_net(scenario)
-    freeze(net.named_parameters(), scenario)
-    opts = optimizers(net)
+    net, opts = reference_model(scenario)
     records = []
-    for micros in optimizer_steps(scenario):
-        for micro in micros:
-            x, y = batch(scenario, micro)
-            loss_of(net(x, skip_names(scenario, micro)), y).backward()
+    for _ in reference_training(scenario, net, opts):
         record: Record = {}
         for norm_type in norm_types:
             named = list(net.named_parameters())
             record[f"param {norm_type}"] = {n: reference_norm(p, norm_type) for n, p in named}
             record[f"grad {norm_type}"] = {n: reference_norm(p.grad, norm_type) for n, p in named}
         records.append(record)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=scenario.set_to_none)
     return records
 
 
@@ -129,10 +108,10 @@ def subsets_and_tensors(scenario: Scenario) -> dict[str, Any]:
     with wrapped(scenario) as (model, fv):
         tree = _original_tree(model)
         opt = torch.optim.Adam(fv.parameters(), lr=0.01)
-        _synced_backward(model, fv, scenario, range(1))
+        synced_backward(scenario, model, fv, range(1))
         opt.step()
         opt.zero_grad()
-        _synced_backward(model, fv, scenario, range(1, 2))
+        synced_backward(scenario, model, fv, range(1, 2))
         group = [*reversed(list(tree.head.parameters())), "stem.weight", "head.bias"]
         state = {p: opt.state[p]["exp_avg"] if p in opt.state else None for p in fv.parameters()}
         out: dict[str, Any] = {"calls": []}
@@ -174,12 +153,10 @@ def reference_state_norms(scenario: Scenario) -> dict[str, Any]:
     """:func:`subsets_and_tensors`' trust ratios in one process."""
     net = make_net(scenario)
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
-    for micro in range(2):
-        x, y = batch(scenario, micro)
-        loss_of(net(x, skip_names(scenario, micro)), y).backward()
-        if micro == 0:
-            opt.step()
-            opt.zero_grad()
+    reference_backward(scenario, net, range(1))
+    opt.step()
+    opt.zero_grad()
+    reference_backward(scenario, net, range(1, 2))
     trust = {}
     for name, p in net.named_parameters():
         if p.grad is None:
@@ -227,7 +204,7 @@ def larc_training(scenario: Scenario) -> tuple[dict[str, np.ndarray] | None, lis
         )
         calls = []
         for micros in optimizer_steps(scenario):
-            _synced_backward(model, fv, scenario, micros)
+            synced_backward(scenario, model, fv, micros)
             with CollectiveCounter() as counter:
                 opt.step()
             calls.append(dict(counter.calls))
@@ -265,14 +242,17 @@ def apex_larc_step(
         group["weight_decay"] = weight_decays[i]
 
 
-def reference_larc_training(scenario: Scenario) -> dict[str, np.ndarray]:
+def reference_larc_training(scenario: Scenario, larc: bool = True) -> dict[str, np.ndarray]:
+    """:func:`larc_training` in one process, with apex's LARC (or, ``larc=False``, with
+    plain SGD): the final parameters."""
     net = make_net(scenario)
     opt = torch.optim.SGD(larc_groups(net.named_parameters()), lr=0.1, momentum=0.9)
     for micros in optimizer_steps(scenario):
-        for micro in micros:
-            x, y = batch(scenario, micro)
-            loss_of(net(x, skip_names(scenario, micro)), y).backward()
-        apex_larc_step(opt, 0.02, True, 1e-8)
+        reference_backward(scenario, net, micros)
+        if larc:
+            apex_larc_step(opt, 0.02, True, 1e-8)
+        else:
+            opt.step()
         opt.zero_grad()
     return {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
 
@@ -335,7 +315,7 @@ def lamb_training(scenario: Scenario) -> tuple[dict[str, np.ndarray] | None, lis
         state: dict[nn.Parameter, dict[str, Any]] = {}
         calls = []
         for micros in optimizer_steps(scenario):
-            _synced_backward(model, fv, scenario, micros)
+            synced_backward(scenario, model, fv, micros)
             with CollectiveCounter() as counter:
                 lamb_step(params, state, param_norms, tensor_norms)
             calls.append(dict(counter.calls))
@@ -354,9 +334,7 @@ def reference_lamb_training(scenario: Scenario) -> dict[str, np.ndarray]:
 
     state: dict[nn.Parameter, dict[str, Any]] = {}
     for micros in optimizer_steps(scenario):
-        for micro in micros:
-            x, y = batch(scenario, micro)
-            loss_of(net(x, skip_names(scenario, micro)), y).backward()
+        reference_backward(scenario, net, micros)
         lamb_step(params, state, norms, norms)
         for p in params:
             p.grad = None
@@ -371,7 +349,7 @@ def bad_arguments(scenario: Scenario) -> dict[str, str]:
     (none may be)."""
     with wrapped(scenario) as (model, fv):
         tree = _original_tree(model)
-        _synced_backward(model, fv, scenario, range(1))
+        synced_backward(scenario, model, fv, range(1))
         flat = _a_flat_parameter(model, scenario)
         cases: dict[str, Any] = {
             "name": lambda: fv.param_norms(["head.weight", "body.9.up.weight"]),
@@ -429,7 +407,7 @@ def wrong_phase(scenario: Scenario, where: str) -> None:
 def disagreeing_ranks(scenario: Scenario, how: str) -> None:
     """Ranks pass different arguments: each must raise, none may hang."""
     with wrapped(scenario) as (model, fv):
-        _synced_backward(model, fv, scenario, range(1))
+        synced_backward(scenario, model, fv, range(1))
         rank = dist.get_rank()
         if how == "params":
             # What a rank would get by keeping only the parameters with elements here.

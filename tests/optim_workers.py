@@ -1,16 +1,17 @@
 """Worker functions for the optimizer-state tests (run in the pool), and the
 single-process reference they are compared with.
 
-Training mirrors :func:`tests.scenarios.run_distributed` and
-:func:`tests.scenarios.run_reference` step for step (same model, data, per-submodule
-optimizers, skip sets, accumulation, evaluation passes and zeroing), but can stop after
-any optimizer step and start again from a checkpoint: parameters by name, and each
+Training is that of :func:`tests.scenarios.run_distributed` and
+:func:`tests.scenarios.run_reference` (their loops,
+:func:`~tests.scenarios.distributed_training` and
+:func:`~tests.scenarios.reference_training`: same model, data, per-submodule optimizers,
+skip sets, accumulation, evaluation passes and zeroing), but can stop after any
+optimizer step and start again from a checkpoint: parameters by name, and each
 optimizer's consolidated state.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,18 +25,16 @@ from flatview.comm.counting import CollectiveCounter
 from flatview.errors import OptimStateError
 from tests.scenarios import (
     Scenario,
-    _original_tree,
     backend_context,
-    batch,
-    freeze,
+    distributed_model,
+    distributed_training,
     full_state,
     local_batch,
     loss_of,
     make_net,
     optimizer_steps,
-    optimizers,
-    skip_names,
-    wrap_fsdp,
+    reference_model,
+    reference_training,
 )
 from tests.workers import flats_and_shards
 
@@ -85,16 +84,9 @@ def reference(
     :func:`~tests.scenarios.run_reference`) for its first ``steps`` optimizer steps (all
     by default); return the parameters and each optimizer's ``state_dict()`` with
     parameter names in place of numbers."""
-    net = make_net(scenario)
-    freeze(net.named_parameters(), scenario)
-    opts = optimizers(net)
-    for micros in optimizer_steps(scenario)[:steps]:
-        for micro in micros:
-            x, y = batch(scenario, micro)
-            loss_of(net(x, skip_names(scenario, micro)), y).backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=scenario.set_to_none)
+    net, opts = reference_model(scenario)
+    for _ in reference_training(scenario, net, opts, optimizer_steps(scenario)[:steps]):
+        pass
     names = {id(p): n for n, p in net.named_parameters()}
     states = []
     for opt in opts:
@@ -128,10 +120,7 @@ def _build(
             {k: torch.from_numpy(v) for k, v in params.items()}, strict=False
         )
         assert not unexpected and all(k == "head_copy.weight" for k in missing), missing
-    model = wrap_fsdp(scenario, net)
-    fv = flatview.wrap(model, check_skip_agreement=scenario.check)
-    freeze(fv.named_parameters(), scenario)
-    return model, fv, optimizers(_original_tree(model))
+    return distributed_model(scenario, net)
 
 
 def _train(
@@ -142,23 +131,8 @@ def _train(
     steps: Sequence[range],
 ) -> None:
     """The training loop of :func:`~tests.scenarios.run_distributed`, for ``steps``."""
-    for micros in steps:
-        for micro in micros:
-            xs, ys = local_batch(scenario, micro)
-            skip = skip_names(scenario, micro)
-            sync = contextlib.nullcontext() if micro == micros[-1] else model.no_sync()
-            with sync, fv.step(skip=list(skip)):
-                loss_of(model(xs, skip), ys).backward()
-        for opt in opts:
-            opt.step()
-        if scenario.evaluate:
-            model(local_batch(scenario, 10_000 + micros[-1])[0])
-        for opt in opts:
-            opt.zero_grad(set_to_none=scenario.set_to_none)
-        if scenario.evaluate:
-            skip = skip_names(scenario, micros[-1])
-            with torch.no_grad(), fv.step(skip=list(skip)):
-                model(local_batch(scenario, 20_000 + micros[-1])[0], skip)
+    for _ in distributed_training(scenario, model, fv, opts, steps):
+        pass
 
 
 def consolidated(scenario: Scenario, rank0_only: bool = False) -> list[State]:

@@ -6,7 +6,9 @@ world size, optimizers and the skip set of every micro-batch. The same scenario 
 twice: distributed, with FSDP and flatview, in the worker pool (:func:`run_distributed`),
 and as the reference, in one process without any wrapper (:func:`run_reference`), where
 whatever a step skips simply does not run. Both return an :class:`Outcome`;
-:func:`assert_equivalent` compares them.
+:func:`assert_equivalent` compares them. Their training loops,
+:func:`distributed_training` and :func:`reference_training`, pause at every optimizer
+step for workers that look at more than the outcome (norms, optimizer state).
 
 The model has three kinds of optional parts, so a skip set can cover a whole FSDP unit
 (``body.1`` when blocks are nested), parameters inside a unit (a block's ``gate``, or a
@@ -16,16 +18,22 @@ block of an unnested model) and parameters of the root unit (``aux``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+
+if TYPE_CHECKING:
+    from flatview import FlatView
+
+Test = TypeVar("Test", bound=Callable[..., None])
 
 # ---------------------------------------------------------------------- backends
 
@@ -102,6 +110,50 @@ def spread(world_sizes: Sequence[int], quick: Sequence[int]) -> Any:
         for i, config in enumerate(BACKEND_CONFIGS)
         for ws in world_sizes
     ]
+
+
+def draws_per_backend(share: int) -> Callable[[Test], Test]:
+    """Run a hypothesis test (arguments ``backend`` and ``data``) as one example set per
+    backend configuration, each with ``1/share`` of the profile's examples (at least 2):
+    drawn configurations would cluster (hypothesis starts from the simplest draws),
+    parametrized ones are each covered at a fixed total cost."""
+
+    def mark(test: Test) -> Test:
+        test = given(data=st.data())(test)
+        test = settings(max_examples=max(2, settings().max_examples // share))(test)
+        return pytest.mark.parametrize("backend", BACKENDS)(test)
+
+    return mark
+
+
+# Per backend, the wrapper options that change how it gathers, reduces or keeps
+# parameters. torch's sharding strategies are the backend configurations themselves.
+WRAPPER_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
+    "fairscale": {
+        "no-reshard": {"reshard_after_forward": False},
+        "unflattened": {"flatten_parameters": False},
+        "unbucketed": {"bucket_cap_mb": 0},
+    },
+    "torch": {
+        "use-orig-params": {"use_orig_params": True},
+        "auto-wrap": {"auto_wrap": True},
+        "prefetch": {"forward_prefetch": True, "backward_prefetch": "BACKWARD_POST"},
+        "no-backward-prefetch": {"backward_prefetch": None},
+    },
+}
+
+
+def wrapper_options(
+    names: Collection[str] | None = None,
+) -> Iterator[tuple[int, BackendConfig, int, str]]:
+    """Every configuration with each of its backend's :data:`WRAPPER_OPTIONS` (only those
+    in ``names``), in name order: ``(index of the configuration, configuration, index of
+    the option among its backend's, option name)``."""
+    for index, config in enumerate(BACKEND_CONFIGS):
+        options = WRAPPER_OPTIONS[config.backend]
+        chosen = sorted(o for o in options if names is None or o in names)
+        for number, option in enumerate(chosen):
+            yield index, config, number, option
 
 
 # ------------------------------------------------------------------------- model
@@ -373,20 +425,44 @@ class Outcome:
     """Whether the submodules held exactly ``fv.parameters()`` after every step."""
 
 
-def run_reference(scenario: Scenario) -> Outcome:
-    """The scenario in one process, without any wrapper; skipped parts do not run."""
+def reference_model(scenario: Scenario) -> tuple[Net, list[torch.optim.Optimizer]]:
+    """The unwrapped net, frozen as the scenario says, and its per-submodule optimizers."""
     net = make_net(scenario)
     freeze(net.named_parameters(), scenario)
-    opts = optimizers(net)
-    none_grads = []
-    for micros in optimizer_steps(scenario):
-        for micro in micros:
-            x, y = batch(scenario, micro)
-            loss_of(net(x, skip_names(scenario, micro)), y).backward()
-        none_grads.append(_none_grads(net.named_parameters()))
+    return net, optimizers(net)
+
+
+def reference_backward(scenario: Scenario, net: Net, micros: Iterable[int]) -> None:
+    """The backward passes of micro-batches ``micros`` in one process, on the whole batch;
+    skipped parts do not run."""
+    for micro in micros:
+        x, y = batch(scenario, micro)
+        loss_of(net(x, skip_names(scenario, micro)), y).backward()
+
+
+def reference_training(
+    scenario: Scenario,
+    net: Net,
+    opts: Sequence[torch.optim.Optimizer],
+    steps: Sequence[range] | None = None,
+) -> Iterator[None]:
+    """The training loop of :func:`run_reference` on ``net``, for ``steps`` (by default
+    every optimizer step of the scenario). Pauses (yields) once per optimizer step: after
+    its backward passes, before ``opts`` step (each then zeroes its gradients)."""
+    for micros in optimizer_steps(scenario) if steps is None else steps:
+        reference_backward(scenario, net, micros)
+        yield
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=scenario.set_to_none)
+
+
+def run_reference(scenario: Scenario) -> Outcome:
+    """The scenario in one process, without any wrapper; skipped parts do not run."""
+    net, opts = reference_model(scenario)
+    none_grads = []
+    for _ in reference_training(scenario, net, opts):
+        none_grads.append(_none_grads(net.named_parameters()))
     params = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
     return Outcome([n for n, _ in net.named_parameters()], none_grads, params)
 
@@ -470,45 +546,76 @@ def full_state(model: nn.Module, scenario: Scenario) -> dict[str, np.ndarray] | 
     return {k: v.detach().float().numpy().copy() for k, v in state.items() if k in names}
 
 
-def run_distributed(scenario: Scenario) -> Outcome:
-    """Train with FSDP + flatview in the worker pool (every rank reports)."""
+def distributed_model(
+    scenario: Scenario, net: Net | None = None
+) -> tuple[nn.Module, FlatView, list[torch.optim.Optimizer]]:
+    """``net`` (by default the scenario's) wrapped in FSDP and flatview, frozen as the
+    scenario says, and the per-submodule optimizers over its views (call it inside
+    :func:`backend_context`)."""
     import flatview
 
+    model = wrap_fsdp(scenario, make_net(scenario) if net is None else net)
+    fv = flatview.wrap(model, check_skip_agreement=scenario.check)
+    freeze(fv.named_parameters(), scenario)
+    return model, fv, optimizers(_original_tree(model))
+
+
+def synced_backward(scenario: Scenario, model: nn.Module, fv: FlatView, micros: range) -> None:
+    """The backward passes of micro-batches ``micros`` (one optimizer step's) on this
+    rank's chunks: all but the last under ``no_sync()``, each inside
+    ``fv.step(skip=...)`` unless the scenario does not declare its skips."""
+    for micro in micros:
+        xs, ys = local_batch(scenario, micro)
+        skip = skip_names(scenario, micro)
+        sync = contextlib.nullcontext() if micro == micros[-1] else model.no_sync()
+        declared = fv.step(skip=list(skip)) if scenario.declare else contextlib.nullcontext()
+        with sync, declared:
+            loss_of(model(xs, skip), ys).backward()
+
+
+def distributed_training(
+    scenario: Scenario,
+    model: nn.Module,
+    fv: FlatView,
+    opts: Sequence[torch.optim.Optimizer],
+    steps: Sequence[range] | None = None,
+) -> Iterator[bool]:
+    """The training loop of :func:`run_distributed`, for ``steps`` (by default every
+    optimizer step of the scenario). Pauses twice per optimizer step: after its
+    backward passes, before ``opts`` step (yields False), and right after they stepped
+    (yields True), before the evaluate passes and ``zero_grad``."""
+    for micros in optimizer_steps(scenario) if steps is None else steps:
+        synced_backward(scenario, model, fv, micros)
+        yield False
+        for opt in opts:
+            opt.step()
+        yield True
+        if scenario.evaluate:
+            model(local_batch(scenario, 10_000 + micros[-1])[0])
+        for opt in opts:
+            opt.zero_grad(set_to_none=scenario.set_to_none)
+        if scenario.evaluate:
+            skip = skip_names(scenario, micros[-1])
+            with torch.no_grad(), fv.step(skip=list(skip)):
+                model(local_batch(scenario, 20_000 + micros[-1])[0], skip)
+
+
+def run_distributed(scenario: Scenario) -> Outcome:
+    """Train with FSDP + flatview in the worker pool (every rank reports)."""
     with backend_context(scenario.backend):
-        model = wrap_fsdp(scenario, make_net(scenario))
-        fv = flatview.wrap(model, check_skip_agreement=scenario.check)
-        freeze(fv.named_parameters(), scenario)
+        model, fv, opts = distributed_model(scenario)
         tree = _original_tree(model)
-        opts = optimizers(tree)
         none_grads = []
         on_modules = []
 
         def held() -> set[int]:
             return {id(p) for p in tree.parameters()}
 
-        for micros in optimizer_steps(scenario):
-            for micro in micros:
-                xs, ys = local_batch(scenario, micro)
-                skip = skip_names(scenario, micro)
-                last = micro == micros[-1]
-                sync = contextlib.nullcontext() if last else model.no_sync()
-                declared = (
-                    fv.step(skip=list(skip)) if scenario.declare else contextlib.nullcontext()
-                )
-                with sync, declared:
-                    loss_of(model(xs, skip), ys).backward()
-            none_grads.append(_none_grads(fv.named_parameters()))
-            for opt in opts:
-                opt.step()
-            on_modules.append(held() == {id(p) for p in fv.parameters()})
-            if scenario.evaluate:
-                model(local_batch(scenario, 10_000 + micros[-1])[0])
-            for opt in opts:
-                opt.zero_grad(set_to_none=scenario.set_to_none)
-            if scenario.evaluate:
-                skip = skip_names(scenario, micros[-1])
-                with torch.no_grad(), fv.step(skip=list(skip)):
-                    model(local_batch(scenario, 20_000 + micros[-1])[0], skip)
+        for stepped in distributed_training(scenario, model, fv, opts):
+            if stepped:
+                on_modules.append(held() == {id(p) for p in fv.parameters()})
+            else:
+                none_grads.append(_none_grads(fv.named_parameters()))
         if not _wrapper_views(scenario):
             # Also after the evaluation passes. torch's own per-parameter views are not
             # checked here: after a forward without backward, SHARD_GRAD_OP leaves its

@@ -15,21 +15,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import event
 from hypothesis import strategies as st
 
 from tests.scenarios import (
     BACKEND_CONFIGS,
     BACKENDS,
     GATED,
+    WRAPPER_OPTIONS,
     BackendConfig,
     Scenario,
     assert_equivalent,
     backend_param,
+    draws_per_backend,
     run_distributed,
     run_reference,
     scenarios,
     spread,
+    wrapper_options,
 )
 from tests.workers import plain_and_flatview
 
@@ -44,12 +47,7 @@ def check(dist_pool: PoolFactory, scenario: Scenario, tolerance: float = 1e-5) -
     assert_equivalent(results, run_reference(scenario), scenario, tolerance)
 
 
-# One example set per backend configuration, each with its share of the profile's
-# examples: drawn configurations would cluster (hypothesis starts from the simplest
-# draws), parametrized ones are each covered at a fixed total cost.
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=max(2, settings().max_examples // 2))
-@given(data=st.data())
+@draws_per_backend(share=2)
 def test_matches_single_process_reference(
     dist_pool: PoolFactory, backend: BackendConfig, data: st.DataObject
 ) -> None:
@@ -75,32 +73,14 @@ def test_skip_everything_in_the_first_step(dist_pool: PoolFactory, backend: Back
     check(dist_pool, scenario)
 
 
-# Per backend, the wrapper options that change how it gathers, reduces or keeps
-# parameters. torch's sharding strategies are the backend configurations themselves.
-WRAPPER_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
-    "fairscale": {
-        "no-reshard": {"reshard_after_forward": False},
-        "unflattened": {"flatten_parameters": False},
-        "unbucketed": {"bucket_cap_mb": 0},
-    },
-    "torch": {
-        "use-orig-params": {"use_orig_params": True},
-        "auto-wrap": {"auto_wrap": True},
-        "prefetch": {"forward_prefetch": True, "backward_prefetch": "BACKWARD_POST"},
-        "no-backward-prefetch": {"backward_prefetch": None},
-    },
-}
-
-
 def _option_params() -> list[Any]:
-    params = []
-    for backend in BACKEND_CONFIGS:
-        for index, option in enumerate(sorted(WRAPPER_OPTIONS[backend.backend])):
-            # fairscale: each option at world sizes 2 and 3; torch: each option and
-            # strategy once, world sizes alternating.
-            sizes = (2, 3) if backend.backend == "fairscale" else ((2, 3)[index % 2],)
-            params += [backend_param(backend, option, ws) for ws in sizes]
-    return params
+    # fairscale: each option at world sizes 2 and 3; torch: each option and strategy
+    # once, world sizes alternating.
+    return [
+        backend_param(config, option, ws)
+        for _, config, number, option in wrapper_options()
+        for ws in ((2, 3) if config.backend == "fairscale" else ((2, 3)[number % 2],))
+    ]
 
 
 @pytest.mark.parametrize(("backend", "option", "world_size"), _option_params())

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event
 from hypothesis import strategies as st
 
 from flatview.errors import NormError
@@ -31,11 +32,15 @@ from tests.scenarios import (
     BACKENDS,
     FAIRSCALE,
     GATED,
+    WRAPPER_OPTIONS,
     BackendConfig,
     Scenario,
+    Test,
     backend_param,
     compare,
+    draws_per_backend,
     scenarios,
+    wrapper_options,
 )
 
 if TYPE_CHECKING:
@@ -74,11 +79,7 @@ def check_training(dist_pool: PoolFactory, scenario: Scenario) -> None:
 # --------------------------------------------------------------- equivalence
 
 
-# One example set per backend configuration, each with its share of the profile's
-# examples (drawn configurations would cluster on the first).
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=max(2, settings().max_examples // 4))
-@given(data=st.data())
+@draws_per_backend(share=4)
 def test_norms_match_single_process_reference(
     dist_pool: PoolFactory, backend: BackendConfig, data: st.DataObject
 ) -> None:
@@ -89,23 +90,23 @@ def test_norms_match_single_process_reference(
     check_training(dist_pool, scenario)
 
 
-# Per backend, the configurations where parameters live elsewhere than in flatview's
-# views: fairscale's unflattened parameters (sharded one by one, padded), torch's own
+# The wrapper options where parameters live elsewhere than in flatview's views:
+# fairscale's unflattened parameters (sharded one by one, padded), torch's own
 # views (use_orig_params=True: None gradients on ranks holding no element).
-OPTIONS = {
-    "fairscale": {"unflattened": {"flatten_parameters": False}},
-    "torch": {"use-orig-params": {"use_orig_params": True}},
-}
+ELSEWHERE = ("unflattened", "use-orig-params")
 
 
 def _option_params() -> list[Any]:
-    params = []
-    for index, backend in enumerate(BACKEND_CONFIGS):
-        for option in OPTIONS[backend.backend]:
-            # Quick: fairscale on 4 ranks, torch FULL_SHARD on 3.
-            slow = backend.backend == "torch" and backend.strategy != "FULL_SHARD"
-            params.append(backend_param(backend, option, (4, 3, 2, 3)[index], slow=slow))
-    return params
+    # Quick: fairscale on 4 ranks, torch FULL_SHARD on 3.
+    return [
+        backend_param(
+            config,
+            option,
+            (4, 3, 2, 3)[index],
+            slow=config.backend == "torch" and config.strategy != "FULL_SHARD",
+        )
+        for index, config, _, option in wrapper_options(ELSEWHERE)
+    ]
 
 
 @pytest.mark.parametrize(("backend", "option", "world_size"), _option_params())
@@ -117,7 +118,7 @@ def test_wrapper_options(
         world_size=world_size,
         skips=GATED.skips[:3],
         set_to_none=False,
-        options=OPTIONS[backend.backend][option],
+        options=WRAPPER_OPTIONS[backend.backend][option],
     )
     check_training(dist_pool, scenario)
 
@@ -181,15 +182,8 @@ def test_larc_is_not_plain_sgd() -> None:
     """The reference LARC changes training, so the comparison above can fail."""
     scenario = FAIRSCALE.scenario(GATED)
     larc = w.reference_larc_training(scenario)
-    net = w.make_net(scenario)
-    opt = torch.optim.SGD(w.larc_groups(net.named_parameters()), lr=0.1, momentum=0.9)
-    for micros in w.optimizer_steps(scenario):
-        for micro in micros:
-            x, y = w.batch(scenario, micro)
-            w.loss_of(net(x, w.skip_names(scenario, micro)), y).backward()
-        opt.step()
-        opt.zero_grad()
-    assert not all(np.allclose(larc[n], p.detach().numpy()) for n, p in net.named_parameters())
+    sgd = w.reference_larc_training(scenario, larc=False)
+    assert not all(np.allclose(larc[n], sgd[n]) for n in sgd)
 
 
 @pytest.mark.parametrize(
@@ -207,6 +201,18 @@ def test_lamb_recipe_trains_like_lamb_in_one_process(
 
 
 # ----------------------------------------------------------------------- errors
+
+
+def each_misuse(argname: str, patterns: dict[str, str]) -> Callable[[Test], Test]:
+    """Parametrize a test over the misuses in ``patterns`` (passed as ``argname``) and
+    over fairscale and torch FULL_SHARD, with time for every rank to raise."""
+
+    def mark(test: Test) -> Test:
+        test = pytest.mark.parametrize("backend", [backend_param(FAIRSCALE), BACKENDS[1]])(test)
+        test = pytest.mark.parametrize(argname, list(patterns))(test)
+        return pytest.mark.timeout(150)(test)
+
+    return mark
 
 
 BAD_ARGUMENTS = {
@@ -246,9 +252,7 @@ WRONG_PHASE = {
 }
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("where", list(WRONG_PHASE))
-@pytest.mark.parametrize("backend", [backend_param(FAIRSCALE), BACKENDS[1]])
+@each_misuse("where", WRONG_PHASE)
 def test_wrong_phase(dist_pool: PoolFactory, backend: BackendConfig, where: str) -> None:
     dist_pool(2).run_expecting_error(
         w.wrong_phase, backend.scenario(GATED), where, match=WRONG_PHASE[where], timeout=TIMEOUT
@@ -265,9 +269,7 @@ DISAGREEING = {
 }
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("how", list(DISAGREEING))
-@pytest.mark.parametrize("backend", [backend_param(FAIRSCALE), BACKENDS[1]])
+@each_misuse("how", DISAGREEING)
 def test_disagreeing_ranks_all_raise(
     dist_pool: PoolFactory, backend: BackendConfig, how: str
 ) -> None:
