@@ -327,10 +327,23 @@ def _flatview_torch_one_unit(check: bool) -> Callable[[Config], Trainer]:
     return build
 
 
-def _flatview_torch(strategy: str, check: bool = True) -> Callable[[Config], Trainer]:
+def _flatview_torch(
+    strategy: str, check: bool = True, unpacked: bool | None = None
+) -> Callable[[Config], Trainer]:
+    """``unpacked`` overrides flatview's rule for reducing (nearly) fully used gradients
+    whole, without packing, by a collective that runs while the backward goes on:
+    ``True`` for gradients of every size, ``False`` never (every gradient packed into one
+    bucket reduced at the end of the backward); ``None`` keeps the default rule (only
+    gradients of ``IN_PLACE_MIN_NUMEL`` elements or more)."""
+
     def build(cfg: Config) -> Trainer:
         model = _torch_fsdp1(cfg, use_orig_params=False, strategy=strategy)
-        return _with_flatview(model, cfg, check, "auto")
+        trainer = _with_flatview(model, cfg, check, "auto")
+        if unpacked is False:
+            trainer.flatview.reducer.in_place_tolerance = None
+        elif unpacked:
+            trainer.flatview.reducer.in_place_min_numel = 0
+        return trainer
 
     return build
 
@@ -479,6 +492,49 @@ PAIRS: tuple[Pair, ...] = (
         "nothing skipped, plain vs wrapped by flatview (check off)",
         ("plain torch FSDP1", _torch_plain("FULL_SHARD")),
         ("flatview", _flatview_torch("FULL_SHARD", check=False)),
+        skip=False,
+    ),
+    Pair(
+        "replicated_vs_ideal",
+        "DDP-style: the ideal vs flatview + torch FSDP1 per block, NO_SHARD (check on), skipping",
+        ("ideal", build_ideal),
+        ("flatview NO_SHARD", _flatview_torch("NO_SHARD")),
+        skip=True,
+    ),
+    Pair(
+        "replicated_vs_ddp",
+        "DDP-style: DDP find_unused_parameters=True vs flatview + torch FSDP1 per block, "
+        "NO_SHARD (check on), skipping",
+        ("DDP find_unused", _ddp("skip", True)),
+        ("flatview NO_SHARD", _flatview_torch("NO_SHARD")),
+        skip=True,
+    ),
+    Pair(
+        "replicated_views_cost",
+        "DDP-style, what flatview adds: torch FSDP1 per block, NO_SHARD, skipping (skipped units "
+        "are not called, so plain torch all-reduces only used units too), plain vs wrapped by "
+        "flatview (check off)",
+        ("plain torch FSDP1", _torch_plain("NO_SHARD")),
+        ("flatview", _flatview_torch("NO_SHARD", check=False)),
+        skip=True,
+    ),
+    Pair(
+        "replicated_in_place",
+        "flatview + torch FSDP1 per block, NO_SHARD (check on), skipping: every gradient "
+        "packed into one bucket vs every fully used gradient all-reduced in place, unpacked, "
+        "while the backward goes on (by default only gradients of 2**20 elements or more are)",
+        ("packed", _flatview_torch("NO_SHARD", unpacked=False)),
+        ("unpacked", _flatview_torch("NO_SHARD", unpacked=True)),
+        skip=True,
+    ),
+    Pair(
+        "sharded_in_place",
+        "flatview + torch FSDP1 per block, FULL_SHARD (check off), nothing skipped: every "
+        "gradient packed into one bucket vs every fully used gradient reduce-scattered "
+        "unpacked, while the backward goes on (by default only gradients of 2**20 elements "
+        "or more are)",
+        ("packed", _flatview_torch("FULL_SHARD", check=False, unpacked=False)),
+        ("unpacked", _flatview_torch("FULL_SHARD", check=False, unpacked=True)),
         skip=False,
     ),
     Pair(

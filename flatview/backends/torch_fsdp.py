@@ -279,6 +279,8 @@ class TorchFSDPAdapter(AdapterBase):
         self._accumulating = False
         self._none_before: set[int] = set()
         self._masked: list[tuple[Any, int]] = []
+        # Flat parameters whose gradient hook waits for an in-place reduction in flight.
+        self._in_place_guarded: set[int] = set()
 
     def _check_flat(self, unit_name: str, handle: Any) -> None:
         flat = handle.flat_param
@@ -413,6 +415,7 @@ class TorchFSDPAdapter(AdapterBase):
             unit._comm_hook = None
             unit._comm_hook_state = None
         self._summoning.clear()
+        self._in_place_guarded.clear()
         self._lent.close()
 
     # -------------------------------------------------------------- lifecycle
@@ -654,6 +657,12 @@ class TorchFSDPAdapter(AdapterBase):
         added there when the bucket is flushed (at the latest in ``next_iter``, after
         every backward hook and before torch finalises gradients). Both average over the
         group as torch does (pre- and post-division).
+
+        A gradient the reducer takes whole (``MaskedReducer.reduces_in_place``: all
+        or nearly all used, large enough) skips the bucket where torch would not read it
+        before ``next_iter``: it is all-reduced in place (``NO_SHARD``) or reduce-scattered
+        straight into ``output`` by an asynchronous collective started now, which the
+        flush in ``next_iter`` waits for.
         """
         core = self.core
         handle = unit._handle
@@ -666,16 +675,63 @@ class TorchFSDPAdapter(AdapterBase):
         flat = handle.flat_param
         predivide = float(unit._gradient_predivide_factor)
         postdivide = float(unit._gradient_postdivide_factor)
-        index = core.reducer.index_of(plan, grad.device)
+        reducer = core.reducer
+        # Reduced without packing, the collective may still run when the hook returns,
+        # unless an optimizer steps in backward (it reads the gradient at once).
+        late_ok = not getattr(handle, "_has_optim_in_backward", False)
+        if (
+            late_ok
+            and output is None
+            and grad is flat.grad
+            # torch casts the gradient to the parameter dtype right after the hook
+            # returns, reading it: only without that cast may the reduction still run.
+            and (grad.dtype == flat.dtype or handle._keep_low_precision_grads)
+            and reducer.reduces_in_place(grad, plan)
+        ):
+            # All (or nearly all) of it is used: all-reduced whole and in place, while
+            # the backward goes on; the flush in next_iter waits for it. Should autograd
+            # accumulate into it again before then (reentrant checkpointing), a hook on
+            # the flat parameter waits for the reduction first.
+            if id(flat) not in self._in_place_guarded:
+                self._in_place_guarded.add(id(flat))
+
+                def settle_first(_: torch.Tensor) -> None:
+                    if reducer.in_flight(flat.grad):
+                        reducer.settle()
+
+                self._hook(flat.register_hook(settle_first))
+            reducer.all_reduce_in_place(
+                grad, plan, predivide, postdivide if postdivide > 1 else 1.0
+            )
+            return
+        index = reducer.index_of(plan, grad.device)
         if output is None:
 
             def place_replicated(values: torch.Tensor) -> None:
                 # Resolved now, not when queued: torch may have cast the gradient since.
-                if postdivide > 1:
-                    values.div_(postdivide)
-                index.place(flat.grad, values, 0)
+                # Divided on the way back: one pass, the values torch's div_ would give.
+                index.place(flat.grad, values, 0, postdivide if postdivide > 1 else 1.0)
 
             core.reducer.add_replicated(grad, plan, place_replicated, predivide)
+            return
+        saved = getattr(flat, "_saved_grad_shard", None)
+        if reducer.in_flight(saved):
+            # A second reduction of this unit in one backward (reentrant checkpointing):
+            # torch is about to add to the shard the first one still writes.
+            reducer.settle()
+        if predivide > 1 and not plan.none_used:
+            grad.div_(predivide)
+        if (
+            late_ok
+            and saved is None
+            # torch keeps `output` as the sharded gradient without reading it (nothing to
+            # accumulate into, no cast to the parameter dtype): it may still be written.
+            and output.dtype == flat.dtype
+            and reducer.reduces_in_place(grad, plan)
+        ):
+            reducer.reduce_scatter_in_place(
+                grad, output, plan, postdivide if postdivide > 1 else 1.0
+            )
             return
         output.zero_()
         queued = True
@@ -688,7 +744,5 @@ class TorchFSDPAdapter(AdapterBase):
             target = output if queued else flat._saved_grad_shard
             target.add_(shard)
 
-        if predivide > 1 and not plan.none_used:
-            grad.div_(predivide)
         core.reducer.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded, whole=grad)
         queued = False

@@ -17,7 +17,20 @@ with zeros wherever nothing was used.
 
 Wrappers that replicate rather than shard (torch FSDP ``NO_SHARD``: DDP's job) queue
 their gradients with :meth:`MaskedReducer.add_replicated`; those buckets are reduced with
-one all-reduce of the packed used elements.
+one all-reduce of the packed used elements, packed into a buffer kept between steps.
+
+Packing costs a copy in and a copy out of every used element, and a bucket reduced at
+the end of the backward overlaps nothing. So a gradient that is all used (or all but
+:data:`IN_PLACE_TOLERANCE` of its bytes) and large enough (:data:`IN_PLACE_MIN_NUMEL`)
+skips the bucket (:meth:`MaskedReducer.reduces_in_place`): it is reduced whole, with
+no copy, by an asynchronous collective started at once, which :meth:`MaskedReducer.flush`
+waits for. A replicated gradient is all-reduced in place
+(:meth:`MaskedReducer.all_reduce_in_place`; its unused elements travel too and get their
+values back afterwards); a padded unsharded one is reduce-scattered straight into the
+caller's shard (:meth:`MaskedReducer.reduce_scatter_in_place`; its unused elements come
+out zero, as from a bucket). Bytes counted at the collective are then up to the
+tolerance over the used bytes; ``in_place_tolerance = None`` on a reducer turns the rule
+off, 0 keeps it to fully used gradients.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,6 +49,28 @@ from flatview.layout import MaskPlan
 
 PAD_TOLERANCE = 0.05
 """Padding overhead of an even reduce-scatter accepted before the exact all-to-all wins."""
+
+IN_PLACE_TOLERANCE = 0.05
+"""Default bytes overhead (unused elements over used ones) accepted for reducing a
+gradient whole, unpacked, instead of packing its used elements into a bucket; 0 allows
+it only for gradients that are all used (``MaskedReducer.in_place_tolerance``)."""
+
+IN_PLACE_MIN_NUMEL = 2**20
+"""Default smallest gradient (elements; 4 MiB in float32) reduced unpacked: smaller ones
+go to the bucket, where one collective serves many and copying them costs less than a
+collective each (``MaskedReducer.in_place_min_numel``). Measured with torch FSDP1
+``NO_SHARD`` per block on 2 CPU cores over gloo (``benchmarks/README.md``): with 1 MiB
+gradients neither way won (within 10%, either way by load), with 4 MiB the unpacked way
+took 0.69-0.78x the time, with 16 MiB 0.53-0.68x."""
+
+
+KEEP_BUFFER_BYTES = 2**25
+"""Largest bucket buffer (bytes) kept from one flush to the next (the reducer's
+``keep_buffer_bytes``). On CPU a fresh buffer of a few MiB often comes as new pages
+(glibc maps large allocations with ``mmap``), and faulting them in costs more than the
+copy into them: measured 2.9 ms for a fresh 6.8 MiB buffer, 0.8 ms for the copy. Larger
+buffers are made per flush, so that memory a sharded model saves is not held between
+steps."""
 
 
 class Strategy(enum.Enum):
@@ -67,6 +102,8 @@ class PlanIndex:
     SHORT_RUN = 256
 
     def __init__(self, plan: MaskPlan, device: torch.device) -> None:
+        self.plan = plan
+        self._unused: dict[int, tuple[tuple[int, int], ...]] = {}
         self.runs: list[tuple[tuple[int, int], ...] | None] = []
         self.indices: list[torch.Tensor | None] = []
         for intervals in plan.per_rank:
@@ -79,6 +116,21 @@ class PlanIndex:
             else:
                 self.runs.append(intervals)
                 self.indices.append(None)
+
+    def unused(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The runs of rank ``rank``'s row that the plan does not use (skipped
+        segments, gaps between segments, padding), in order."""
+        found = self._unused.get(rank)
+        if found is None:
+            cursor, gaps = 0, []
+            for start, end in self.plan.per_rank[rank]:
+                if start > cursor:
+                    gaps.append((cursor, start))
+                cursor = end
+            if cursor < self.plan.layout.shard_numel:
+                gaps.append((cursor, self.plan.layout.shard_numel))
+            found = self._unused[rank] = tuple(gaps)
+        return found
 
     def pick(self, row: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s used elements of ``row``, packed (a view when one run)."""
@@ -93,18 +145,52 @@ class PlanIndex:
             return row[:0]
         return torch.cat([row[start:end] for start, end in runs])
 
-    def place(self, target: torch.Tensor, values: torch.Tensor, rank: int) -> None:
-        """Write packed ``values`` back to rank ``rank``'s used positions of ``target``."""
+    def pack(self, row: torch.Tensor, out: torch.Tensor, rank: int, divisor: float = 1.0) -> None:
+        """Write rank ``rank``'s used elements of ``row`` into ``out`` (which holds exactly
+        that many), divided by ``divisor`` on the way: one pass over the used elements."""
         runs = self.runs[rank]
         if runs is None:
             index = self.indices[rank]
             assert index is not None
+            torch.index_select(row, 0, index, out=out)
+            if divisor != 1.0:
+                out.div_(divisor)
+            return
+        offset = 0
+        for start, end in runs:
+            _copy_divided(out[offset : offset + end - start], row[start:end], divisor)
+            offset += end - start
+
+    def place(
+        self, target: torch.Tensor, values: torch.Tensor, rank: int, divisor: float = 1.0
+    ) -> None:
+        """Write packed ``values`` back to rank ``rank``'s used positions of ``target``,
+        divided by ``divisor`` on the way (``values`` itself is left as it was unless
+        the plan needed an index)."""
+        runs = self.runs[rank]
+        if runs is None:
+            index = self.indices[rank]
+            assert index is not None
+            if divisor != 1.0:
+                values = values / divisor
             target.index_copy_(0, index, values)
             return
         offset = 0
         for start, end in runs:
-            target[start:end] = values[offset : offset + end - start]
+            _copy_divided(target[start:end], values[offset : offset + end - start], divisor)
             offset += end - start
+
+
+def _copy_divided(out: torch.Tensor, source: torch.Tensor, divisor: float) -> None:
+    """``out[:] = source / divisor`` in one pass (a plain copy when ``divisor`` is 1):
+    the values ``source.div_(divisor)`` and a copy would give, cast to ``out``'s dtype
+    like ``copy_``."""
+    if divisor == 1.0:
+        out.copy_(source)
+    elif out.dtype == source.dtype:
+        torch.div(source, divisor, out=out)
+    else:
+        out.copy_(source / divisor)
 
 
 @dataclass
@@ -121,6 +207,31 @@ class _Entry:
     @property
     def numel(self) -> int:
         return sum(part.numel() for part in self.parts)
+
+
+@dataclass
+class _ReplicatedBucket:
+    """Replicated gradients queued for one all-reduce: (offset, count, on_done) each,
+    packed into the reducer's buffer for their dtype and device."""
+
+    entries: list[tuple[int, int, Callable[[torch.Tensor], None]]] = field(default_factory=list)
+    numel: int = 0
+
+
+@dataclass
+class _InPlace:
+    """A gradient reduced whole, without packing, by a collective still in flight."""
+
+    target: torch.Tensor
+    """What the collective writes: the replicated gradient itself, or this rank's shard."""
+    work: dist.Work
+    postdivide: float
+    kept: list[tuple[int, torch.Tensor]]
+    """(start, values) of the target's unused runs as they were before the reduction."""
+    zeroed: tuple[tuple[int, int], ...] = ()
+    """Unused runs of the target that must read zero afterwards (sharded)."""
+    source: torch.Tensor | None = None
+    """The collective's input, kept alive until it is done (sharded)."""
 
 
 class MaskedReducer:
@@ -147,7 +258,19 @@ class MaskedReducer:
         self.bucket_numel = bucket_numel
         self.strategy = strategy
         self._entries: list[_Entry] = []
-        self._replicated: list[_Entry] = []
+        self._replicated: dict[tuple[torch.dtype, torch.device], _ReplicatedBucket] = {}
+        # Per dtype and device, the buffers buckets are packed into (replicated ones, and
+        # the send buffer of a reduce-scatter), kept between flushes up to a size.
+        self._buffers: dict[tuple[object, ...], torch.Tensor] = {}
+        self.keep_buffer_bytes: int = KEEP_BUFFER_BYTES
+        """Largest bucket buffer kept from one flush to the next (see
+        :data:`KEEP_BUFFER_BYTES` and :meth:`release_buffers`)."""
+        self._in_place: list[_InPlace] = []
+        self.in_place_tolerance: float | None = IN_PLACE_TOLERANCE
+        """Bytes overhead accepted for reducing a gradient whole, unpacked (see
+        :meth:`reduces_in_place`); ``None`` packs every gradient into the bucket."""
+        self.in_place_min_numel: int = IN_PLACE_MIN_NUMEL
+        """Smallest gradient (elements) reduced unpacked."""
         self._queued_numel = 0
         # Skip sets vary per step (2**blocks patterns for stochastic depth): keep the
         # index of recent plans only.
@@ -197,7 +320,7 @@ class MaskedReducer:
         self._entries.append(entry)
         self._queued_numel += entry.numel
         if self._queued_numel >= self.bucket_numel:
-            self.flush()
+            self._flush_buckets()
 
     @torch.no_grad()
     def add_replicated(
@@ -211,29 +334,170 @@ class MaskedReducer:
 
         ``plan`` is over an unsharded layout (world size 1). ``on_done`` later receives
         the reduced used elements, packed in flat order (place them with
-        ``index_of(plan, ...).place(target, values, 0)``). They are divided by
+        ``index_of(plan, ...).place(target, values, 0)``); they live in a buffer the
+        reducer reuses, so ``on_done`` must copy what it keeps. They are divided by
         ``predivide`` before the reduction, as torch FSDP does against overflow.
+
+        The used elements are copied now (divided on the way) straight into the
+        bucket's buffer, one per dtype and device: the caller's gradient may change
+        before the flush (torch casts it right after its hook returns).
         """
         if plan.layout.world_size != 1:
             raise ValueError(f"add_replicated needs an unsharded plan, got {plan.layout}")
         index = self.index_of(plan, grad.device)
-        # A copy (cat always copies): the caller's gradient may change before the flush.
-        packed = torch.cat([index.pick(grad, 0)])
-        if predivide != 1.0:
-            packed.div_(predivide)
-        self._replicated.append(_Entry(plan, index, [packed], on_done))
-        self._queued_numel += packed.numel()
+        count = plan.counts[0]
+        bucket = self._replicated.get((grad.dtype, grad.device))
+        if bucket is None:
+            bucket = self._replicated[(grad.dtype, grad.device)] = _ReplicatedBucket()
+        offset = bucket.numel
+        buffer = self._buffer((grad.dtype, grad.device), grad, offset + count, offset)
+        index.pack(grad, buffer[offset : offset + count], 0, predivide)
+        bucket.entries.append((offset, count, on_done))
+        bucket.numel += count
+        self._queued_numel += count
         if self._queued_numel >= self.bucket_numel:
-            self.flush()
+            self._flush_buckets()
+
+    def _buffer(
+        self, key: tuple[object, ...], like: torch.Tensor, numel: int, keep: int
+    ) -> torch.Tensor:
+        """The reusable buffer ``key`` (of ``like``'s dtype and device), at least ``numel``
+        long; when it has to grow, its first ``keep`` elements move to the new one."""
+        buffer = self._buffers.get(key)
+        if buffer is not None and buffer.numel() >= numel:
+            return buffer
+        grown = like.new_empty(max(numel, 2 * buffer.numel() if buffer is not None else 0))
+        if buffer is not None and keep:
+            grown[:keep].copy_(buffer[:keep])
+        self._buffers[key] = grown
+        return grown
+
+    def release_buffers(self) -> None:
+        """Free the bucket buffers kept between flushes (they are made again as needed).
+        Only between flushes: nothing may be queued."""
+        if self._replicated:
+            raise RuntimeError("release_buffers() while replicated gradients are queued")
+        self._buffers.clear()
+
+    def _trim_buffers(self) -> None:
+        for key, buffer in list(self._buffers.items()):
+            if buffer.numel() * buffer.element_size() > self.keep_buffer_bytes:
+                del self._buffers[key]
+
+    def reduces_in_place(self, grad: torch.Tensor, plan: MaskPlan) -> bool:
+        """Whether ``grad`` should be reduced whole, without packing
+        (:meth:`all_reduce_in_place` for a replicated gradient, :meth:`reduce_scatter_in_place`
+        for a padded unsharded one) rather than queued in a bucket: it is contiguous,
+        holds at least :attr:`in_place_min_numel` elements, and all of them cost at most
+        :attr:`in_place_tolerance` more bytes than its used ones (the bytes counted at
+        the collective are then up to that much over the used bytes)."""
+        tolerance = self.in_place_tolerance
+        if tolerance is None or grad.numel() < self.in_place_min_numel:
+            return False
+        if plan.layout.world_size == 1:
+            used, size = plan.counts[0], plan.layout.shard_numel
+        elif self.strategy is Strategy.ALL_TO_ALL:
+            return False  # asked for by name: the bucket path honours it
+        else:
+            used, size = plan.total, plan.layout.padded_numel
+        return (
+            used > 0
+            and grad.numel() == size
+            and size <= used * (1 + tolerance)
+            and grad.is_contiguous()
+        )
+
+    @torch.no_grad()
+    def all_reduce_in_place(
+        self,
+        grad: torch.Tensor,
+        plan: MaskPlan,
+        predivide: float = 1.0,
+        postdivide: float = 1.0,
+    ) -> None:
+        """Start an all-reduce of the whole replicated ``grad``, in place; :meth:`flush`
+        (or :meth:`settle`) waits for it.
+
+        Divided by ``predivide`` before and ``postdivide`` after, as torch FSDP's own
+        ``NO_SHARD`` reduction does. The elements ``plan`` does not use travel too but
+        get back the values they had before (a skipped parameter's gradient stays as it
+        was). The caller guarantees that nothing reads or writes ``grad`` until then,
+        except after :meth:`settle` (a gradient about to be accumulated into).
+        """
+        if plan.layout.world_size != 1 or grad.numel() != plan.layout.shard_numel:
+            raise ValueError(f"all_reduce_in_place needs the whole gradient of {plan.layout}")
+        index = self.index_of(plan, grad.device)
+        kept = [(start, grad[start:end].clone()) for start, end in index.unused(0)]
+        if predivide != 1.0:
+            grad.div_(predivide)
+        self.ledger.record("all_reduce", grad)
+        work = dist.all_reduce(grad, group=self.group, async_op=True)
+        assert work is not None
+        self._in_place.append(_InPlace(grad, work, postdivide, kept))
+
+    @torch.no_grad()
+    def reduce_scatter_in_place(
+        self,
+        whole: torch.Tensor,
+        output: torch.Tensor,
+        plan: MaskPlan,
+        postdivide: float = 1.0,
+    ) -> None:
+        """Start a reduce-scatter of one padded unsharded gradient ``whole`` (divided
+        already, if at all) straight into ``output``, this rank's shard; :meth:`flush`
+        (or :meth:`settle`) waits for it, divides by ``postdivide`` and zeroes the
+        elements ``plan`` does not use. The caller guarantees that nothing reads or
+        writes ``whole`` or ``output`` until then."""
+        layout = plan.layout
+        if whole.numel() != layout.padded_numel or output.numel() != layout.shard_numel:
+            raise ValueError(
+                f"reduce_scatter_in_place needs a padded gradient and a shard of {layout}"
+            )
+        index = self.index_of(plan, whole.device)
+        self.ledger.record("reduce_scatter", whole)
+        work = reduce_scatter_single(output, whole, group=self.group, async_op=True)
+        assert work is not None
+        self._in_place.append(
+            _InPlace(output, work, postdivide, [], index.unused(self.rank), whole)
+        )
+
+    def in_flight(self, tensor: torch.Tensor | None) -> bool:
+        """Whether an in-place reduction still in flight writes ``tensor``."""
+        return tensor is not None and any(op.target is tensor for op in self._in_place)
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Wait for every in-place reduction started, and finish it (post-division,
+        unused elements restored or zeroed)."""
+        in_place, self._in_place = self._in_place, []
+        for op in in_place:
+            op.work.wait()
+            target = op.target
+            if op.postdivide != 1.0:
+                target.div_(op.postdivide)
+            for start, values in op.kept:
+                target[start : start + values.numel()].copy_(values)
+            for start, end in op.zeroed:
+                target[start:end].zero_()
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Reduce everything queued, one collective per kind of bucket, and hand out
-        the results."""
-        replicated, self._replicated = self._replicated, []
+        """Reduce everything queued, one collective per kind of bucket, hand out the
+        results, and finish the in-place reductions started (:meth:`settle`)."""
+        self._flush_buckets()
+        self.settle()
+
+    def _flush_buckets(self) -> None:
+        try:
+            self._reduce_buckets()
+        finally:
+            self._trim_buffers()
+
+    def _reduce_buckets(self) -> None:
+        replicated, self._replicated = self._replicated, {}
         entries, self._entries, self._queued_numel = self._entries, [], 0
-        if replicated:
-            self._all_reduce(replicated)
+        for key, bucket in replicated.items():
+            self._all_reduce(self._buffers[key], bucket)
         if not entries:
             return
         world = self.world_size
@@ -257,16 +521,13 @@ class MaskedReducer:
             entry.index.place(shard, received, self.rank)
             entry.on_done(shard)
 
-    def _all_reduce(self, entries: list[_Entry]) -> None:
-        buffer = torch.cat([entry.parts[0] for entry in entries])
-        if buffer.numel():
-            self.ledger.record("all_reduce", buffer)
-            dist.all_reduce(buffer, group=self.group)
-        offset = 0
-        for entry in entries:
-            count = entry.numel
-            entry.on_done(buffer[offset : offset + count])
-            offset += count
+    def _all_reduce(self, buffer: torch.Tensor, bucket: _ReplicatedBucket) -> None:
+        used = buffer[: bucket.numel]
+        if bucket.numel:
+            self.ledger.record("all_reduce", used)
+            dist.all_reduce(used, group=self.group)
+        for offset, count, on_done in bucket.entries:
+            on_done(used[offset : offset + count])
 
     def _parts(self, entries: list[_Entry], rank: int) -> list[torch.Tensor]:
         return [entry.parts[rank] for entry in entries]
@@ -278,7 +539,11 @@ class MaskedReducer:
             # One fully used gradient, already laid out as the collective wants it.
             send = whole.view(self.world_size, width)
         else:
-            send = entries[0].parts[0].new_empty(self.world_size, width)
+            like = entries[0].parts[0]
+            flat_send = self._buffer(
+                ("send", like.dtype, like.device), like, self.world_size * width, 0
+            )
+            send = flat_send[: self.world_size * width].view(self.world_size, width)
             for rank in range(self.world_size):
                 torch.cat(self._parts(entries, rank), out=send[rank, : counts[rank]])
                 send[rank, counts[rank] :].zero_()
