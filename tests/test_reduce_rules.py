@@ -11,11 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flatview.comm.ledger import Ledger
+from flatview.comm.packing import PlanIndex
 from flatview.comm.reduce import (
     IN_PLACE_MIN_NUMEL,
     IN_PLACE_TOLERANCE,
     MaskedReducer,
-    PlanIndex,
     Strategy,
 )
 from flatview.layout import FlatLayout, MaskPlan

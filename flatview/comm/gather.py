@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from flatview.comm._compat import all_gather_single
 from flatview.comm.ledger import Ledger
-from flatview.comm.reduce import PlanIndex
+from flatview.comm.packing import PlanIndex
 from flatview.layout import MaskPlan
 
 MASK_GATHER_BELOW = 0.6

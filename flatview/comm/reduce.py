@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from flatview.comm._compat import reduce_scatter_single
 from flatview.comm.ledger import Ledger
+from flatview.comm.packing import PlanIndex
 from flatview.layout import MaskPlan
 
 PAD_TOLERANCE = 0.05
@@ -88,109 +89,6 @@ def choose_strategy(counts: Sequence[int], requested: Strategy) -> Strategy:
     exact = sum(counts)
     padded = max(counts, default=0) * len(counts)
     return Strategy.REDUCE_SCATTER if padded <= exact * (1 + PAD_TOLERANCE) else Strategy.ALL_TO_ALL
-
-
-class PlanIndex:
-    """How to pick one mask plan's used elements out of each rank's row, built once.
-
-    Runs of used elements are copied slice by slice (a memcpy each). Only a row with
-    many short runs, where a Python loop per run would cost more than the copy, gets an
-    index tensor for one gather; it is small precisely because the runs are short.
-    """
-
-    MANY_RUNS = 32
-    SHORT_RUN = 256
-
-    def __init__(self, plan: MaskPlan, device: torch.device) -> None:
-        self.plan = plan
-        self._unused: dict[int, tuple[tuple[int, int], ...]] = {}
-        self.runs: list[tuple[tuple[int, int], ...] | None] = []
-        self.indices: list[torch.Tensor | None] = []
-        for intervals in plan.per_rank:
-            used = sum(end - start for start, end in intervals)
-            if len(intervals) > self.MANY_RUNS and used < self.SHORT_RUN * len(intervals):
-                self.runs.append(None)
-                self.indices.append(
-                    torch.cat([torch.arange(s, e, device=device) for s, e in intervals])
-                )
-            else:
-                self.runs.append(intervals)
-                self.indices.append(None)
-
-    def unused(self, rank: int) -> tuple[tuple[int, int], ...]:
-        """The runs of rank ``rank``'s row that the plan does not use (skipped
-        segments, gaps between segments, padding), in order."""
-        found = self._unused.get(rank)
-        if found is None:
-            cursor, gaps = 0, []
-            for start, end in self.plan.per_rank[rank]:
-                if start > cursor:
-                    gaps.append((cursor, start))
-                cursor = end
-            if cursor < self.plan.layout.shard_numel:
-                gaps.append((cursor, self.plan.layout.shard_numel))
-            found = self._unused[rank] = tuple(gaps)
-        return found
-
-    def pick(self, row: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s used elements of ``row``, packed (a view when one run)."""
-        runs = self.runs[rank]
-        if runs is None:
-            index = self.indices[rank]
-            assert index is not None
-            return row.index_select(0, index)
-        if len(runs) == 1:
-            return row[runs[0][0] : runs[0][1]]
-        if not runs:
-            return row[:0]
-        return torch.cat([row[start:end] for start, end in runs])
-
-    def pack(self, row: torch.Tensor, out: torch.Tensor, rank: int, divisor: float = 1.0) -> None:
-        """Write rank ``rank``'s used elements of ``row`` into ``out`` (which holds exactly
-        that many), divided by ``divisor`` on the way: one pass over the used elements."""
-        runs = self.runs[rank]
-        if runs is None:
-            index = self.indices[rank]
-            assert index is not None
-            torch.index_select(row, 0, index, out=out)
-            if divisor != 1.0:
-                out.div_(divisor)
-            return
-        offset = 0
-        for start, end in runs:
-            _copy_divided(out[offset : offset + end - start], row[start:end], divisor)
-            offset += end - start
-
-    def place(
-        self, target: torch.Tensor, values: torch.Tensor, rank: int, divisor: float = 1.0
-    ) -> None:
-        """Write packed ``values`` back to rank ``rank``'s used positions of ``target``,
-        divided by ``divisor`` on the way (``values`` itself is left as it was unless
-        the plan needed an index)."""
-        runs = self.runs[rank]
-        if runs is None:
-            index = self.indices[rank]
-            assert index is not None
-            if divisor != 1.0:
-                values = values / divisor
-            target.index_copy_(0, index, values)
-            return
-        offset = 0
-        for start, end in runs:
-            _copy_divided(target[start:end], values[offset : offset + end - start], divisor)
-            offset += end - start
-
-
-def _copy_divided(out: torch.Tensor, source: torch.Tensor, divisor: float) -> None:
-    """``out[:] = source / divisor`` in one pass (a plain copy when ``divisor`` is 1):
-    the values ``source.div_(divisor)`` and a copy would give, cast to ``out``'s dtype
-    like ``copy_``."""
-    if divisor == 1.0:
-        out.copy_(source)
-    elif out.dtype == source.dtype:
-        torch.div(source, divisor, out=out)
-    else:
-        out.copy_(source / divisor)
 
 
 @dataclass
