@@ -64,6 +64,33 @@ def test_use_orig_params_accumulation(dist_pool: PoolFactory, backend: BackendCo
     assert_equivalent(results, reference, scenario)
 
 
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_use_orig_params_alignment_gaps_with_every_nested_unit_skipped(
+    dist_pool: PoolFactory, strategy: str
+) -> None:
+    """Found by the optimizer-state hypothesis test: with ``use_orig_params=True`` torch
+    leaves alignment gaps between parameters, so one rank's shard of the root's fully
+    used gradient has unused elements in the middle. With every nested unit skipped the
+    root's gradient is the only one in the bucket, and sending it unpacked shifted that
+    rank's elements after the gap (``head_copy.bias`` got another parameter's gradient)."""
+    scenario = BackendConfig("torch", strategy).scenario(
+        in_dim=1,
+        width=4,
+        inner=(1, 1),
+        norms=(False, False),
+        aux=True,
+        classes=2,
+        tie=True,
+        skips=(("body.0", "body.1"), ()),
+        set_to_none=False,
+        batch_per_rank=1,
+        seed=0,
+        options={"use_orig_params": True},
+    )
+    results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
+    assert_equivalent(results, run_reference(scenario), scenario)
+
+
 @pytest.mark.parametrize(
     ("strategy", "world_size"), [("NO_SHARD", 2), ("SHARD_GRAD_OP", 3), ("FULL_SHARD", 3)]
 )

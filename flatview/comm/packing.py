@@ -55,6 +55,12 @@ class PlanIndex:
             found = self._unused[rank] = tuple(gaps)
         return found
 
+    def used_is_prefix(self, rank: int) -> bool:
+        """Whether rank ``rank``'s used elements are exactly the start of its row (then
+        the row's first ``count`` elements are its packed elements, unmoved)."""
+        runs = self.runs[rank]
+        return runs is not None and (not runs or (len(runs) == 1 and runs[0][0] == 0))
+
     def pick(self, row: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s used elements of ``row``, packed (a view when one run)."""
         runs = self.runs[rank]

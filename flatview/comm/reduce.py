@@ -433,7 +433,15 @@ class MaskedReducer:
     def _reduce_scatter(self, entries: list[_Entry], counts: list[int]) -> torch.Tensor:
         width = max(counts)
         whole = entries[0].whole
-        if len(entries) == 1 and whole is not None and whole.numel() == width * self.world_size:
+        if (
+            len(entries) == 1
+            and whole is not None
+            and whole.numel() == width * self.world_size
+            # Gaps between segments (torch's alignment padding) would move used elements
+            # off the places the packed layout gives them: only rows whose used elements
+            # come first (a tail of padding at most) can be sent as they are.
+            and all(entries[0].index.used_is_prefix(rank) for rank in range(self.world_size))
+        ):
             # One fully used gradient, already laid out as the collective wants it.
             send = whole.view(self.world_size, width)
         else:
