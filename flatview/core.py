@@ -160,6 +160,12 @@ class FlatView:
         self._flats: list[_Flat] = []
         self._flat_of: dict[int, _Flat] = {}
         self._build_tables()
+        # Which original parameter a tensor or a name is: asked per call by the norms and
+        # optimizer-state operations (LARC asks every step).
+        self._index_of_tensor: dict[int, int] = {id(p.tensor): p.index for p in self._params}
+        self._index_of_name: dict[str, int] = {
+            name: p.index for p in self._params for name in p.names
+        }
         self._params_of_unit: list[tuple[int, ...]] = [
             tuple(p.index for p in self._params if p.unit == u) for u in range(len(self._units))
         ]
@@ -746,9 +752,7 @@ class FlatView:
                 or state, or disagree on a scalar such as ``step``, make every rank
                 raise after the description exchange, before any state tensor moves.
         """
-        return optim_state.consolidate(
-            self._params, self._flats, self._units, self.adapter, optimizer, rank0_only=rank0_only
-        )
+        return optim_state.consolidate(self, optimizer, rank0_only=rank0_only)
 
     def load_optim_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
@@ -774,9 +778,7 @@ class FlatView:
                 of parameter groups; or a per-element tensor does not have its
                 parameter's shape. Nothing is loaded then.
         """
-        optim_state.load(
-            self._params, self._flats, self._units, self.adapter, optimizer, state_dict
-        )
+        optim_state.load(self, optimizer, state_dict)
 
 
 def check_not_wrapped(modules: Sequence[nn.Module]) -> None:

@@ -114,8 +114,7 @@ def select(fv: FlatView, params: ParamSelection) -> list[int]:
 def indices_of(fv: FlatView, items: Iterable[object], argument: str = "params") -> list[int]:
     """The original-parameter index of each item (a view, parameter or name), in order;
     raises :class:`NormError` naming the first that is none of them."""
-    by_tensor = {id(p.tensor): p.index for p in fv._params}
-    by_name = {name: p.index for p in fv._params for name in p.names}
+    by_tensor, by_name = fv._index_of_tensor, fv._index_of_name
     found = []
     for item in items:
         if isinstance(item, str):

@@ -63,8 +63,8 @@ from flatview.errors import OptimStateError
 from flatview.layout import Placement
 
 if TYPE_CHECKING:
-    from flatview.backends.base import Adapter, UnitSpec
-    from flatview.core import _Flat, _Param
+    from flatview.backends.base import Adapter
+    from flatview.core import FlatView, _Param
 
 BUCKET_NUMEL = 2**24
 """Largest number of elements one gathering collective receives (all ranks together),
@@ -123,25 +123,18 @@ def _is_elementwise(home: Placement, key: Any, value: Any) -> bool:
     )
 
 
-def _optimizer_params(
-    params: Sequence[_Param],
-    flats: Sequence[_Flat],
-    units: Sequence[UnitSpec],
-    optimizer: torch.optim.Optimizer,
-) -> list[list[int]]:
+def _optimizer_params(fv: FlatView, optimizer: torch.optim.Optimizer) -> list[list[int]]:
     """Per parameter group of ``optimizer``, the indices of its parameters; raises
     :class:`OptimStateError` for any tensor that is not one of the model's parameters."""
-    index_of = {id(p.tensor): p.index for p in params}
-    flat_of = {id(f.spec.flat): f for f in flats}
     groups = []
     for g, group in enumerate(optimizer.param_groups):
         indices = []
         for j, tensor in enumerate(group["params"]):
-            index = index_of.get(id(tensor))
+            index = fv._index_of_tensor.get(id(tensor))
             if index is None:
                 raise OptimStateError(
                     f"{type(optimizer).__name__}: parameter {j} of parameter group {g} is "
-                    f"{_describe_foreign(tensor, flat_of, units, params)}, not one of this "
+                    f"{_describe_foreign(tensor, fv)}, not one of this "
                     "FlatView's parameters. Optimizer state is saved and loaded by name only "
                     "for optimizers over views and the model's other parameters "
                     "(FlatView.parameters(), submodule.parameters())."
@@ -151,17 +144,12 @@ def _optimizer_params(
     return groups
 
 
-def _describe_foreign(
-    tensor: Any,
-    flat_of: Mapping[int, _Flat],
-    units: Sequence[UnitSpec],
-    params: Sequence[_Param],
-) -> str:
-    flat = flat_of.get(id(tensor))
+def _describe_foreign(tensor: Any, fv: FlatView) -> str:
+    flat = fv._flat_of.get(id(tensor))
     if flat is not None:
-        names = [params[i].name for i in flat.params]
+        names = [fv._params[i].name for i in flat.params]
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        unit = units[flat.unit].name or "<root>"
+        unit = fv._units[flat.unit].name or "<root>"
         return f"the flat parameter of FSDP unit {unit!r} (holding {shown})"
     if isinstance(tensor, torch.Tensor):
         return (
@@ -175,17 +163,12 @@ def _describe_foreign(
 
 
 def consolidate(
-    params: Sequence[_Param],
-    flats: Sequence[_Flat],
-    units: Sequence[UnitSpec],
-    adapter: Adapter,
-    optimizer: torch.optim.Optimizer,
-    *,
-    rank0_only: bool = False,
+    fv: FlatView, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
 ) -> dict[str, Any]:
     """The consolidated state of ``optimizer`` (see :meth:`flatview.FlatView.optim_state_dict`)."""
+    params, adapter = fv._params, fv.adapter
     homes = [param.placement for param in params]
-    groups = _optimizer_params(params, flats, units, optimizer)
+    groups = _optimizer_params(fv, optimizer)
     saved = optimizer.state_dict()
     # Optimizer.state_dict() numbers the parameters in group order: position k is the
     # k-th parameter over all groups.
@@ -465,17 +448,11 @@ def _gather(
 # ---------------------------------------------------------------------------- load
 
 
-def load(
-    params: Sequence[_Param],
-    flats: Sequence[_Flat],
-    units: Sequence[UnitSpec],
-    adapter: Adapter,
-    optimizer: torch.optim.Optimizer,
-    state_dict: Mapping[str, Any],
-) -> None:
+def load(fv: FlatView, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
     """Load a consolidated state (see :meth:`flatview.FlatView.load_optim_state_dict`)."""
+    params = fv._params
     homes = [param.placement for param in params]
-    groups = _optimizer_params(params, flats, units, optimizer)
+    groups = _optimizer_params(fv, optimizer)
     if not (
         isinstance(state_dict, Mapping)
         and isinstance(state_dict.get("state"), Mapping)

@@ -32,6 +32,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from flatview import FlatView
+    from tests.conftest import PoolFactory
 
 Test = TypeVar("Test", bound=Callable[..., None])
 
@@ -649,6 +650,15 @@ def compare(
         np.testing.assert_allclose(
             got[name], want[name], rtol=10 * tolerance, atol=tolerance, err_msg=name
         )
+
+
+def check_equivalent(
+    dist_pool: PoolFactory, scenario: Scenario, *, timeout: float, tolerance: float = 1e-5
+) -> None:
+    """Train ``scenario`` with FSDP + flatview in a pool of its world size and in one
+    process, and :func:`assert_equivalent` the two."""
+    results = dist_pool(scenario.world_size).run(run_distributed, scenario, timeout=timeout)
+    assert_equivalent(results, run_reference(scenario), scenario, tolerance)
 
 
 def assert_equivalent(

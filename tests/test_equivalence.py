@@ -24,12 +24,9 @@ from tests.scenarios import (
     GATED,
     WRAPPER_OPTIONS,
     BackendConfig,
-    Scenario,
-    assert_equivalent,
     backend_param,
+    check_equivalent,
     draws_per_backend,
-    run_distributed,
-    run_reference,
     scenarios,
     spread,
     wrapper_options,
@@ -42,11 +39,6 @@ if TYPE_CHECKING:
 TIMEOUT = 120.0
 
 
-def check(dist_pool: PoolFactory, scenario: Scenario, tolerance: float = 1e-5) -> None:
-    results = dist_pool(scenario.world_size).run(run_distributed, scenario, timeout=TIMEOUT)
-    assert_equivalent(results, run_reference(scenario), scenario, tolerance)
-
-
 @draws_per_backend(share=2)
 def test_matches_single_process_reference(
     dist_pool: PoolFactory, backend: BackendConfig, data: st.DataObject
@@ -54,7 +46,7 @@ def test_matches_single_process_reference(
     scenario = data.draw(scenarios(configs=(backend,)), label="scenario")
     # Shown by --hypothesis-show-statistics: how the draws spread over world sizes.
     event(f"{scenario.world_size} rank(s)")
-    check(dist_pool, scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 # Quick: fairscale and SHARD_GRAD_OP on 2 ranks, FULL_SHARD and NO_SHARD on 3.
@@ -62,7 +54,7 @@ def test_matches_single_process_reference(
 def test_skips_of_every_kind(
     dist_pool: PoolFactory, backend: BackendConfig, world_size: int
 ) -> None:
-    check(dist_pool, backend.scenario(GATED, world_size=world_size))
+    check_equivalent(dist_pool, backend.scenario(GATED, world_size=world_size), timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -70,7 +62,7 @@ def test_skip_everything_in_the_first_step(dist_pool: PoolFactory, backend: Back
     scenario = backend.scenario(
         world_size=2, inner=(3, 4, 2), norms=(True, True, False), skips=((0, 1, 2), (1,), ())
     )
-    check(dist_pool, scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 def _option_params() -> list[Any]:
@@ -97,7 +89,7 @@ def test_wrapper_options(
         set_to_none=False,
         options=WRAPPER_OPTIONS[backend.backend][option],
     )
-    check(dist_pool, scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -110,7 +102,7 @@ def test_no_agreement_check(dist_pool: PoolFactory, backend: BackendConfig) -> N
         skips=((0, 2), (1,), ()),
         check=False,
     )
-    check(dist_pool, scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 # Low-precision compute (fairscale: fp16 parameters and reduction) or reduction (torch:
@@ -131,7 +123,7 @@ def test_mixed_precision(dist_pool: PoolFactory, backend: BackendConfig) -> None
         skips=((1,), (0,), ()),
         options=MIXED_PRECISION[backend.backend],
     )
-    check(dist_pool, scenario, tolerance=3e-3)
+    check_equivalent(dist_pool, scenario, tolerance=3e-3, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -145,7 +137,7 @@ def test_freezing_by_name(dist_pool: PoolFactory, backend: BackendConfig) -> Non
         skips=((), (1,), ()),
         frozen=("body.0.up", "head.bias", "stem.weight"),
     )
-    check(dist_pool, scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize(("backend", "world_size"), spread((2, 3, 4), quick=(3, 2, 4, 3)))
@@ -161,7 +153,7 @@ def test_one_unit_mostly_skipped(
         norms=(True, False, True, False, True),
         skips=((0, 2, 3, 4), (1, 2, 3), (0, 1, 2, 4), ()),
     )
-    check(dist_pool, scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 # Per backend, configurations whose reduction flatview must reproduce bit for bit.

@@ -15,10 +15,8 @@ from tests import workers as w
 from tests.scenarios import (
     FAIRSCALE,
     Scenario,
-    assert_equivalent,
+    check_equivalent,
     make_net,
-    run_distributed,
-    run_reference,
 )
 
 if TYPE_CHECKING:
@@ -77,8 +75,7 @@ def test_unflattened_skipping_whole_units(dist_pool: PoolFactory) -> None:
     """flatten_parameters=False: each parameter is its own flat parameter; skipping
     whole nested units works."""
     scenario = FAIRSCALE.scenario(UNFLATTENED, skips=((0, 2), (1,), (), (0, 1, 2)))
-    results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
-    assert_equivalent(results, run_reference(scenario), scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 def test_unflattened_skipping_root_parameters(dist_pool: PoolFactory) -> None:
@@ -86,5 +83,4 @@ def test_unflattened_skipping_root_parameters(dist_pool: PoolFactory) -> None:
     never fires, and fairscale's final callback reshards only nested units; flatview
     reshards it (it used to stay unsharded and break the next backward)."""
     scenario = FAIRSCALE.scenario(UNFLATTENED, skips=((), ("aux",), ()))
-    results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
-    assert_equivalent(results, run_reference(scenario), scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)

@@ -17,6 +17,7 @@ from tests.scenarios import (
     Scenario,
     assert_equivalent,
     backend_param,
+    check_equivalent,
     make_net,
     run_distributed,
     run_reference,
@@ -158,8 +159,7 @@ def test_accumulation_after_a_mostly_skipped_micro_batch(
     """One unit for the whole model; the first micro-batch of each step skips every
     block (fairscale then gathers only the used segments), the second uses them all."""
     scenario = backend.scenario(SC, nested=False, skips=((0, 1, 2, 3), ()) * 2, accumulate=2)
-    results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
-    assert_equivalent(results, run_reference(scenario), scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -167,8 +167,7 @@ def test_backward_outside_step_is_plain_fsdp(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
     scenario = backend.scenario(SC, skips=((), ()), declare=False)
-    results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
-    assert_equivalent(results, run_reference(scenario), scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 # ---------------------------------------------------------------------- errors

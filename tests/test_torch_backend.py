@@ -20,6 +20,7 @@ from tests.scenarios import (
     BackendConfig,
     Scenario,
     assert_equivalent,
+    check_equivalent,
     make_net,
     run_distributed,
     run_reference,
@@ -87,8 +88,7 @@ def test_use_orig_params_alignment_gaps_with_every_nested_unit_skipped(
         seed=0,
         options={"use_orig_params": True},
     )
-    results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
-    assert_equivalent(results, run_reference(scenario), scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize(
@@ -120,8 +120,7 @@ def test_use_orig_params_accumulation_with_zeroed_grads(
         batch_per_rank=1,
         options={"use_orig_params": True},
     )
-    results = dist_pool(world_size).run(run_distributed, scenario, timeout=TIMEOUT)
-    assert_equivalent(results, run_reference(scenario), scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------- state dicts
@@ -183,8 +182,7 @@ def test_prefetch_with_evaluation_passes(dist_pool: PoolFactory) -> None:
         evaluate=True,
         options={"forward_prefetch": True, "backward_prefetch": "BACKWARD_POST"},
     )
-    results = dist_pool(3).run(run_distributed, scenario, timeout=TIMEOUT)
-    assert_equivalent(results, run_reference(scenario), scenario)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("backward_prefetch", ["BACKWARD_PRE", "BACKWARD_POST"])

@@ -4,6 +4,7 @@ removes, lending wrappers, and wrapper-free names."""
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -101,3 +102,13 @@ class AdapterBase:
         """Registered on the root: a forward without autograd has no backward to wait for."""
         if not torch.is_grad_enabled():
             self.core.end_forward_only()
+
+
+def optional_class(module: str, name: str) -> type[nn.Module] | None:
+    """``module.name`` if that backend can be imported here, else ``None`` (flatview runs
+    with either FSDP implementation missing)."""
+    try:
+        found: type[nn.Module] = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return found

@@ -34,7 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import AdapterBase, join, owners_and_names, without_segments
+from flatview.backends._common import (
+    AdapterBase,
+    join,
+    optional_class,
+    owners_and_names,
+    without_segments,
+)
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan
@@ -54,11 +60,7 @@ _LENDING_METHODS = (
 
 
 def _fsdp_class() -> type[nn.Module] | None:
-    try:
-        from fairscale.nn.data_parallel import FullyShardedDataParallel
-    except ImportError:
-        return None
-    return FullyShardedDataParallel
+    return optional_class("fairscale.nn.data_parallel", "FullyShardedDataParallel")
 
 
 def is_fairscale_fsdp(model: object) -> bool:

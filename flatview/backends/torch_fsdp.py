@@ -72,7 +72,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import AdapterBase, join, owners_and_names, without_segments
+from flatview.backends._common import (
+    AdapterBase,
+    join,
+    optional_class,
+    owners_and_names,
+    without_segments,
+)
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
 from flatview.core import check_not_wrapped
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
@@ -118,11 +124,7 @@ FSDP2_MESSAGE = (
 def _fsdp_class() -> type[nn.Module] | None:
     if not dist.is_available():
         return None
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return None
-    return FullyShardedDataParallel
+    return optional_class("torch.distributed.fsdp", "FullyShardedDataParallel")
 
 
 def is_torch_fsdp(model: object) -> bool:
