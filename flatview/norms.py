@@ -299,11 +299,13 @@ def _listing(names: Sequence[str], limit: int = 8) -> str:
 # ------------------------------------------------------------------ public helpers
 
 
-def _param(view: nn.Parameter) -> torch.Tensor:
+def param_column(view: nn.Parameter) -> torch.Tensor:
+    """The :data:`Column` of parameter norms: the view itself."""
     return view
 
 
-def _grad(view: nn.Parameter) -> torch.Tensor | None:
+def grad_column(view: nn.Parameter) -> torch.Tensor | None:
+    """The :data:`Column` of gradient norms: the view's gradient, if any."""
     return view.grad
 
 
@@ -312,7 +314,7 @@ def param_norms(fv: FlatView, params: ParamSelection, norm_type: object) -> dict
     p = check_norm_type(norm_type)
     indices = select(fv, params)
     check_phase(fv, "param_norms", grads=False)
-    rows = whole_norms(fv, indices, [("param", _param)], p)
+    rows = whole_norms(fv, indices, [("param", param_column)], p)
     out = {}
     for index, (norm,) in zip(indices, rows, strict=True):
         assert norm is not None
@@ -327,7 +329,7 @@ def grad_norms(
     p = check_norm_type(norm_type)
     indices = select(fv, params)
     check_phase(fv, "grad_norms", grads=True)
-    rows = whole_norms(fv, indices, [("grad", _grad)], p)
+    rows = whole_norms(fv, indices, [("grad", grad_column)], p)
     return {fv._params[i].name: norm for i, (norm,) in zip(indices, rows, strict=True)}
 
 

@@ -30,7 +30,7 @@ def param_and_grad_norms(
     p = norms.check_norm_type(norm_type)
     indices = norms.select(fv, params)
     norms.check_phase(fv, "param_and_grad_norms", grads=True)
-    columns = [("param", norms._param), ("grad", norms._grad)]
+    columns = [("param", norms.param_column), ("grad", norms.grad_column)]
     rows = norms.whole_norms(fv, indices, columns, p)
     out = {}
     for index, (weight, grad) in zip(indices, rows, strict=True):
