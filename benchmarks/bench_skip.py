@@ -348,6 +348,18 @@ def _flatview_torch(
     return build
 
 
+def _flatview_ddp(check: bool) -> Callable[[Config], Trainer]:
+    """DDP (``find_unused_parameters=False``) wrapped by flatview: the seed-000 case, DDP
+    told the unused parameters before the forward."""
+
+    def build(cfg: Config) -> Trainer:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return _with_flatview(DDP(make_net(cfg)), cfg, check, "auto")
+
+    return build
+
+
 def _torch_plain(strategy: str) -> Callable[[Config], Trainer]:
     """torch FSDP1 without flatview, flat parameters (``use_orig_params=False``): trains only
     when nothing is skipped or the skipped units' flat gradients may stay None."""
@@ -435,6 +447,8 @@ APPROACHES: tuple[Approach, ...] = (
         "flatview + torch FSDP1 one unit, NO_SHARD (DDP-style), check off",
         _flatview_torch_one_unit(False),
     ),
+    Approach("flatview_ddp_check", "flatview + DDP, check on", _flatview_ddp(True)),
+    Approach("flatview_ddp", "flatview + DDP, check off", _flatview_ddp(False)),
     Approach(
         "flatview_torch_full_shard",
         "flatview + torch FSDP1 per block, FULL_SHARD",
@@ -507,6 +521,20 @@ PAIRS: tuple[Pair, ...] = (
         "NO_SHARD (check on), skipping",
         ("DDP find_unused", _ddp("skip", True)),
         ("flatview NO_SHARD", _flatview_torch("NO_SHARD")),
+        skip=True,
+    ),
+    Pair(
+        "replicated_ddp_vs_ideal",
+        "DDP-style: the ideal vs flatview + DDP (check on), skipping",
+        ("ideal", build_ideal),
+        ("flatview + DDP", _flatview_ddp(True)),
+        skip=True,
+    ),
+    Pair(
+        "replicated_ddp_vs_ddp",
+        "DDP-style: DDP find_unused_parameters=True vs flatview + DDP (check on), skipping",
+        ("DDP find_unused", _ddp("skip", True)),
+        ("flatview + DDP", _flatview_ddp(True)),
         skip=True,
     ),
     Pair(

@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from flatview import norms as _norms
 from flatview import optim_state
 from flatview.backends.base import Adapter, FlatSpec, UnitSpec
-from flatview.comm.agreement import check_agreement, fingerprint
+from flatview.comm.agreement import Agreement, fingerprint
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
 from flatview.comm.reduce import MaskedReducer, Strategy
@@ -112,6 +112,8 @@ class _Iteration:
     """Per flat parameter, per segment: not skipped, so the forward may read it."""
     skipped_units: frozenset[int]
     step: int
+    plain_used: frozenset[int]
+    """Plain parameters trained in this iteration (not skipped, not frozen)."""
 
 
 _live: weakref.WeakSet[FlatView] = weakref.WeakSet()
@@ -166,11 +168,18 @@ class FlatView:
         self._index_of_name: dict[str, int] = {
             name: p.index for p in self._params for name in p.names
         }
+        # Plain parameters whose gradient flatview all-reduces itself (DDP).
+        reduced = {id(plain.param) for unit in self._units for plain in unit.plain if plain.reduced}
+        self._reduced_plain: tuple[int, ...] = tuple(
+            p.index for p in self._params if p.flat is None and id(p.tensor) in reduced
+        )
         self._params_of_unit: list[tuple[int, ...]] = [
             tuple(p.index for p in self._params if p.unit == u) for u in range(len(self._units))
         ]
 
         self._step_skip: frozenset[int] | None = None
+        self._agreement: Agreement | None = None
+        """The step's skip-set check, while it runs alongside the forward."""
         self._step_count = 0
         self._iteration: _Iteration | None = None
         # Per flat parameter, segments used in the backwards since the last synced one
@@ -414,19 +423,33 @@ class FlatView:
         skipped = self._resolver.resolve(skip)
         self.ledger.reset()
         if self.check_skip_agreement if check is None else check:
-            check_agreement(
+            agreement = Agreement(
                 fingerprint(skipped),
                 lambda: [self._params[i].name for i in sorted(skipped)],
                 self.adapter.group,
                 self.adapter.device,
                 self.ledger,
             )
+            if self.adapter.overlaps_agreement:
+                self._agreement = agreement
+            else:
+                agreement.settle()
         self._step_count += 1
         self._step_skip = skipped
         try:
             yield self
         finally:
             self._step_skip = None
+            self.settle_agreement()
+
+    def settle_agreement(self) -> None:
+        """Wait for the skip-set check of the step in flight if it still runs (adapters
+        that overlap it with the forward call this before their first collective),
+        raising :class:`~flatview.errors.SkipSetMismatchError` on every rank if ranks
+        disagree."""
+        agreement, self._agreement = self._agreement, None
+        if agreement is not None:
+            agreement.settle()
 
     # --------------------------------------------------------- adapter calls
 
@@ -480,7 +503,14 @@ class FlatView:
             for u, params in enumerate(self._params_of_unit)
             if params and skipped.issuperset(params)
         )
-        self._iteration = _Iteration(skipped, used, read, skipped_units, self._step_count)
+        plain_used = frozenset(
+            p.index
+            for p in params
+            if p.flat is None and p.index not in skipped and p.tensor.requires_grad
+        )
+        self._iteration = _Iteration(
+            skipped, used, read, skipped_units, self._step_count, plain_used
+        )
 
     def check_unit_forward(self, unit: int) -> None:
         """Refuse to run a non-root unit whose parameters are all declared skipped:
@@ -545,6 +575,29 @@ class FlatView:
 
         if tensor.requires_grad:
             self._guards.append(tensor.register_hook(refuse))
+
+    def guard_skipped_plain(self) -> None:
+        """Hook the skipped plain parameters (registered as they are, not flattened):
+        if the model uses one in this iteration, backward raises."""
+        iteration = self._iteration
+        if iteration is None:
+            return
+        for index in iteration.skipped:
+            param = self._params[index]
+            if param.flat is None:
+                self._guard(param.tensor, param.name)
+
+    def plain_used(self) -> frozenset[int]:
+        """Indices of the plain parameters trained in the iteration in flight."""
+        return self._iteration.plain_used if self._iteration is not None else frozenset()
+
+    def tensor(self, index: int) -> nn.Parameter:
+        """Original parameter ``index``: its view, or the plain parameter itself."""
+        return self._params[index].tensor
+
+    def name(self, index: int) -> str:
+        """The original name of parameter ``index``."""
+        return self._params[index].name
 
     def reduction_plan(self, flat: nn.Parameter) -> MaskPlan | None:
         """The mask for reducing ``flat``'s gradient now, or ``None`` if it is unknown."""
@@ -669,6 +722,14 @@ class FlatView:
                     skipped_bytes += segment.numel * size
                 else:
                     used += segment.numel * size
+        for index in self._reduced_plain:
+            tensor = self._params[index].tensor
+            size = tensor.numel() * tensor.element_size()
+            dense += size
+            if index in skipped:
+                skipped_bytes += size
+            elif tensor.requires_grad:
+                used += size
         reduce_kinds = ("reduce_scatter", "all_to_all", "all_reduce")
         return StepStats(
             reduced_bytes=sum(self.ledger.bytes[k] for k in reduce_kinds),

@@ -350,12 +350,15 @@ def bad_arguments(scenario: Scenario) -> dict[str, str]:
     with wrapped(scenario) as (model, fv):
         tree = _original_tree(model)
         synced_backward(scenario, model, fv, range(1))
-        flat = _a_flat_parameter(model, scenario)
+        from tests.workers import flats_and_shards
+
+        flats = flats_and_shards(model, scenario.backend)
         cases: dict[str, Any] = {
             "name": lambda: fv.param_norms(["head.weight", "body.9.up.weight"]),
             "typo": lambda: fv.param_norms("head.wieght"),
             "foreign": lambda: fv.param_norms([tree.head.weight, torch.zeros(3)]),
-            "flat": lambda: fv.param_norms([flat]),
+            # DDP flattens nothing: there is no flat parameter to pass.
+            "flat": lambda: fv.param_norms([flats[0][0]]) if flats else fv.param_norms([3]),
             "grad": lambda: fv.param_norms([tree.stem.bias.grad]),
             "number": lambda: fv.param_norms([3]),
             "mapping": lambda: fv.param_norms({"head.weight": 1}),
@@ -378,12 +381,6 @@ def bad_arguments(scenario: Scenario) -> dict[str, str]:
             if counter.calls:
                 messages[kind] += f" after collectives {dict(counter.calls)}"
         return messages
-
-
-def _a_flat_parameter(model: nn.Module, scenario: Scenario) -> nn.Parameter:
-    from tests.workers import flats_and_shards
-
-    return flats_and_shards(model, scenario.backend)[0][0]
 
 
 def wrong_phase(scenario: Scenario, where: str) -> None:

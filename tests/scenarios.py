@@ -43,21 +43,28 @@ TORCH_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """One FSDP implementation, and for torch its sharding strategy."""
+    """One wrapper (fairscale FSDP, torch FSDP1, DDP), and for torch FSDP its sharding
+    strategy."""
 
     backend: str
     strategy: str = "FULL_SHARD"
-    """torch's ``ShardingStrategy`` name; fairscale ignores it."""
+    """torch's ``ShardingStrategy`` name; fairscale and DDP ignore it."""
 
     def __str__(self) -> str:
-        if self.backend == "fairscale":
-            return "fairscale"
+        if self.backend in ("fairscale", "ddp"):
+            return self.backend
         return f"torch-{self.strategy.lower().replace('_', '-')}"
 
     @property
+    def flattens(self) -> bool:
+        """Whether the wrapper packs parameters into flat parameters (FSDP), so that
+        flatview makes views; DDP keeps the originals."""
+        return self.backend != "ddp"
+
+    @property
     def replicated(self) -> bool:
-        """Whether every rank holds every parameter (torch ``NO_SHARD``)."""
-        return self.backend == "torch" and self.strategy == "NO_SHARD"
+        """Whether every rank holds every parameter (torch ``NO_SHARD``, DDP)."""
+        return self.backend == "ddp" or (self.backend == "torch" and self.strategy == "NO_SHARD")
 
     def scenario(self, base: Scenario | None = None, **fields: Any) -> Scenario:
         """``base`` (or a default :class:`Scenario`) on this backend, with ``fields`` changed."""
@@ -65,9 +72,11 @@ class BackendConfig:
 
 
 FAIRSCALE = BackendConfig("fairscale")
+DDP = BackendConfig("ddp")
 BACKEND_CONFIGS: tuple[BackendConfig, ...] = (
     FAIRSCALE,
     *(BackendConfig("torch", strategy) for strategy in TORCH_STRATEGIES),
+    DDP,
 )
 
 
@@ -101,6 +110,10 @@ def backend_param(
 
 BACKENDS = [backend_param(config) for config in BACKEND_CONFIGS]
 """Every configuration once: ``@pytest.mark.parametrize("backend", BACKENDS)``."""
+
+FLAT_CONFIGS = tuple(c for c in BACKEND_CONFIGS if c.flattens)
+FLAT_BACKENDS = [backend_param(config) for config in FLAT_CONFIGS]
+"""Every configuration that flattens parameters (FSDP: all but DDP) once."""
 
 
 def spread(world_sizes: Sequence[int], quick: Sequence[int]) -> Any:
@@ -140,6 +153,14 @@ WRAPPER_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
         "auto-wrap": {"auto_wrap": True},
         "prefetch": {"forward_prefetch": True, "backward_prefetch": "BACKWARD_POST"},
         "no-backward-prefetch": {"backward_prefetch": None},
+    },
+    "ddp": {
+        # DDP's own unused-parameter search, left on by users: flatview reduces anyway.
+        "find-unused": {"find_unused_parameters": True},
+        "bucket-view": {"gradient_as_bucket_view": True},
+        # About 100 elements per bucket: flatview's buckets flush many times per step.
+        "small-buckets": {"bucket_cap_mb": 0.0004},
+        "no-buffer-broadcast": {"broadcast_buffers": False},
     },
 }
 
@@ -525,6 +546,10 @@ def wrap_fsdp(scenario: Scenario, net: Net) -> nn.Module:
             for i in range(len(net.body)):
                 net.body[i] = TorchFSDP(net.body[i], **kwargs)
         return TorchFSDP(net, **kwargs)
+    if scenario.backend == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(net, **scenario.options)
     raise ValueError(f"unknown backend {scenario.backend}")
 
 
@@ -539,6 +564,8 @@ def full_state(model: nn.Module, scenario: Scenario) -> dict[str, np.ndarray] | 
         config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
         with TorchFSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
             state = model.state_dict()
+    elif scenario.backend == "ddp":
+        state = model.module.state_dict()
     else:
         state = model.state_dict()
     if dist.get_rank() != 0:

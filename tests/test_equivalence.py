@@ -1,5 +1,5 @@
 """Distributed training with FSDP + flatview equals single-process training, on every
-backend: fairscale FSDP, and torch FSDP1 with FULL_SHARD, SHARD_GRAD_OP and NO_SHARD.
+backend: fairscale FSDP, torch FSDP1 with FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, and DDP.
 
 Hypothesis varies the backend, model shapes (so parameters straddle shard boundaries
 and padding is exercised), world sizes 1 to 4, nesting, tied parameters, frozen
@@ -49,8 +49,8 @@ def test_matches_single_process_reference(
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
-# Quick: fairscale and SHARD_GRAD_OP on 2 ranks, FULL_SHARD and NO_SHARD on 3.
-@pytest.mark.parametrize(("backend", "world_size"), spread((1, 2, 3, 4), quick=(2, 3, 2, 3)))
+# Quick: fairscale and SHARD_GRAD_OP on 2 ranks, FULL_SHARD and NO_SHARD on 3, DDP on 4.
+@pytest.mark.parametrize(("backend", "world_size"), spread((1, 2, 3, 4), quick=(2, 3, 2, 3, 4)))
 def test_skips_of_every_kind(
     dist_pool: PoolFactory, backend: BackendConfig, world_size: int
 ) -> None:
@@ -106,14 +106,15 @@ def test_no_agreement_check(dist_pool: PoolFactory, backend: BackendConfig) -> N
 
 
 # Low-precision compute (fairscale: fp16 parameters and reduction) or reduction (torch:
-# fp16 gradients; torch casts before the communication hook and back after it).
+# fp16 gradients; torch casts before the communication hook and back after it). flatview
+# refuses DDP's own mixed_precision (test_ddp_backend).
 MIXED_PRECISION = {
     "fairscale": {"mixed_precision": True},
     "torch": {"mixed_precision": (None, "float16")},
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0].backend in MIXED_PRECISION])
 def test_mixed_precision(dist_pool: PoolFactory, backend: BackendConfig) -> None:
     """Training agrees with the fp32 reference to fp16 accuracy."""
     scenario = backend.scenario(
@@ -140,7 +141,7 @@ def test_freezing_by_name(dist_pool: PoolFactory, backend: BackendConfig) -> Non
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize(("backend", "world_size"), spread((2, 3, 4), quick=(3, 2, 4, 3)))
+@pytest.mark.parametrize(("backend", "world_size"), spread((2, 3, 4), quick=(3, 2, 4, 3, 2)))
 def test_one_unit_mostly_skipped(
     dist_pool: PoolFactory, backend: BackendConfig, world_size: int
 ) -> None:
@@ -164,6 +165,7 @@ PLAIN_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
         "use-orig-params": {"use_orig_params": True},
         "bf16": {"mixed_precision": ("bfloat16", "bfloat16")},
     },
+    "ddp": {"default": {}},
 }
 
 

@@ -240,6 +240,8 @@ def test_bad_arguments_raise_before_any_collective(
     results = dist_pool(2).run(w.bad_arguments, backend.scenario(GATED), timeout=TIMEOUT)
     assert results[0] == results[1]
     for kind, pattern in BAD_ARGUMENTS.items():
+        if kind == "flat" and backend.backend == "ddp":
+            continue  # DDP flattens nothing
         assert results[0][kind] != "accepted", kind
         assert re.search(pattern, results[0][kind]), (kind, results[0][kind])
         assert "after collectives" not in results[0][kind], (kind, results[0][kind])

@@ -80,7 +80,13 @@ def test_reduced_bytes_track_used_parameters(
         assert measured == r["reduced_bytes"], r
         assert r["used_bytes"] == used * 4
         assert 1 <= r["reduce_calls"] == sum(r["calls"].get(k, 0) for k in reduce_kinds), r
-        if backend.replicated:
+        if backend.backend == "ddp":
+            # One all-reduce of the packed used gradients and, per used parameter, a
+            # flag saying whether this rank's backward reached it.
+            assert set(r["bytes"]) & set(reduce_kinds) == {"all_reduce"}, r
+            flags = len(list(make_net(scenario).parameters())) - len(skipped_names)
+            assert measured == (used + flags) * 4, r
+        elif backend.replicated:
             # One all-reduce of the packed used gradients.
             assert set(r["bytes"]) & set(reduce_kinds) == {"all_reduce"}, r
             assert measured == used * 4
@@ -93,7 +99,8 @@ def test_reduced_bytes_track_used_parameters(
             assert measured <= 1.05 * used * 4 or r["calls"].get("all_to_all"), r
         assert measured < r["dense_bytes"]
         assert r["grads_none"] == skipped_names
-        assert r["units_skipped"] == (2 if nested else 0)
+        # DDP has one unit, the whole model.
+        assert r["units_skipped"] == (2 if nested and backend.backend != "ddp" else 0)
 
 
 # Per backend, how often an FSDP unit is all-gathered in one training step.
@@ -102,6 +109,7 @@ GATHERS_PER_UNIT = {
     "torch-full-shard": 2,
     "torch-shard-grad-op": 1,  # kept unsharded from forward to backward
     "torch-no-shard": 0,  # every rank holds every parameter
+    "ddp": 0,
 }
 
 
@@ -201,6 +209,9 @@ def test_skipped_parameter_that_gets_a_gradient(
     dist_pool: PoolFactory, backend: BackendConfig, case: str
 ) -> None:
     declared, nested, match = SKIPPED_BUT_USED[case]
+    if backend.backend == "ddp" and case == "unit":
+        # DDP has no units: the parameters that got a gradient are named.
+        match = r"parameter 'body\.0\..*' is declared skipped"
     scenario = backend.scenario(SC, nested=nested, gates=(False, True, False, False))
     err = dist_pool(2).run_expecting_error(
         w.skipped_but_used, scenario, declared, match=match, timeout=TIMEOUT
@@ -210,10 +221,12 @@ def test_skipped_parameter_that_gets_a_gradient(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unit_unused_but_not_declared(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    # DDP has no units: it names the parameters.
+    name = r"'body\.0\.\w+" if backend.backend == "ddp" else r"'body\.0'"
     err = dist_pool(2).run_expecting_error(
         w.undeclared_unused,
         backend.scenario(SC, nested=True),
-        match=r"UndeclaredUnusedError.*'body\.0'",
+        match=rf"UndeclaredUnusedError.*{name}",
         timeout=TIMEOUT,
     )
     assert set(err.exc_types.values()) == {"flatview.errors.UndeclaredUnusedError"}

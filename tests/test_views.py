@@ -1,5 +1,6 @@
 """Views: what a user sees and can do after ``flatview.wrap``, on each backend
-configuration (fairscale; torch FULL_SHARD, SHARD_GRAD_OP, NO_SHARD)."""
+configuration that flattens parameters (fairscale; torch FULL_SHARD, SHARD_GRAD_OP,
+NO_SHARD). DDP keeps the original parameters: ``test_ddp_backend``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 
 from tests import workers as w
 from tests.scenarios import (
-    BACKEND_CONFIGS,
     BACKENDS,
+    FLAT_BACKENDS,
+    FLAT_CONFIGS,
     BackendConfig,
     Scenario,
     backend_param,
@@ -29,7 +31,7 @@ def _views_params() -> list[Any]:
     # Nested and unnested at world sizes 2 and 3 alternate over the backends; the other
     # combinations (and world sizes 1 and 4) run in the thorough profile.
     params = []
-    for index, config in enumerate(BACKEND_CONFIGS):
+    for index, config in enumerate(FLAT_CONFIGS):
         for ws in (1, 2, 3, 4):
             for nested in (False, True):
                 quick = ws == 2 + (index + nested) % 2
@@ -70,7 +72,7 @@ def test_views_replace_original_parameters(
 
 
 @pytest.mark.parametrize("nested", [False, True])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FLAT_BACKENDS)
 def test_views_alias_the_shard_across_operations(
     dist_pool: PoolFactory, backend: BackendConfig, nested: bool
 ) -> None:
@@ -81,7 +83,7 @@ def test_views_alias_the_shard_across_operations(
     assert "writes_reach_full_state" in results[0]  # rank 0 compared full states
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FLAT_BACKENDS)
 def test_state_dict_is_unchanged_and_loads(dist_pool: PoolFactory, backend: BackendConfig) -> None:
     results = dist_pool(2).run(w.state_dict_with_and_without, backend.scenario(), timeout=TIMEOUT)
     names = sorted(n for n, _ in make_net(Scenario()).named_parameters())
@@ -98,7 +100,7 @@ LOW_PRECISION_PARAMS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FLAT_BACKENDS)
 def test_mixed_precision_views_alias_fp32_master(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
@@ -109,7 +111,7 @@ def test_mixed_precision_views_alias_fp32_master(
         assert all(not n.startswith("body.1.") for n in result["changed"])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FLAT_BACKENDS)
 def test_optimizer_holding_view_and_flat_is_refused(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
@@ -120,14 +122,21 @@ def test_optimizer_holding_view_and_flat_is_refused(
 
 
 BAD_WRAPS = {
-    "twice": (w.wrap_twice, {"fairscale": "already wrapped", "torch": "already wrapped"}),
+    "twice": (
+        w.wrap_twice,
+        {"fairscale": "already wrapped", "torch": "already wrapped", "ddp": "already wrapped"},
+    ),
     "not-fsdp": (
         w.wrap_not_fsdp,
-        {"fairscale": "expects the outermost", "torch": "expects the outermost"},
+        {
+            "fairscale": "expects the outermost",
+            "torch": "expects the outermost",
+            "ddp": "expects the outermost",
+        },
     ),
     "inner-after-outer": (
         w.wrap_inner_after_outer,
-        {"fairscale": "already wrapped", "torch": "nested FSDP unit"},
+        {"fairscale": "already wrapped", "torch": "nested FSDP unit", "ddp": "got tests"},
     ),
 }
 

@@ -70,6 +70,8 @@ def flats_and_shards(model: nn.Module, backend: str) -> list[tuple[nn.Parameter,
             if isinstance(unit, FairscaleFSDP)
             for flat in unit.params
         ]
+    if backend == "ddp":
+        return []
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
     return [
@@ -244,6 +246,14 @@ def unwrap_restores_plain_fsdp(scenario: Scenario) -> dict[str, bool]:
         after = {id(p) for p in model.parameters()}
         x, y = local_batch(scenario, 0)
         loss_of(model(x), y).backward()
+        if scenario.backend == "ddp":
+            # DDP's parameters are flatview's (nothing is flattened): what must come back
+            # is DDP's own reduction, which averages, so every rank holds the same grad.
+            grad = next(model.parameters()).grad
+            assert grad is not None
+            total = grad.clone()
+            dist.all_reduce(total)
+            views = set() if torch.allclose(total, grad * dist.get_world_size()) else after
         try:
             with fv.step(skip=[]):
                 pass

@@ -10,7 +10,7 @@ from flatview.errors import WrapError
 
 def detect(model: object) -> Adapter:
     """The adapter for ``model``, or a :class:`WrapError` saying why there is none."""
-    from flatview.backends import fairscale, torch_fsdp
+    from flatview.backends import ddp, fairscale, torch_fsdp
 
     if fairscale.is_fairscale_fsdp(model):
         assert isinstance(model, nn.Module)
@@ -18,9 +18,13 @@ def detect(model: object) -> Adapter:
     if torch_fsdp.is_torch_fsdp(model):
         assert isinstance(model, nn.Module)
         return torch_fsdp.TorchFSDPAdapter(model)
+    if ddp.is_ddp(model):
+        assert isinstance(model, nn.Module)
+        return ddp.DDPAdapter(model)
     if torch_fsdp.is_fsdp2(model):
         raise WrapError(torch_fsdp.FSDP2_MESSAGE)
     raise WrapError(
         "flatview.wrap expects the outermost FullyShardedDataParallel model (fairscale's, or "
-        f"torch's FSDP1), got {type(model).__module__}.{type(model).__qualname__}"
+        "torch's FSDP1) or a DistributedDataParallel model, got"
+        f" {type(model).__module__}.{type(model).__qualname__}"
     )

@@ -62,6 +62,7 @@ class AdapterBase:
     class) or :meth:`_hook`, so that :meth:`uninstall` can take it all back."""
 
     root: Any
+    overlaps_agreement = False
 
     def __init__(self) -> None:
         self._core: FlatView | None = None

@@ -59,6 +59,8 @@ class PlainSpec:
     ``flatten_parameters=False``): a one-segment layout, of which the parameter holds
     rank ``rank``'s whole padded shard. ``None``: every rank holds all of it."""
     rank: int = 0
+    reduced: bool = False
+    """flatview all-reduces its gradient itself (DDP): counted in ``FlatView.stats``."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,10 @@ class Adapter(Protocol):
     world_size: int
     device: torch.device
     bucket_numel: int
+    overlaps_agreement: bool
+    """The wrapper communicates nothing the skip set decides before flatview's own
+    gradient collectives, so the skip-set check may run alongside the forward; the
+    adapter calls ``FlatView.settle_agreement`` before its first collective."""
 
     def clean_name(self, name: str) -> str:
         """An original name from a module or parameter name in the wrapped tree."""

@@ -3,6 +3,15 @@
 Ranks that disagree would pair up the collectives of different FSDP units; when those
 units have the same size nothing fails and training is silently corrupted. One tiny
 all-gather of a fingerprint per step rules that out.
+
+The all-gather can run while the forward computes (:meth:`Agreement.settle` later), but
+only where nothing the skip set decides is communicated before flatview's own
+collectives: replicated wrappers (DDP), whose forward and backward communicate nothing
+until flatview reduces. There, every rank settles the check before its first gradient
+collective, so a disagreement still raises on every rank before any collective that
+could pair up wrongly; it costs a few milliseconds less per step (measured in
+``benchmarks/README.md``). Sharded wrappers gather parameters per unit in the forward,
+so they settle at once.
 """
 
 from __future__ import annotations
@@ -26,6 +35,53 @@ def fingerprint(indices: Iterable[int]) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+class Agreement:
+    """One started check: every rank's fingerprint is on its way (an asynchronous
+    all-gather of 8 bytes per rank); :meth:`settle` waits for them and raises
+    :class:`SkipSetMismatchError` on every rank unless all are equal.
+
+    ``describe`` lists this rank's skipped names; it is only called (and gathered) when
+    the fingerprints differ.
+    """
+
+    def __init__(
+        self,
+        print_: int,
+        describe: Callable[[], Sequence[str]],
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        ledger: Ledger,
+    ) -> None:
+        self._describe = describe
+        self._group = group
+        mine = torch.tensor([print_], dtype=torch.int64, device=device)
+        self._everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+        ledger.record("agreement", mine)
+        self._work = all_gather_single(self._everyone, mine, group=group, async_op=True)
+
+    def settle(self) -> None:
+        work, self._work = self._work, None
+        if work is None:
+            return
+        work.wait()
+        prints = self._everyone.tolist()
+        if all(p == prints[0] for p in prints):
+            return
+        world = len(prints)
+        names: list[Sequence[str] | None] = [None] * world
+        dist.all_gather_object(names, list(self._describe()), group=self._group)
+        sets = [set(n or ()) for n in names]
+        common = set.intersection(*sets)
+        lines = [
+            f"rank {r} skips {sorted(s - common) or 'nothing more'}" for r, s in enumerate(sets)
+        ]
+        raise SkipSetMismatchError(
+            "ranks passed different skip sets to FlatView.step(); every rank must skip the "
+            "same parameters in the same step (draw them from a seed shared by all ranks). "
+            f"Beyond the {len(common)} parameters all ranks skip: " + "; ".join(lines)
+        )
+
+
 def check_agreement(
     print_: int,
     describe: Callable[[], Sequence[str]],
@@ -33,26 +89,6 @@ def check_agreement(
     device: torch.device,
     ledger: Ledger,
 ) -> None:
-    """Raise :class:`SkipSetMismatchError` on every rank unless all ranks passed ``print_``.
-
-    ``describe`` lists this rank's skipped names; it is only called (and gathered) when
-    the fingerprints differ, so the common case costs one 8-byte-per-rank all-gather.
-    """
-    world = dist.get_world_size(group)
-    mine = torch.tensor([print_], dtype=torch.int64, device=device)
-    everyone = torch.empty(world, dtype=torch.int64, device=device)
-    ledger.record("agreement", mine)
-    all_gather_single(everyone, mine, group=group)
-    prints = everyone.tolist()
-    if all(p == prints[0] for p in prints):
-        return
-    names: list[Sequence[str] | None] = [None] * world
-    dist.all_gather_object(names, list(describe()), group=group)
-    sets = [set(n or ()) for n in names]
-    common = set.intersection(*sets)
-    lines = [f"rank {r} skips {sorted(s - common) or 'nothing more'}" for r, s in enumerate(sets)]
-    raise SkipSetMismatchError(
-        "ranks passed different skip sets to FlatView.step(); every rank must skip the "
-        "same parameters in the same step (draw them from a seed shared by all ranks). "
-        f"Beyond the {len(common)} parameters all ranks skip: " + "; ".join(lines)
-    )
+    """Raise :class:`SkipSetMismatchError` on every rank unless all ranks passed ``print_``
+    (an :class:`Agreement` settled at once)."""
+    Agreement(print_, describe, group, device, ledger).settle()
