@@ -579,6 +579,14 @@ PAIRS: tuple[Pair, ...] = (
         ("check on", _flatview_fairscale(True, "reduce_scatter")),
         skip=True,
     ),
+    Pair(
+        "agreement_check_ddp",
+        "flatview + DDP, skipping: skip-set check off vs on (on DDP it runs alongside the "
+        "forward)",
+        ("check off", _flatview_ddp(False)),
+        ("check on", _flatview_ddp(True)),
+        skip=True,
+    ),
 )
 
 

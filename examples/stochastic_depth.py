@@ -12,6 +12,7 @@ Run it:
 
     python examples/stochastic_depth.py                 # spawns 2 CPU processes (gloo)
     python examples/stochastic_depth.py --backend torch # torch's FSDP instead of fairscale
+    python examples/stochastic_depth.py --backend ddp   # DDP: skip sets, no sharding
     torchrun --nproc-per-node 8 examples/stochastic_depth.py   # GPUs, NCCL
 
 It prints train and held-out accuracy and the gradient bytes flatview reduced against
@@ -130,10 +131,18 @@ def batches(n_samples: int, global_batch: int, env: DistEnv, seed: int) -> Itera
 
 # ------------------------------------------------------------------------------ FSDP
 
+WRAPPERS = {"fairscale": "fairscale FSDP", "torch": "torch FSDP", "ddp": "DDP"}
+
 
 def wrap_fsdp(net: Mixer, backend: str, env: DistEnv) -> nn.Module:
     """Each block its own FSDP unit inside one outer unit: the usual nesting, and the one
     plain fairscale cannot train with skipped blocks."""
+    if backend == "ddp":
+        # Replicated: nothing to gather; flatview reduces only the used blocks' gradients.
+        from torch.nn.parallel import DistributedDataParallel
+
+        devices = [env.device.index] if env.device.type == "cuda" else None
+        return DistributedDataParallel(net, device_ids=devices)
     if backend == "fairscale":
         from fairscale.nn import FullyShardedDataParallel
 
@@ -222,7 +231,7 @@ def train(env: DistEnv, args: argparse.Namespace) -> None:
     except flatview.WrapError as exc:
         explain_and_exit(
             env,
-            f"\nflatview.wrap does not accept this {args.backend} FSDP model here:\n  {exc}\n"
+            f"\nflatview.wrap does not accept this {WRAPPERS[args.backend]} model here:\n  {exc}\n"
             "This flatview build may not support that backend yet; "
             "run with --backend fairscale.",
         )
@@ -239,7 +248,8 @@ def train(env: DistEnv, args: argparse.Namespace) -> None:
     if env.is_main:
         print(
             f"{fv}\n{env.world_size} ranks ({env.launcher}, {env.device.type}), "
-            f"{args.backend} FSDP, {len(net.blocks)} blocks each its own unit, "
+            f"{WRAPPERS[args.backend]}, {len(net.blocks)} blocks"
+            f"{'' if args.backend == 'ddp' else ' each its own unit'}, "
             f"drop probabilities {[round(p, 2) for p in net.drop_probs]}",
             flush=True,
         )
@@ -318,6 +328,11 @@ def report(
     mib = 2.0**20
     saved = 1 - history.reduced_bytes / history.dense_bytes if history.dense_bytes else 0.0
     mean_skipped = sum(history.skipped_blocks) / len(history.skipped_blocks)
+    plain, everything = (
+        ("plain DDP", "every gradient")
+        if args.backend == "ddp"
+        else ("plain FSDP", "every flat gradient, padded")
+    )
     print(
         f"\n{args.steps} steps in {elapsed:.1f} s, {mean_skipped:.2f} of {args.depth} blocks "
         "skipped per step on average\n"
@@ -325,8 +340,7 @@ def report(
         f"held-out accuracy  {test_acc:7.2%}   (chance: 10%)\n"
         "gradient bytes reduced (rank 0, summed over steps; inputs of the reduce collectives)\n"
         f"  flatview           {history.reduced_bytes / mib:9.2f} MiB\n"
-        f"  plain FSDP         {history.dense_bytes / mib:9.2f} MiB  "
-        "(every flat gradient, padded)\n"
+        f"  {plain:<18} {history.dense_bytes / mib:9.2f} MiB  ({everything})\n"
         f"  used gradients     {history.used_bytes / mib:9.2f} MiB  (exact lower bound)\n"
         f"  saved              {saved:9.1%}\n"
         f"  skip-set checks    {history.agreement_bytes / mib:9.4f} MiB",
@@ -388,7 +402,7 @@ def plot(history: History, path: Path, args: argparse.Namespace) -> None:
     ax_acc.set_ylabel("accuracy")
     ax_acc.legend(loc="lower right")
     fig.suptitle(
-        f"Stochastic-depth MLP-Mixer on digits, {args.backend} FSDP + flatview "
+        f"Stochastic-depth MLP-Mixer on digits, {WRAPPERS[args.backend]} + flatview "
         f"({args.depth} blocks, max drop {args.max_drop})"
     )
     fig.tight_layout()
@@ -399,7 +413,7 @@ def plot(history: History, path: Path, args: argparse.Namespace) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--backend", choices=("fairscale", "torch"), default="fairscale")
+    parser.add_argument("--backend", choices=("fairscale", "torch", "ddp"), default="fairscale")
     parser.add_argument(
         "--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)"
     )

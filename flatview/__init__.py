@@ -57,10 +57,14 @@ def wrap(
     """Give an FSDP model's original parameters back as views, and enable skip sets.
 
     Call it once, right after wrapping the model in FSDP (before or after the first
-    forward, but between iterations), on the outermost FSDP module.
+    forward, but between iterations), on the outermost FSDP module. A
+    ``DistributedDataParallel`` model gets skip sets only: DDP keeps the original
+    parameters, which ``FlatView.parameters()`` then returns.
 
     Args:
-        model: the outermost fairscale ``FullyShardedDataParallel`` module.
+        model: the outermost ``FullyShardedDataParallel`` module (fairscale's, or torch's
+            FSDP1 with flat parameters or ``use_orig_params=True``), or a torch
+            ``DistributedDataParallel`` module.
         check_skip_agreement: in every :meth:`FlatView.step`, check with one tiny
             all-gather that all ranks passed the same skip set (turn off once you trust
             your sampler; the check can also be chosen per step).
@@ -75,8 +79,9 @@ def wrap(
         optimizers and parameter groups can be built per submodule.
 
     Raises:
-        WrapError: ``model`` is not an outermost FSDP model of a supported backend, or
-            is already wrapped.
+        WrapError: ``model`` is not an outermost FSDP model or a DDP model of a supported
+            configuration (the message names what is not supported), or is already
+            wrapped.
     """
     return FlatView(
         model,

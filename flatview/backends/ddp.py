@@ -227,35 +227,29 @@ class DDPAdapter(AdapterBase):
         reducer = core.reducer
         world = float(self.world_size)
         params = [core.tensor(index) for index in indices]
+        if not params:
+            return  # everything skipped or frozen, on every rank alike
         had = [param.grad is not None for param in params]
+        whole: list[torch.Tensor] = []
         for param in params:
             grad = param.grad
             if grad is None:
                 # Used, but this rank's backward did not reach it: zeros (see above).
                 grad = param.grad = torch.zeros_like(param)
-            plan = self._plan(grad.numel())
             if grad.is_contiguous():
                 flat = grad.view(-1)
+                plan = self._plan(flat.numel())
                 if reducer.reduces_in_place(flat, plan):
+                    # Large: no copy into the bucket, the all-reduce starts at once.
                     reducer.all_reduce_in_place(flat, plan, world)
                     continue
-            else:
-                flat = grad.reshape(-1)
-
-            def place(values: torch.Tensor, grad: torch.Tensor = grad) -> None:
-                grad.copy_(values.view(grad.shape))
-
-            reducer.add_replicated(flat, plan, place, world)
-        unused: list[int] = []
-        if params:
-            dtype = params[0].dtype if params[0].dtype.is_floating_point else torch.float32
-            flags = torch.tensor(had, dtype=dtype, device=params[0].device)
-
-            def note_unused(values: torch.Tensor) -> None:
-                unused.extend(k for k, v in enumerate(values.tolist()) if v == 0)
-
-            reducer.add_replicated(flags, self._plan(len(had)), note_unused)
-        reducer.flush()
+            whole.append(grad)
+        # In the parameters' dtype, so that they share the gradients' all-reduce.
+        dtype = params[0].dtype if params[0].dtype.is_floating_point else torch.float32
+        flags = torch.tensor(had, dtype=dtype, device=params[0].device)
+        reducer.all_reduce_whole([*whole, flags], world)
+        reducer.settle()
+        unused = [k for k, v in enumerate(flags.tolist()) if v == 0]
         if unused:
             for k in unused:
                 params[k].grad = None

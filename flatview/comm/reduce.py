@@ -256,6 +256,46 @@ class MaskedReducer:
         if self._queued_numel >= self.bucket_numel:
             self._flush_buckets()
 
+    @torch.no_grad()
+    def all_reduce_whole(self, tensors: Sequence[torch.Tensor], predivide: float = 1.0) -> None:
+        """All-reduce replicated tensors whole and in place, each divided by ``predivide``
+        first: what a replicated wrapper without flat parameters (DDP) needs once the
+        skipped parameters are left out, since every element of what remains is used.
+
+        Per dtype and device, and per :attr:`bucket_numel` elements: one concatenation
+        into a buffer kept between steps, one all-reduce, one copy back. Nothing here
+        follows a plan, so the per-tensor cost is that of three fused kernels' worth of
+        bookkeeping, not of a pack and a place per tensor.
+        """
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for tensor in tensors:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        try:
+            for key, group in groups.items():
+                start = 0
+                while start < len(group):
+                    chunk, numel = [group[start]], group[start].numel()
+                    start += 1
+                    while start < len(group) and numel + group[start].numel() <= self.bucket_numel:
+                        chunk.append(group[start])
+                        numel += group[start].numel()
+                        start += 1
+                    self._all_reduce_chunk(("whole", *key), chunk, numel, predivide)
+        finally:
+            self._trim_buffers()
+
+    def _all_reduce_chunk(
+        self, key: tuple[object, ...], chunk: list[torch.Tensor], numel: int, predivide: float
+    ) -> None:
+        buffer = self._buffer(key, chunk[0], numel, 0)[:numel]
+        torch.cat([t.reshape(-1) for t in chunk], out=buffer)
+        if predivide != 1.0:
+            buffer.div_(predivide)
+        self.ledger.record("all_reduce", buffer)
+        dist.all_reduce(buffer, group=self.group)
+        pieces = buffer.split([t.numel() for t in chunk])
+        torch._foreach_copy_(chunk, [p.view(t.shape) for p, t in zip(pieces, chunk, strict=True)])
+
     def _buffer(
         self, key: tuple[object, ...], like: torch.Tensor, numel: int, keep: int
     ) -> torch.Tensor:
