@@ -591,6 +591,10 @@ class FlatView:
         """Indices of the plain parameters trained in the iteration in flight."""
         return self._iteration.plain_used if self._iteration is not None else frozenset()
 
+    def index_of(self, tensor: torch.Tensor) -> int | None:
+        """The index of the original parameter ``tensor`` is (view or plain), if any."""
+        return self._index_of_tensor.get(id(tensor))
+
     def tensor(self, index: int) -> nn.Parameter:
         """Original parameter ``index``: its view, or the plain parameter itself."""
         return self._params[index].tensor

@@ -161,6 +161,8 @@ WRAPPER_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
         # About 100 elements per bucket: flatview's buckets flush many times per step.
         "small-buckets": {"bucket_cap_mb": 0.0004},
         "no-buffer-broadcast": {"broadcast_buffers": False},
+        # flatview's own option (not DDP's): buckets start during the backward.
+        "overlap": {"overlap": True, "bucket_cap_mb": 0.0004},
     },
 }
 
@@ -351,6 +353,10 @@ def scenarios(
         frozen = tuple(sorted(draw(st.sets(st.sampled_from(names), min_size=1, max_size=2))))
     if config.backend == "fairscale" and draw(st.booleans()):
         options["reshard_after_forward"] = False
+    if config.backend == "ddp" and draw(st.booleans()):
+        # Buckets started during the backward (off by default on CPU), of a few
+        # parameters each or of the whole model.
+        options.update(overlap=True, bucket_cap_mb=draw(st.sampled_from((1e-5, 4e-4, 25.0))))
     return config.scenario(
         world_size=draw(st.sampled_from(world_sizes)),
         in_dim=draw(st.integers(1, 5)),
@@ -549,7 +555,9 @@ def wrap_fsdp(scenario: Scenario, net: Net) -> nn.Module:
     if scenario.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(net, **scenario.options)
+        # ``overlap`` is flatview's (see distributed_model), the rest DDP's.
+        options = {k: v for k, v in scenario.options.items() if k != "overlap"}
+        return DistributedDataParallel(net, **options)
     raise ValueError(f"unknown backend {scenario.backend}")
 
 
@@ -584,6 +592,8 @@ def distributed_model(
 
     model = wrap_fsdp(scenario, make_net(scenario) if net is None else net)
     fv = flatview.wrap(model, check_skip_agreement=scenario.check)
+    if "overlap" in scenario.options:
+        fv.adapter.overlap = scenario.options["overlap"]  # type: ignore[attr-defined]
     freeze(fv.named_parameters(), scenario)
     return model, fv, optimizers(_original_tree(model))
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from flatview.backends.ddp import plan_buckets
 from tests import ddp_workers as w
 from tests.scenarios import DDP
 
@@ -70,7 +73,58 @@ def test_forward_that_raises_keeps_ddp_in_sync(dist_pool: PoolFactory) -> None:
         assert result == {"flag": True, "averaged": True}
 
 
-def test_in_place_reduction_equals_packed(dist_pool: PoolFactory) -> None:
-    scenario = DDP.scenario(world_size=2, inner=(5, 3, 4), norms=(True, False, True))
-    for result in dist_pool(2).run(w.in_place_matches_packed, scenario, timeout=TIMEOUT):
-        assert result == {"equal": True, "more_collectives": True}
+def test_overlapped_buckets_equal_end_of_backward(dist_pool: PoolFactory) -> None:
+    # About 100 elements per bucket: several buckets start while the backward runs.
+    scenario = DDP.scenario(
+        world_size=3,
+        inner=(5, 3, 4),
+        norms=(True, False, True),
+        skips=((1,), (), (0, 2), (2,)),
+        options={"bucket_cap_mb": 0.0004},
+    )
+    for result in dist_pool(3).run(w.overlapped_and_end_of_backward, scenario, timeout=TIMEOUT):
+        assert result["equal"], result
+        assert len(result["started_early"]) == 4 and sum(result["started_early"]) > 0, result
+
+
+def test_gradient_that_grows_after_its_bucket_started(dist_pool: PoolFactory) -> None:
+    """Reentrant checkpointing accumulates a gradient again after its bucket started:
+    flatview discards what is in flight and reduces everything again."""
+    results = dist_pool(2).run(
+        w.gradient_grows_after_its_bucket_started, DDP.scenario(), timeout=TIMEOUT
+    )
+    for result in results:
+        assert result == {"refired": [True], "equal": True}, result
+
+
+def test_parameter_no_backward_reached_across_micro_batches(dist_pool: PoolFactory) -> None:
+    scenario = DDP.scenario(inner=(5, 3, 4), norms=(True, False, True))
+    dist_pool(2).run_expecting_error(
+        w.undeclared_in_an_earlier_micro_batch,
+        scenario,
+        match=r"UndeclaredUnusedError: parameter\(s\) 'body\.0\.",
+        timeout=TIMEOUT,
+    )
+
+
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, 50), st.sampled_from("ab")), max_size=30),
+    first_cap=st.integers(1, 60),
+    cap=st.integers(1, 120),
+)
+def test_buckets_partition_in_order_and_fill_greedily(
+    sizes: list[tuple[int, str]], first_cap: int, cap: int
+) -> None:
+    buckets = plan_buckets(sizes, first_cap, cap)
+    assert [p for bucket in buckets for p in bucket] == list(range(len(sizes)))
+    for number, bucket in enumerate(buckets):
+        limit = first_cap if number == 0 else cap
+        assert bucket and len({sizes[p][1] for p in bucket}) == 1, "one dtype and device"
+        filled = sum(sizes[p][0] for p in bucket)
+        assert filled <= limit or len(bucket) == 1, (number, bucket)
+        if number + 1 < len(buckets):
+            following = buckets[number + 1][0]
+            # A new bucket opens only when the next parameter does not fit or differs.
+            assert (
+                sizes[following][1] != sizes[bucket[0]][1] or filled + sizes[following][0] > limit
+            )

@@ -58,7 +58,11 @@ def assert_norms_equal(got: w.Norms, want: w.Norms, label: str) -> None:
             assert got[name] is None, f"{label}: {name}"
         else:
             assert got[name] is not None, f"{label}: {name} has no norm"
-            np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+            # The tolerances of the parameter comparison (scenarios.compare): with one
+            # sample per rank, AdamW turns reduction-order rounding into ~1e-5 absolute
+            # differences on every backend alike (seen on fairscale, torch NO_SHARD and
+            # DDP for one drawn scenario; 1e-6 failed there).
+            np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def check_training(dist_pool: PoolFactory, scenario: Scenario) -> None:

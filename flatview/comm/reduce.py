@@ -117,6 +117,16 @@ class _ReplicatedBucket:
 
 
 @dataclass
+class _Whole:
+    """A bucket of whole replicated tensors whose all-reduce is still in flight."""
+
+    targets: list[torch.Tensor]
+    buffer: torch.Tensor
+    """Their values, concatenated: what the collective reduces."""
+    work: dist.Work
+
+
+@dataclass
 class _InPlace:
     """A gradient reduced whole, without packing, by a collective still in flight."""
 
@@ -164,6 +174,7 @@ class MaskedReducer:
         """Largest bucket buffer kept from one flush to the next (see
         :data:`KEEP_BUFFER_BYTES` and :meth:`release_buffers`)."""
         self._in_place: list[_InPlace] = []
+        self._whole: list[_Whole] = []
         self.in_place_tolerance: float | None = IN_PLACE_TOLERANCE
         """Bytes overhead accepted for reducing a gradient whole, unpacked (see
         :meth:`reduces_in_place`); ``None`` packs every gradient into the bucket."""
@@ -262,39 +273,51 @@ class MaskedReducer:
         first: what a replicated wrapper without flat parameters (DDP) needs once the
         skipped parameters are left out, since every element of what remains is used.
 
-        Per dtype and device, and per :attr:`bucket_numel` elements: one concatenation
-        into a buffer kept between steps, one all-reduce, one copy back. Nothing here
-        follows a plan, so the per-tensor cost is that of three fused kernels' worth of
-        bookkeeping, not of a pack and a place per tensor.
+        Per dtype and device, and per :attr:`bucket_numel` elements, one bucket
+        (:meth:`start_all_reduce_whole`), then :meth:`settle`.
         """
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for tensor in tensors:
             groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-        try:
-            for key, group in groups.items():
-                start = 0
-                while start < len(group):
-                    chunk, numel = [group[start]], group[start].numel()
+        slot = 0
+        for group in groups.values():
+            start = 0
+            while start < len(group):
+                chunk, numel = [group[start]], group[start].numel()
+                start += 1
+                while start < len(group) and numel + group[start].numel() <= self.bucket_numel:
+                    chunk.append(group[start])
+                    numel += group[start].numel()
                     start += 1
-                    while start < len(group) and numel + group[start].numel() <= self.bucket_numel:
-                        chunk.append(group[start])
-                        numel += group[start].numel()
-                        start += 1
-                    self._all_reduce_chunk(("whole", *key), chunk, numel, predivide)
-        finally:
-            self._trim_buffers()
+                self.start_all_reduce_whole(chunk, predivide, slot)
+                slot += 1
+        self.settle()
 
-    def _all_reduce_chunk(
-        self, key: tuple[object, ...], chunk: list[torch.Tensor], numel: int, predivide: float
+    @torch.no_grad()
+    def start_all_reduce_whole(
+        self, tensors: Sequence[torch.Tensor], predivide: float = 1.0, slot: int = 0
     ) -> None:
-        buffer = self._buffer(key, chunk[0], numel, 0)[:numel]
-        torch.cat([t.reshape(-1) for t in chunk], out=buffer)
+        """Start the all-reduce of one bucket of replicated tensors (one dtype and
+        device), each divided by ``predivide`` first; :meth:`settle` waits for it and
+        copies the results back into the tensors.
+
+        The tensors are copied now (one concatenation into the buffer of ``slot``, kept
+        between steps: buckets in flight together need different slots), so they may
+        change before :meth:`settle`; that then overwrites them, unless told to discard.
+        Nothing follows a plan: one copy in, one collective, one ``_foreach_copy_`` out,
+        whatever the number of tensors.
+        """
+        first = tensors[0]
+        numel = sum(t.numel() for t in tensors)
+        key = ("whole", slot, first.dtype, first.device)
+        buffer = self._buffer(key, first, numel, 0)[:numel]
+        torch.cat([t.reshape(-1) for t in tensors], out=buffer)
         if predivide != 1.0:
             buffer.div_(predivide)
         self.ledger.record("all_reduce", buffer)
-        dist.all_reduce(buffer, group=self.group)
-        pieces = buffer.split([t.numel() for t in chunk])
-        torch._foreach_copy_(chunk, [p.view(t.shape) for p, t in zip(pieces, chunk, strict=True)])
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        assert work is not None
+        self._whole.append(_Whole(list(tensors), buffer, work))
 
     def _buffer(
         self, key: tuple[object, ...], like: torch.Tensor, numel: int, keep: int
@@ -313,7 +336,7 @@ class MaskedReducer:
     def release_buffers(self) -> None:
         """Free the bucket buffers kept between flushes (they are made again as needed).
         Only between flushes: nothing may be queued."""
-        if self._replicated:
+        if self._replicated or self._whole:
             raise RuntimeError("release_buffers() while replicated gradients are queued")
         self._buffers.clear()
 
@@ -404,9 +427,22 @@ class MaskedReducer:
         return tensor is not None and any(op.target is tensor for op in self._in_place)
 
     @torch.no_grad()
-    def settle(self) -> None:
+    def settle(self, discard: bool = False) -> None:
         """Wait for every in-place reduction started, and finish it (post-division,
-        unused elements restored or zeroed)."""
+        unused elements restored or zeroed), and for every whole bucket, whose results
+        are copied back unless ``discard`` (the caller reduces those tensors again)."""
+        whole, self._whole = self._whole, []
+        try:
+            for bucket in whole:
+                bucket.work.wait()
+                if discard:
+                    continue
+                sizes = [t.numel() for t in bucket.targets]
+                pieces = bucket.buffer.split(sizes)
+                views = [p.view(t.shape) for p, t in zip(pieces, bucket.targets, strict=True)]
+                torch._foreach_copy_(bucket.targets, views)
+        finally:
+            self._trim_buffers()
         in_place, self._in_place = self._in_place, []
         for op in in_place:
             op.work.wait()
