@@ -581,8 +581,7 @@ PAIRS: tuple[Pair, ...] = (
     ),
     Pair(
         "agreement_check_ddp",
-        "flatview + DDP, skipping: skip-set check off vs on (on DDP it runs alongside the "
-        "forward)",
+        "flatview + DDP, skipping: skip-set check off vs on (on DDP it runs alongside the forward)",
         ("check off", _flatview_ddp(False)),
         ("check on", _flatview_ddp(True)),
         skip=True,

@@ -80,15 +80,3 @@ class Agreement:
             "same parameters in the same step (draw them from a seed shared by all ranks). "
             f"Beyond the {len(common)} parameters all ranks skip: " + "; ".join(lines)
         )
-
-
-def check_agreement(
-    print_: int,
-    describe: Callable[[], Sequence[str]],
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    ledger: Ledger,
-) -> None:
-    """Raise :class:`SkipSetMismatchError` on every rank unless all ranks passed ``print_``
-    (an :class:`Agreement` settled at once)."""
-    Agreement(print_, describe, group, device, ledger).settle()
