@@ -226,3 +226,34 @@ def undeclared_in_an_earlier_micro_batch(scenario: Scenario) -> None:
         sync = model.no_sync() if micro == 0 else torch.enable_grad()
         with sync, fv.step(skip=declared):
             loss_of(model(x, ("body.0",)), y).backward()
+
+
+def checkpointed_whole_model(scenario: Scenario) -> dict[str, bool]:
+    """The DDP model called under activation checkpointing: its forward runs again
+    inside the backward, which must neither start a new iteration nor reduce twice.
+    Gradients equal the local ones averaged by hand, on every rank, overlapped or not."""
+    from torch.utils.checkpoint import checkpoint
+
+    out = {}
+    for overlap in (False, True):
+        reference = make_net(scenario)
+        model = DDP(make_net(scenario), bucket_cap_mb=1e-5)
+        fv = flatview.wrap(model)
+        fv.adapter.overlap = overlap  # type: ignore[attr-defined]
+        x, y = local_batch(scenario, 0)
+        skip = as_names([1])
+        with fv.step(skip=list(skip)):
+            loss_of(checkpoint(model, x, skip, use_reentrant=False), y).backward()
+        loss_of(reference(x, skip), y).backward()
+        equal = True
+        for got, want in zip(fv.parameters(), reference.parameters(), strict=True):
+            if want.grad is None:
+                equal = equal and got.grad is None
+                continue
+            averaged = want.grad.clone()
+            dist.all_reduce(averaged)
+            averaged /= dist.get_world_size()
+            equal = equal and got.grad is not None and torch.allclose(got.grad, averaged)
+        out[f"overlap={overlap}"] = equal and fv.phase.name == "IDLE"
+        fv.unwrap()
+    return out

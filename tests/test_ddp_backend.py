@@ -128,3 +128,9 @@ def test_buckets_partition_in_order_and_fill_greedily(
             assert (
                 sizes[following][1] != sizes[bucket[0]][1] or filled + sizes[following][0] > limit
             )
+
+
+def test_checkpointed_whole_model(dist_pool: PoolFactory) -> None:
+    scenario = DDP.scenario(inner=(5, 3, 4), norms=(True, False, True))
+    for result in dist_pool(2).run(w.checkpointed_whole_model, scenario, timeout=TIMEOUT):
+        assert result == {"overlap=False": True, "overlap=True": True}, result

@@ -34,7 +34,8 @@ How DDP is driven (public behaviour, checked against torch 2.13):
   two graph tasks of one backward, as with reentrant checkpointing) would be reduced
   without its second part: the callback then waits for the buckets in flight, discards
   their results and reduces everything again, whole (``overlap=False`` avoids the
-  waste for models that always do this). Off by default on CPU (``DDPAdapter.overlap``):
+  waste for models that always do this). A forward inside the backward (checkpointing
+  around the whole model recomputes it) is not a new iteration. Off by default on CPU (``DDPAdapter.overlap``):
   there the collectives compete with the backward for the same cores, and one
   all-reduce at the end was faster.
 
@@ -69,6 +70,12 @@ if TYPE_CHECKING:
 
 _WRAPPER = "module"
 """The attribute DDP keeps the user's module under (dropped from original names)."""
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a forward now is a
+    recomputation for activation checkpointing, not a new iteration)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _ddp_class() -> type[nn.Module] | None:
@@ -245,6 +252,11 @@ class DDPAdapter(AdapterBase):
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         core = self.core
         ddp: Any = self.root
+        if _in_backward():
+            # Checkpointing recomputes the whole model: the iteration goes on, and DDP's
+            # reducer must stay idle during this forward too.
+            ddp.require_backward_grad_sync = False
+            return
         if self._round is not None or self._callback_queued:
             # The last backward raised before it ended (its end callback never ran):
             # what it started is stale.
@@ -260,6 +272,8 @@ class DDPAdapter(AdapterBase):
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         ddp: Any = self.root
         ddp.require_backward_grad_sync = self._synced
+        if _in_backward():
+            return  # a recomputation: its outputs feed the backward in flight
         if output is None or not torch.is_grad_enabled():
             self.core.end_forward_only()
             return
