@@ -35,9 +35,10 @@ How DDP is driven (public behaviour, checked against torch 2.13):
   without its second part: the callback then waits for the buckets in flight, discards
   their results and reduces everything again, whole (``overlap=False`` avoids the
   waste for models that always do this). A forward inside the backward (checkpointing
-  around the whole model recomputes it) is not a new iteration. Off by default on CPU (``DDPAdapter.overlap``):
-  there the collectives compete with the backward for the same cores, and one
-  all-reduce at the end was faster.
+  around the whole model recomputes it) is not a new iteration.
+* Overlap is off by default on CPU (``DDPAdapter.overlap``): there the collectives
+  compete with the backward for the same cores, and one all-reduce at the end was
+  faster.
 
 A parameter not in the skip set is used: if this rank's backward gave it no gradient,
 it contributes zeros (some other rank's backward did reach it: DDP's

@@ -267,6 +267,12 @@ class TorchFSDPAdapter(AdapterBase):
         self.world_size: int = root.world_size
         self.device = torch.device(root.compute_device)
         self.bucket_numel = _NO_BUCKETING
+        # NO_SHARD everywhere: forward and backward gather nothing, and the only
+        # gradient collectives are flatview's (reduce, next_iter), which settle the
+        # skip-set check first; so it can run alongside the forward.
+        self.overlaps_agreement = all(
+            unit.sharding_strategy is ShardingStrategy.NO_SHARD for _, unit in self.units
+        )
         self._unit_index: dict[int, int] = {id(unit): i for i, (_, unit) in enumerate(self.units)}
         self._handle_unit: dict[int, int] = {
             id(unit._handle): i for i, (_, unit) in enumerate(self.units) if unit._handle
@@ -513,6 +519,7 @@ class TorchFSDPAdapter(AdapterBase):
     def _finishing(self, original: Callable[[], None]) -> Callable[[], None]:
         def next_iter() -> None:
             # Every backward hook has run; torch finalises the gradients after this.
+            self.core.settle_agreement()
             self._settle_units_without_backward()
             self.core.reducer.flush()
             original()
@@ -667,6 +674,7 @@ class TorchFSDPAdapter(AdapterBase):
         flush in ``next_iter`` waits for.
         """
         core = self.core
+        core.settle_agreement()
         handle = unit._handle
         plan: MaskPlan | None = None if handle is None else core.reduction_plan(handle.flat_param)
         if plan is None:
