@@ -7,9 +7,10 @@ all-gather of a fingerprint per step rules that out.
 The all-gather can run while the forward computes (:meth:`Agreement.settle` later), but
 only where nothing the skip set decides is communicated before flatview's own
 collectives: replicated wrappers (DDP, torch FSDP1 with every unit ``NO_SHARD``), whose
-forward and backward communicate nothing the skip set decides until flatview reduces. There, every rank settles the check before its first gradient
-collective, so a disagreement still raises on every rank before any collective that
-could pair up wrongly; it costs a few milliseconds less per step (measured in
+forward and backward communicate nothing the skip set decides until flatview reduces.
+There, every rank settles the check before its first gradient collective, so a
+disagreement still raises on every rank before any collective that could pair up
+wrongly; it costs a few milliseconds less per step (measured in
 ``benchmarks/README.md``). Sharded wrappers gather parameters per unit in the forward,
 so they settle at once.
 """
