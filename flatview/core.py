@@ -168,10 +168,11 @@ class FlatView:
         self._index_of_name: dict[str, int] = {
             name: p.index for p in self._params for name in p.names
         }
+        self._plain: tuple[int, ...] = tuple(p.index for p in self._params if p.flat is None)
         # Plain parameters whose gradient flatview all-reduces itself (DDP).
         reduced = {id(plain.param) for unit in self._units for plain in unit.plain if plain.reduced}
         self._reduced_plain: tuple[int, ...] = tuple(
-            p.index for p in self._params if p.flat is None and id(p.tensor) in reduced
+            i for i in self._plain if id(self._params[i].tensor) in reduced
         )
         self._params_of_unit: list[tuple[int, ...]] = [
             tuple(p.index for p in self._params if p.unit == u) for u in range(len(self._units))
@@ -504,9 +505,7 @@ class FlatView:
             if params and skipped.issuperset(params)
         )
         plain_used = frozenset(
-            p.index
-            for p in params
-            if p.flat is None and p.index not in skipped and p.tensor.requires_grad
+            i for i in self._plain if i not in skipped and params[i].tensor.requires_grad
         )
         self._iteration = _Iteration(
             skipped, used, read, skipped_units, self._step_count, plain_used
