@@ -170,6 +170,7 @@ class DDPAdapter(AdapterBase):
         self._first_bucket_bytes = min(FIRST_BUCKET_BYTES, int(ddp.bucket_bytes_cap))
         self._bucket_bytes = int(ddp.bucket_bytes_cap)
         self._bucket_plans: OrderedDict[tuple[int, ...], list[list[int]]] = OrderedDict()
+        """Per first-bucket size and parameters to reduce: their buckets."""
         self._round: _Round | None = None
         self.overlap = self.device.type != "cpu"
         """Start each bucket's all-reduce as soon as its gradients are ready (as DDP
@@ -292,16 +293,17 @@ class DDPAdapter(AdapterBase):
         self._callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._synced and self.overlap:
-            self._round = self._plan_round()
+            self._round = self._plan_round(self._reduced_now(), self._first_bucket_bytes)
 
     def _reduced_now(self) -> list[int]:
         """Core indices to reduce at this synchronising backward, in model order."""
         used = (i for i in self.core.plain_used() if id(self.core.tensor(i)) in self._reduced)
         return sorted(self._window.union(used))
 
-    def _plan_round(self) -> _Round:
-        indices = self._reduced_now()
-        key = tuple(indices)
+    def _plan_round(self, indices: list[int], first_cap: int) -> _Round:
+        """The buckets of ``indices`` (a first one of at most ``first_cap`` bytes), none
+        started yet."""
+        key = (first_cap, *indices)
         plan = self._bucket_plans.get(key)
         if plan is None:
             # Reverse registration order: roughly the order the backward produces them.
@@ -312,7 +314,7 @@ class DDPAdapter(AdapterBase):
                 sizes.append((param.numel() * param.element_size(), (param.dtype, param.device)))
             plan = [
                 [order[p] for p in bucket]
-                for bucket in plan_buckets(sizes, self._first_bucket_bytes, self._bucket_bytes)
+                for bucket in plan_buckets(sizes, first_cap, self._bucket_bytes)
             ]
             self._bucket_plans[key] = plan
             if len(self._bucket_plans) > 256:  # skip sets vary: recent ones only
@@ -379,12 +381,15 @@ class DDPAdapter(AdapterBase):
         if self._synced:
             indices = self._reduced_now()
             self._window = set()
-            filled = round_.filled if round_ is not None else set()
+            filled: set[int] = set()
             if round_ is not None and round_.refired:
                 # Some gradient grew after its bucket started: start over, whole.
                 core.reducer.settle(discard=True)
-                round_ = None
-            self._finish(indices, round_, filled)
+                filled, round_ = round_.filled, None
+            if round_ is None:
+                # Nothing overlapped: as few buckets as DDP's bucket size allows.
+                round_ = self._plan_round(indices, self._bucket_bytes)
+            self._finish(indices, round_, filled | round_.filled)
         else:
             self._window.update(self._reduced_now())
         core.end_backward(self._synced)
@@ -392,9 +397,10 @@ class DDPAdapter(AdapterBase):
     # -------------------------------------------------------------- reduction
 
     @torch.no_grad()
-    def _finish(self, indices: list[int], round_: _Round | None, filled: set[int]) -> None:
-        """All-reduce (average) what ``round_`` has not started yet, or, without a round,
-        the gradients of the parameters ``indices`` from scratch; wait for all of it.
+    def _finish(self, indices: list[int], round_: _Round, filled: set[int]) -> None:
+        """Start what ``round_`` has not started of the reduction (average) of the
+        parameters ``indices``, and wait for all of it; ``filled`` are those given zeros
+        so far for want of a gradient.
 
         One flag per parameter travels in the last bucket: whether this rank's backward
         gave it a gradient. A parameter that no rank's did was left out of the model
@@ -410,25 +416,16 @@ class DDPAdapter(AdapterBase):
         # In the parameters' dtype, so that they can share the last bucket's all-reduce.
         dtype = params[-1].dtype if params[-1].dtype.is_floating_point else torch.float32
         flags = torch.tensor(had, dtype=dtype, device=params[-1].device)
-        if round_ is None:
-            grads = []
-            for param in params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
-            core.reducer.all_reduce_whole([*grads, flags], float(self.world_size))
-        else:
-            while round_.started < len(round_.buckets) - 1:
-                self._start_bucket(round_)
-            last = round_.buckets[-1]
-            tail = core.tensor(last[-1])
-            same = tail.dtype == flags.dtype and tail.device == flags.device
-            self._start_bucket(round_, (flags,) if same else ())
-            if not same:
-                core.reducer.start_all_reduce_whole(
-                    [flags], float(self.world_size), slot=round_.started
-                )
-            core.reducer.settle()
+        while round_.started < len(round_.buckets) - 1:
+            self._start_bucket(round_)
+        tail = core.tensor(round_.buckets[-1][-1])
+        same = tail.dtype == flags.dtype and tail.device == flags.device
+        self._start_bucket(round_, (flags,) if same else ())
+        if not same:
+            core.reducer.start_all_reduce_whole(
+                [flags], float(self.world_size), slot=round_.started
+            )
+        core.reducer.settle()
         unused = [k for k, v in enumerate(flags.tolist()) if v == 0]
         if unused:
             for k in unused:

@@ -268,32 +268,6 @@ class MaskedReducer:
             self._flush_buckets()
 
     @torch.no_grad()
-    def all_reduce_whole(self, tensors: Sequence[torch.Tensor], predivide: float = 1.0) -> None:
-        """All-reduce replicated tensors whole and in place, each divided by ``predivide``
-        first: what a replicated wrapper without flat parameters (DDP) needs once the
-        skipped parameters are left out, since every element of what remains is used.
-
-        Per dtype and device, and per :attr:`bucket_numel` elements, one bucket
-        (:meth:`start_all_reduce_whole`), then :meth:`settle`.
-        """
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for tensor in tensors:
-            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-        slot = 0
-        for group in groups.values():
-            start = 0
-            while start < len(group):
-                chunk, numel = [group[start]], group[start].numel()
-                start += 1
-                while start < len(group) and numel + group[start].numel() <= self.bucket_numel:
-                    chunk.append(group[start])
-                    numel += group[start].numel()
-                    start += 1
-                self.start_all_reduce_whole(chunk, predivide, slot)
-                slot += 1
-        self.settle()
-
-    @torch.no_grad()
     def start_all_reduce_whole(
         self, tensors: Sequence[torch.Tensor], predivide: float = 1.0, slot: int = 0
     ) -> None:
