@@ -10,19 +10,22 @@ Without a GPU it runs the same on CPU over gloo, so that it can be checked anywh
     python benchmarks/gpu_smoke.py                 # prints a report, writes --out JSON
 
 Exit status 1 if any wrapper's parameters or ``None`` gradients differ from the
-reference, or a wrapper raised.
+reference, a wrapper raised, or flatview made the host wait for the GPU inside a step
+(``torch.cuda.set_sync_debug_mode``; waits elsewhere, the wrappers' and the model's, are reported apart).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,33 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def recording_syncs(device: torch.device) -> Iterator[dict[str, int]]:
+    """Count each host-device synchronisation made inside, by the line that made it (the
+    innermost flatview or benchmark frame, else the innermost frame). Counts nothing on
+    CPU."""
+    seen: dict[str, int] = {}
+    if device.type != "cuda":
+        yield seen
+        return
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename]
+        ours = [f for f in frames if "/flatview/" in f.filename or "bench_skip" in f.filename]
+        where = ours[-1] if ours else frames[-1]
+        key = f"{where.filename.split('/flatview/')[-1]}:{where.lineno} {where.line}"
+        seen[key] = seen.get(key, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def _step(
@@ -106,9 +136,14 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
                 fv.adapter.overlap = True  # type: ignore[attr-defined]  # the CUDA default
             opt = torch.optim.SGD(fv.parameters(), lr=cfg.lr, momentum=0.9)
             none_got = []
-            for (x, y), skip in zip(batches, masks, strict=True):
-                with fv.step(skip=[f"blocks.{i}" for i in skip]):
+            syncs: dict[str, int] = {}
+            for step, ((x, y), skip) in enumerate(zip(batches, masks, strict=True)):
+                # After the first step (buffers made), a step should not wait for the GPU.
+                watch = recording_syncs(device) if step else contextlib.nullcontext({})
+                with watch as seen, fv.step(skip=[f"blocks.{i}" for i in skip]):
                     F.cross_entropy(model(x, skip), y).backward()
+                for where, count in seen.items():
+                    syncs[where] = syncs.get(where, 0) + count
                 none_got.append(sorted(n for n, p in fv.named_parameters() if p.grad is None))
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -120,11 +155,14 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
                 for n in want
                 if got[n].numel() == want[n].numel()
             )
+            ours = {k: v for k, v in syncs.items() if not k.startswith("/")}
             ok = none_got == none_ref and worst < 1e-4 and got.keys() == want.keys()
             results[name] = {
-                "ok": ok,
+                "ok": ok and not ours,
                 "max_abs_diff": worst,
                 "none_grads_match": none_got == none_ref,
+                "flatview_syncs": ours,
+                "other_syncs": {k: v for k, v in syncs.items() if k.startswith("/")},
             }
         except Exception as exc:  # reported, not raised: the other wrappers still run
             results[name] = {
@@ -136,17 +174,20 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
 
 
 def time_ddp(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, float]:
-    """Median step time of flatview + DDP (overlap on) and of DDP find_unused_parameters."""
+    """Median step times of flatview + DDP (buckets overlapped with the backward or not)
+    and of DDP ``find_unused_parameters=True``, measured side by side."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index or 0] if device.type == "cuda" else None
     masks = bench.skip_masks(cfg, steps)
     batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, steps, 0)]
     times: dict[str, float] = {}
-    for label in ("flatview_ddp", "ddp_find_unused"):
+    for label in ("flatview_ddp", "flatview_ddp_no_overlap", "ddp_find_unused"):
         net = bench.make_net(cfg).to(device)
         model = DDP(net, device_ids=ids, find_unused_parameters=label == "ddp_find_unused")
-        fv = flatview.wrap(model) if label == "flatview_ddp" else None
+        fv = flatview.wrap(model) if label.startswith("flatview") else None
+        if fv is not None:
+            fv.adapter.overlap = label == "flatview_ddp"  # type: ignore[attr-defined]
         opt = torch.optim.SGD((fv or model).parameters(), lr=cfg.lr, momentum=0.9)
         samples = []
         for i, ((x, y), skip) in enumerate(zip(batches, masks, strict=True)):
@@ -167,6 +208,8 @@ def time_ddp(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, f
         if fv is not None:
             fv.unwrap()
     times["ratio"] = times["flatview_ddp"] / times["ddp_find_unused"]
+    times["ratio_no_overlap"] = times["flatview_ddp_no_overlap"] / times["ddp_find_unused"]
+    times["overlap_vs_not"] = times["flatview_ddp"] / times["flatview_ddp_no_overlap"]
     return times
 
 

@@ -116,6 +116,17 @@ class _Iteration:
     """Plain parameters trained in this iteration (not skipped, not frozen)."""
 
 
+@dataclass(frozen=True)
+class _StatsSource:
+    """What :attr:`FlatView.stats` of one backward is computed from."""
+
+    skipped: frozenset[int]
+    units_skipped: int
+    ledger_bytes: dict[str, int]
+    ledger_calls: dict[str, int]
+    synced: bool
+
+
 _live: weakref.WeakSet[FlatView] = weakref.WeakSet()
 _wrapped: weakref.WeakKeyDictionary[nn.Module, FlatView] = weakref.WeakKeyDictionary()
 _optimizer_hook: Any = None
@@ -153,8 +164,10 @@ class FlatView:
         )
         self.phase = Phase.IDLE
         """Where the model is in its lifecycle: views are registered only in ``IDLE``."""
-        self.stats: StepStats | None = None
-        """Communication figures of the last backward pass (``None`` before the first)."""
+        # What the last backward's StepStats are computed from, when first asked for:
+        # most steps nobody reads them.
+        self._stats_source: _StatsSource | None = None
+        self._stats: StepStats | None = None
 
         self._units: list[UnitSpec] = adapter.describe()
         check_not_wrapped([unit.module for unit in self._units])
@@ -658,7 +671,15 @@ class FlatView:
             self._window = None
         else:
             self._window = used
-        self.stats = self._step_stats(synced)
+        iteration = self._iteration
+        self._stats_source = _StatsSource(
+            skipped=iteration.skipped if iteration is not None else frozenset(),
+            units_skipped=len(iteration.skipped_units) if iteration is not None else 0,
+            ledger_bytes=dict(self.ledger.bytes),
+            ledger_calls=dict(self.ledger.calls),
+            synced=synced,
+        )
+        self._stats = None
         self._end_compute()
 
     def end_forward_only(self) -> None:
@@ -712,9 +733,15 @@ class FlatView:
 
     # ------------------------------------------------------------------ stats
 
-    def _step_stats(self, synced: bool) -> StepStats:
-        iteration = self._iteration
-        skipped = iteration.skipped if iteration is not None else frozenset()
+    @property
+    def stats(self) -> StepStats | None:
+        """Communication figures of the last backward pass (``None`` before the first)."""
+        if self._stats is None and self._stats_source is not None:
+            self._stats = self._step_stats(self._stats_source)
+        return self._stats
+
+    def _step_stats(self, source: _StatsSource) -> StepStats:
+        skipped, synced = source.skipped, source.synced
         dense = used = skipped_bytes = 0
         for flat in self._flats:
             layout = flat.spec.layout
@@ -735,15 +762,15 @@ class FlatView:
                 used += size
         reduce_kinds = ("reduce_scatter", "all_to_all", "all_reduce")
         return StepStats(
-            reduced_bytes=sum(self.ledger.bytes[k] for k in reduce_kinds),
-            reduce_calls=sum(self.ledger.calls[k] for k in reduce_kinds),
+            reduced_bytes=sum(source.ledger_bytes.get(k, 0) for k in reduce_kinds),
+            reduce_calls=sum(source.ledger_calls.get(k, 0) for k in reduce_kinds),
             dense_bytes=dense if synced else 0,
             used_bytes=used if synced else 0,
             skipped_bytes=skipped_bytes,
             params_skipped=len(skipped),
-            units_skipped=len(iteration.skipped_units) if iteration is not None else 0,
+            units_skipped=source.units_skipped,
             units=len(self._units),
-            agreement_bytes=self.ledger.bytes["agreement"],
+            agreement_bytes=source.ledger_bytes.get("agreement", 0),
             synced=synced,
         )
 

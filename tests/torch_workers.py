@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -205,12 +207,22 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
         tested = torch_fsdp.TESTED_TORCH
         torch_fsdp.TESTED_TORCH = ((1, 0),)
         try:
-            flatview.wrap(root)
-        except FlatViewError as err:
-            return str(err)
+            try:
+                flatview.wrap(root)
+            except FlatViewError as err:
+                refused = str(err)
+            else:
+                raise AssertionError("no error")
+            # The escape hatch: a warning instead, and a working FlatView.
+            os.environ[torch_fsdp.UNTESTED_TORCH_ENV] = "1"
+            with pytest.warns(UserWarning, match="going ahead"):
+                fv = flatview.wrap(root)
+            assert dict(fv.named_parameters())
+            fv.unwrap()
+            return refused
         finally:
             torch_fsdp.TESTED_TORCH = tested
-        raise AssertionError("no error")
+            os.environ.pop(torch_fsdp.UNTESTED_TORCH_ENV, None)
     elif case == "comm_hook":
         root = wrap_fsdp(scenario, net)
 

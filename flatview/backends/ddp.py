@@ -415,7 +415,12 @@ class DDPAdapter(AdapterBase):
         had = [p.grad is not None and i not in filled for p, i in zip(params, indices, strict=True)]
         # In the parameters' dtype, so that they can share the last bucket's all-reduce.
         dtype = params[-1].dtype if params[-1].dtype.is_floating_point else torch.float32
-        flags = torch.tensor(had, dtype=dtype, device=params[-1].device)
+        # Ones, and a fill per missing gradient: a copy from the host would wait for the
+        # GPU to finish the backward.
+        flags = torch.ones(len(had), dtype=dtype, device=params[-1].device)
+        for k, present in enumerate(had):
+            if not present:
+                flags[k] = 0
         while round_.started < len(round_.buckets) - 1:
             self._start_bucket(round_)
         tail = core.tensor(round_.buckets[-1][-1])
@@ -426,6 +431,10 @@ class DDPAdapter(AdapterBase):
                 [flags], float(self.world_size), slot=round_.started
             )
         core.reducer.settle()
+        if all(had):
+            # This rank's own flags make every sum positive; reading them back would only
+            # make the host wait for the GPU.
+            return
         unused = [k for k, v in enumerate(flags.tolist()) if v == 0]
         if unused:
             for k in unused:

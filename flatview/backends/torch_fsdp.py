@@ -65,6 +65,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +93,11 @@ if TYPE_CHECKING:
 TESTED_TORCH = ((2, 13),)
 """``(major, minor)`` versions of torch whose FSDP1 internals this adapter was checked
 against."""
+
+UNTESTED_TORCH_ENV = "FLATVIEW_ALLOW_UNTESTED_TORCH"
+"""Set to ``1`` to wrap torch FSDP1 models on a torch outside :data:`TESTED_TORCH` (with a
+warning): the internals read are checked attribute by attribute at wrap time, so a torch
+that moved them still fails there, but one that changed their meaning would not."""
 
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module"})
 _FLAT_PARAM = "_flat_param"
@@ -197,10 +204,13 @@ class TorchFSDPAdapter(AdapterBase):
         version = torch_version()
         if version not in TESTED_TORCH:
             tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
-            raise WrapError(
+            message = (
                 f"flatview's torch FSDP backend relies on FSDP1 internals checked against "
                 f"torch {tested}; found torch {torch.__version__}"
             )
+            if os.environ.get(UNTESTED_TORCH_ENV) != "1":
+                raise WrapError(f"{message} (set {UNTESTED_TORCH_ENV}=1 to try it anyway)")
+            warnings.warn(f"{message}; going ahead ({UNTESTED_TORCH_ENV}=1)", stacklevel=3)
         from torch.distributed.fsdp import ShardingStrategy
         from torch.distributed.fsdp import _runtime_utils as runtime
         from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState

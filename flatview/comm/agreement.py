@@ -36,6 +36,16 @@ def fingerprint(indices: Iterable[int]) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class Agreement:
     """One started check: every rank's fingerprint is on its way (an asynchronous
     all-gather of 8 bytes per rank); :meth:`settle` waits for them and raises
@@ -55,17 +65,38 @@ class Agreement:
     ) -> None:
         self._describe = describe
         self._group = group
-        mine = torch.tensor([print_], dtype=torch.int64, device=device)
+        # A fill, not a copy from the host: torch.tensor([...], device="cuda") would wait
+        # for the GPU to finish everything queued before it.
+        mine = torch.full((1,), print_, dtype=torch.int64, device=device)
         self._everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
         ledger.record("agreement", mine)
         self._work = all_gather_single(self._everyone, mine, group=group, async_op=True)
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        if device.type == "cuda" and dist.get_backend(group) == "nccl":
+            # Read the fingerprints through a side stream that waits for the all-gather
+            # alone: reading them on the compute stream would wait for all the forward and
+            # backward queued by then, and the GPU would idle while the host caught up.
+            # (NCCL's wait() only orders streams; gloo's would block the host here.)
+            stream = _side_stream(device)
+            with torch.cuda.stream(stream):
+                self._work.wait()
+                self._host = torch.empty_like(self._everyone, device="cpu", pin_memory=True)
+                self._host.copy_(self._everyone, non_blocking=True)
+                self._copied = torch.cuda.Event()
+                self._copied.record(stream)
+            self._everyone.record_stream(stream)
 
     def settle(self) -> None:
         work, self._work = self._work, None
         if work is None:
             return
-        work.wait()
-        prints = self._everyone.tolist()
+        if self._copied is not None and self._host is not None:
+            self._copied.synchronize()
+            prints = self._host.tolist()
+        else:
+            work.wait()
+            prints = self._everyone.tolist()
         if all(p == prints[0] for p in prints):
             return
         world = len(prints)

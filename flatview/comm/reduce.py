@@ -181,6 +181,7 @@ class MaskedReducer:
         self.in_place_min_numel: int = IN_PLACE_MIN_NUMEL
         """Smallest gradient (elements) reduced unpacked."""
         self._queued_numel = 0
+        self._native_average: bool | None = None
         # Skip sets vary per step (2**blocks patterns for stochastic depth): keep the
         # index of recent plans only.
         self._indices: OrderedDict[int, tuple[MaskPlan, PlanIndex]] = OrderedDict()
@@ -286,12 +287,21 @@ class MaskedReducer:
         key = ("whole", slot, first.dtype, first.device)
         buffer = self._buffer(key, first, numel, 0)[:numel]
         torch.cat([t.reshape(-1) for t in tensors], out=buffer)
-        if predivide != 1.0:
+        op = dist.ReduceOp.SUM
+        if predivide == self.world_size and self._averages_natively():
+            op = dist.ReduceOp.AVG  # divided inside the collective: one pass less over memory
+        elif predivide != 1.0:
             buffer.div_(predivide)
         self.ledger.record("all_reduce", buffer)
-        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        work = dist.all_reduce(buffer, op=op, group=self.group, async_op=True)
         assert work is not None
         self._whole.append(_Whole(list(tensors), buffer, work))
+
+    def _averages_natively(self) -> bool:
+        """Whether the group's backend has ``ReduceOp.AVG`` (NCCL; gloo has not)."""
+        if self._native_average is None:
+            self._native_average = dist.get_backend(self.group) == "nccl"
+        return self._native_average
 
     def _buffer(
         self, key: tuple[object, ...], like: torch.Tensor, numel: int, keep: int

@@ -1,0 +1,168 @@
+"""Where flatview + DDP spends a step on one GPU, against DDP ``find_unused_parameters``.
+
+A companion of ``gpu_smoke.py`` for a lent GPU machine (NCCL, world size 1). For each
+variant it measures, side by side in one process:
+
+* the median step time with a device synchronisation after every step (latency), and
+  the time of all steps with one synchronisation at the end (throughput: the host may
+  run ahead of the GPU, as it does in training);
+* every host-device synchronisation the step makes (``torch.cuda.set_sync_debug_mode``),
+  with the flatview line that caused it;
+* a ``torch.profiler`` table of the operators with most host time.
+
+    python benchmarks/gpu_profile.py --out results/gpu_profile     # sizes: see --sizes
+
+Without a GPU it runs over gloo on CPU (no synchronisation report), so it can be checked
+anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_skip as bench
+from gpu_smoke import recording_syncs
+
+import flatview
+
+VARIANTS = ("ddp_find_unused", "flatview_ddp", "flatview_ddp_no_overlap", "flatview_ddp_no_check")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Run:
+    """One variant's model, optimizer and data."""
+
+    def __init__(self, variant: str, cfg: bench.Config, device: torch.device, n: int) -> None:
+        ids = [device.index or 0] if device.type == "cuda" else None
+        self.model = DDP(
+            bench.make_net(cfg).to(device),
+            device_ids=ids,
+            find_unused_parameters=variant == "ddp_find_unused",
+        )
+        self.fv: Any = None
+        self.check = variant != "flatview_ddp_no_check"
+        if variant != "ddp_find_unused":
+            self.fv = flatview.wrap(self.model)
+            self.fv.adapter.overlap = variant != "flatview_ddp_no_overlap"
+        self.opt = torch.optim.SGD((self.fv or self.model).parameters(), lr=cfg.lr, momentum=0.9)
+        self.masks = bench.skip_masks(cfg, n)
+        self.batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, n, 0)]
+        self.cuda = device.type == "cuda"
+
+    def step(self, i: int) -> None:
+        (x, y), skip = self.batches[i % len(self.batches)], self.masks[i % len(self.masks)]
+        if self.fv is not None:
+            names = [f"blocks.{b}" for b in skip]
+            with self.fv.step(skip=names, check=self.check):
+                F.cross_entropy(self.model(x, skip), y).backward()
+        else:
+            F.cross_entropy(self.model(x, skip), y).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def measure(run: Run, steps: int) -> dict[str, float]:
+    for i in range(5):
+        run.step(i)
+    run.sync()
+    samples = []
+    for i in range(steps):
+        start = time.perf_counter()
+        run.step(i)
+        run.sync()
+        samples.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    for i in range(steps):
+        run.step(i)
+    run.sync()
+    return {
+        "latency_ms": sorted(samples)[len(samples) // 2] * 1e3,
+        "throughput_ms": (time.perf_counter() - start) / steps * 1e3,
+    }
+
+
+def synchronisations(run: Run, steps: int) -> dict[str, int]:
+    """Each distinct host-device synchronisation of ``steps`` steps, by where it happened."""
+    with recording_syncs(torch.device("cuda" if run.cuda else "cpu")) as seen:
+        for i in range(steps):
+            run.step(i)
+    return seen
+
+
+def profile_table(run: Run, steps: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.cuda else [])
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            run.step(i)
+        run.sync()
+    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument(
+        "--sizes",
+        default="1024x64,4096x2048",
+        help="comma-separated WIDTHxBATCH; the first is host-bound on a GPU",
+    )
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out", default="results/gpu_profile")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu"}
+    try:
+        for size in args.sizes.split(","):
+            width, batch = (int(v) for v in size.split("x"))
+            cfg = bench.Config(blocks=args.blocks, width=width, batch=batch, world_size=1)
+            runs = {v: Run(v, cfg, device, 16) for v in VARIANTS}
+            times = {v: measure(run, args.steps) for v, run in runs.items()}
+            base = times["ddp_find_unused"]
+            for t in times.values():
+                t["latency_vs_find_unused"] = t["latency_ms"] / base["latency_ms"]
+                t["throughput_vs_find_unused"] = t["throughput_ms"] / base["throughput_ms"]
+            syncs = {v: synchronisations(run, 4) for v, run in runs.items()}
+            for v, run in runs.items():
+                (out / f"profile_{size}_{v}.txt").write_text(profile_table(run, 10))
+            report[size] = {"times": times, "syncs_in_4_steps": syncs}
+            print(json.dumps({size: report[size]}, indent=2), flush=True)
+    finally:
+        dist.destroy_process_group()
+    (out / "gpu_profile.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
