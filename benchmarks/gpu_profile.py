@@ -60,8 +60,8 @@ class Run:
         self.fv: Any = None
         self.check = variant != "flatview_ddp_no_check"
         if variant != "ddp_find_unused":
-            self.fv = flatview.wrap(self.model)
-            self.fv.adapter.overlap = variant != "flatview_ddp_no_overlap"
+            overlap = variant != "flatview_ddp_no_overlap"
+            self.fv = flatview.wrap(self.model, overlap_reduction=overlap)
         self.opt = torch.optim.SGD((self.fv or self.model).parameters(), lr=cfg.lr, momentum=0.9)
         self.masks = bench.skip_masks(cfg, n)
         self.batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, n, 0)]

@@ -11,7 +11,8 @@ Without a GPU it runs the same on CPU over gloo, so that it can be checked anywh
 
 Exit status 1 if any wrapper's parameters or ``None`` gradients differ from the
 reference, a wrapper raised, or flatview made the host wait for the GPU inside a step
-(``torch.cuda.set_sync_debug_mode``; waits elsewhere, the wrappers' and the model's, are reported apart).
+(``torch.cuda.set_sync_debug_mode``; waits elsewhere, the wrappers' and the model's, are
+reported apart).
 """
 
 from __future__ import annotations
@@ -131,9 +132,8 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
     for name, wrap in _wrappers(device).items():
         try:
             model = wrap(bench.make_net(cfg).to(device))
-            fv = flatview.wrap(model)
-            if name == "ddp":
-                fv.adapter.overlap = True  # type: ignore[attr-defined]  # the CUDA default
+            overlap = True if name == "ddp" else None  # the CUDA default, also on CPU
+            fv = flatview.wrap(model, overlap_reduction=overlap)
             opt = torch.optim.SGD(fv.parameters(), lr=cfg.lr, momentum=0.9)
             none_got = []
             syncs: dict[str, int] = {}
@@ -185,9 +185,9 @@ def time_ddp(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, f
     for label in ("flatview_ddp", "flatview_ddp_no_overlap", "ddp_find_unused"):
         net = bench.make_net(cfg).to(device)
         model = DDP(net, device_ids=ids, find_unused_parameters=label == "ddp_find_unused")
-        fv = flatview.wrap(model) if label.startswith("flatview") else None
-        if fv is not None:
-            fv.adapter.overlap = label == "flatview_ddp"  # type: ignore[attr-defined]
+        fv = None
+        if label.startswith("flatview"):
+            fv = flatview.wrap(model, overlap_reduction=label == "flatview_ddp")
         opt = torch.optim.SGD((fv or model).parameters(), lr=cfg.lr, momentum=0.9)
         samples = []
         for i, ((x, y), skip) in enumerate(zip(batches, masks, strict=True)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from flatview.backends import detect
+from flatview.backends import ddp, detect
 from flatview.comm.reduce import Strategy
 from flatview.core import FlatView, Phase
 from flatview.errors import (
@@ -53,6 +53,7 @@ def wrap(
     *,
     check_skip_agreement: bool = True,
     reduce_strategy: Strategy | str = Strategy.AUTO,
+    overlap_reduction: bool | None = None,
 ) -> FlatView:
     """Give an FSDP model's original parameters back as views, and enable skip sets.
 
@@ -72,6 +73,13 @@ def wrap(
             reduce-scatter unless skipped spans fall so unevenly across shards that its
             padding costs more than 5%, then an exact all-to-all), ``"reduce_scatter"``
             or ``"all_to_all"``.
+        overlap_reduction: DDP models only: start each gradient bucket's all-reduce as
+            soon as the backward has produced it, as DDP does (``True``), or reduce
+            everything at the end of the backward in as few collectives as DDP's bucket
+            size allows (``False``). ``None`` (default): overlap unless the model is on
+            CPU, where the collectives compete with the backward for the same cores.
+            FSDP models reduce in the wrapper's own gradient hooks: anything but
+            ``None`` is refused there.
 
     Returns:
         The :class:`FlatView` handle. From now on every submodule's ``parameters()``
@@ -83,9 +91,19 @@ def wrap(
             configuration (the message names what is not supported), or is already
             wrapped.
     """
+    if overlap_reduction is not None and not ddp.is_ddp(model):
+        raise WrapError(
+            f"overlap_reduction={overlap_reduction!r} applies to DistributedDataParallel "
+            f"models only; a {type(model).__name__} reduces gradients in its own hooks "
+            "(leave it None)"
+        )
+    adapter = detect(model)
+    if overlap_reduction is not None:
+        assert isinstance(adapter, ddp.DDPAdapter)
+        adapter.overlap = overlap_reduction
     return FlatView(
         model,
-        detect(model),
+        adapter,
         check_skip_agreement=check_skip_agreement,
         reduce_strategy=Strategy(reduce_strategy),
     )

@@ -135,9 +135,8 @@ def overlapped_and_end_of_backward(scenario: Scenario) -> dict[str, Any]:
     started_early: list[int] = []
     for overlap in (True, False):
         model = DDP(make_net(scenario), **scenario.options)
-        fv = flatview.wrap(model)
+        fv = flatview.wrap(model, overlap_reduction=overlap)
         adapter: Any = fv.adapter
-        adapter.overlap = overlap
         end = adapter._end_backward
 
         def spy(end: Any = end, overlap: bool = overlap, adapter: Any = adapter) -> None:
@@ -188,9 +187,8 @@ def gradient_grows_after_its_bucket_started(scenario: Scenario) -> dict[str, Any
     reference = _Twice()
     torch.manual_seed(0)
     model = DDP(_Twice(), bucket_cap_mb=1e-5)
-    fv = flatview.wrap(model)
+    fv = flatview.wrap(model, overlap_reduction=True)  # off by default on CPU
     adapter: Any = fv.adapter
-    adapter.overlap = True  # off by default on CPU
     refired: list[bool] = []
     end = adapter._end_backward
 
@@ -219,8 +217,7 @@ def undeclared_in_an_earlier_micro_batch(scenario: Scenario) -> None:
     synchronising backward must raise, although its bucket starts before the end
     (every parameter its own bucket)."""
     model = DDP(make_net(scenario), bucket_cap_mb=1e-5)
-    fv = flatview.wrap(model)
-    fv.adapter.overlap = True  # type: ignore[attr-defined]  # off by default on CPU
+    fv = flatview.wrap(model, overlap_reduction=True)  # off by default on CPU
     for micro, declared in enumerate(([], ["body.0"])):
         x, y = local_batch(scenario, micro)
         sync = model.no_sync() if micro == 0 else torch.enable_grad()
@@ -238,8 +235,7 @@ def checkpointed_whole_model(scenario: Scenario) -> dict[str, bool]:
     for overlap in (False, True):
         reference = make_net(scenario)
         model = DDP(make_net(scenario), bucket_cap_mb=1e-5)
-        fv = flatview.wrap(model)
-        fv.adapter.overlap = overlap  # type: ignore[attr-defined]
+        fv = flatview.wrap(model, overlap_reduction=overlap)
         x, y = local_batch(scenario, 0)
         skip = as_names([1])
         with fv.step(skip=list(skip)):

@@ -591,9 +591,11 @@ def distributed_model(
     import flatview
 
     model = wrap_fsdp(scenario, make_net(scenario) if net is None else net)
-    fv = flatview.wrap(model, check_skip_agreement=scenario.check)
-    if "overlap" in scenario.options:
-        fv.adapter.overlap = scenario.options["overlap"]  # type: ignore[attr-defined]
+    fv = flatview.wrap(
+        model,
+        check_skip_agreement=scenario.check,
+        overlap_reduction=scenario.options.get("overlap"),
+    )
     freeze(fv.named_parameters(), scenario)
     return model, fv, optimizers(_original_tree(model))
 

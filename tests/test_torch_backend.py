@@ -211,6 +211,7 @@ def test_backward_prefetch_never_gathers_skipped_units(
         ("nested", "nested FSDP unit"),
         ("version", "torch 1[.]0[.]x; found torch .*FLATVIEW_ALLOW_UNTESTED_TORCH=1"),
         ("comm_hook", "already has a communication hook"),
+        ("overlap_reduction", "overlap_reduction=False applies to DistributedDataParallel"),
         ("HYBRID_SHARD", "hybrid sharding"),
     ],
 )

@@ -223,6 +223,13 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
         finally:
             torch_fsdp.TESTED_TORCH = tested
             os.environ.pop(torch_fsdp.UNTESTED_TORCH_ENV, None)
+    elif case == "overlap_reduction":
+        root = wrap_fsdp(scenario, net)
+        try:
+            flatview.wrap(root, overlap_reduction=False)
+        except FlatViewError as err:
+            return str(err)
+        raise AssertionError("no error")
     elif case == "comm_hook":
         root = wrap_fsdp(scenario, net)
 

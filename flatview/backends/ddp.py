@@ -26,17 +26,22 @@ How DDP is driven (public behaviour, checked against torch 2.13):
   buckets in reverse registration order, the order a backward usually produces their
   gradients (a first bucket of DDP's first-bucket size, 1 MiB, then DDP's
   ``bucket_cap_mb``); a hook on each parameter marks its gradient ready, and the next
-  bucket whose gradients are all ready starts its all-reduce (divided by the world size
-  first, as DDP averages), in bucket order on every rank. The end-of-backward callback
+  bucket whose gradients are all ready starts its all-reduce (an average, as DDP's:
+  NCCL's ``AVG``, elsewhere divided by the world size first), in bucket order on every
+  rank. The end-of-backward callback
   starts what is left and waits for everything. Buckets follow from the skip set alone,
   so every rank forms the same ones, whatever order its backward runs in.
 * A gradient accumulated again after its bucket started (a parameter that takes part in
   two graph tasks of one backward, as with reentrant checkpointing) would be reduced
   without its second part: the callback then waits for the buckets in flight, discards
-  their results and reduces everything again, whole (``overlap=False`` avoids the
-  waste for models that always do this). A forward inside the backward (checkpointing
+  their results and reduces everything again, whole (``overlap_reduction=False``
+  avoids the waste for models that always do this). A forward inside the backward (checkpointing
   around the whole model recomputes it) is not a new iteration.
-* Overlap is off by default on CPU (``DDPAdapter.overlap``): there the collectives
+* Nothing in a step waits for the GPU (as DDP's reducer does not): the flags below are
+  made on the device and read back only on a rank that lacks a gradient, and the
+  skip-set check reads its fingerprints through a side stream (``comm/agreement.py``).
+  ``benchmarks/gpu_smoke.py`` checks it with ``torch.cuda.set_sync_debug_mode``.
+* Overlap is off by default on CPU (``wrap(overlap_reduction=)``): there the collectives
   compete with the backward for the same cores, and one all-reduce at the end was
   faster.
 
