@@ -27,7 +27,7 @@ import contextlib
 import enum
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +127,30 @@ class _StatsSource:
     synced: bool
 
 
+def _skipped_used(name: str) -> SkippedParameterUsedError:
+    return SkippedParameterUsedError(
+        f"parameter {name!r} is declared skipped for this step but received a "
+        "gradient: the model used it. Remove it from the skip set or don't use it."
+    )
+
+
+def _plain_guard(
+    owner: weakref.ref[FlatView], index: int, name: str
+) -> Callable[[torch.Tensor], None]:
+    """The persistent guard hook of plain parameter ``index`` (weakly bound: a
+    parameter that outlives its FlatView must not keep it alive)."""
+
+    def refuse(grad: torch.Tensor) -> None:
+        fv = owner()
+        if fv is None or fv.phase is not Phase.COMPUTING:
+            return
+        iteration = fv._iteration
+        if iteration is not None and index in iteration.skipped:
+            raise _skipped_used(name)
+
+    return refuse
+
+
 _live: weakref.WeakSet[FlatView] = weakref.WeakSet()
 _wrapped: weakref.WeakKeyDictionary[nn.Module, FlatView] = weakref.WeakKeyDictionary()
 _optimizer_hook: Any = None
@@ -200,6 +224,8 @@ class FlatView:
         # (gradient accumulation under no_sync()).
         self._window: list[tuple[bool, ...]] | None = None
         self._guards: list[torch.utils.hooks.RemovableHandle] = []
+        # Per plain parameter index: its guard hook, kept from step to step.
+        self._plain_guards: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._resolver = self._build_resolver()
 
         for flat in self._flats:
@@ -580,24 +606,29 @@ class FlatView:
 
     def _guard(self, tensor: torch.Tensor, name: str) -> None:
         def refuse(grad: torch.Tensor) -> None:
-            raise SkippedParameterUsedError(
-                f"parameter {name!r} is declared skipped for this step but received a "
-                "gradient: the model used it. Remove it from the skip set or don't use it."
-            )
+            raise _skipped_used(name)
 
         if tensor.requires_grad:
             self._guards.append(tensor.register_hook(refuse))
 
     def guard_skipped_plain(self) -> None:
         """Hook the skipped plain parameters (registered as they are, not flattened):
-        if the model uses one in this iteration, backward raises."""
+        if the model uses one in this iteration, backward raises.
+
+        Unlike the compute tensors of flat parameters, which the wrapper makes anew each
+        forward, plain parameters persist: each gets one hook, the first time it is
+        skipped, that checks the iteration it fires in (registering and removing hooks
+        on every skipped parameter every step cost more than a check per gradient)."""
         iteration = self._iteration
         if iteration is None:
             return
         for index in iteration.skipped:
+            if index in self._plain_guards:
+                continue
             param = self._params[index]
-            if param.flat is None:
-                self._guard(param.tensor, param.name)
+            if param.flat is None and param.tensor.requires_grad:
+                hook = _plain_guard(weakref.ref(self), index, param.name)
+                self._plain_guards[index] = param.tensor.register_hook(hook)
 
     def plain_used(self) -> frozenset[int]:
         """Indices of the plain parameters trained in the iteration in flight."""
@@ -725,6 +756,9 @@ class FlatView:
             raise StateError(f"unwrap() needs phase IDLE, the model is {self.phase.name}")
         for flat in self._flats:
             flat.views.hide()
+        for handle in self._plain_guards.values():
+            handle.remove()
+        self._plain_guards.clear()
         self.adapter.uninstall()
         for unit in self._units:
             _wrapped.pop(unit.module, None)

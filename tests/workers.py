@@ -234,16 +234,26 @@ def state_dict_with_and_without(scenario: Scenario) -> dict[str, Any]:
         }
 
 
+def _hook_counts(model: nn.Module) -> list[tuple[int, int]]:
+    return [
+        (len(p._backward_hooks or {}), len(p._post_accumulate_grad_hooks or {}))
+        for p in model.parameters()
+    ]
+
+
 def unwrap_restores_plain_fsdp(scenario: Scenario) -> dict[str, bool]:
-    """``unwrap()`` gives the flat parameters back: plain FSDP trains, the old handle
-    refuses steps, and the model can be wrapped again."""
+    """``unwrap()`` gives the flat parameters back, without flatview's hooks: plain FSDP
+    trains, the old handle refuses steps, and the model can be wrapped again."""
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         before = {id(p) for p in model.parameters()}
+        hooks_before = _hook_counts(model)
         fv = flatview.wrap(model)
         views = {id(p) for p in fv.parameters()}
+        train_step(model, fv, scenario, 0, (1,))  # guards (DDP: on the originals)
         fv.unwrap()
         after = {id(p) for p in model.parameters()}
+        hooks_left = _hook_counts(model) != hooks_before
         x, y = local_batch(scenario, 0)
         loss_of(model(x), y).backward()
         if scenario.backend == "ddp":
@@ -261,7 +271,11 @@ def unwrap_restores_plain_fsdp(scenario: Scenario) -> dict[str, bool]:
         except StateError:
             step_refused = True
         flatview.wrap(model).unwrap()
-        return {"flats_back": after == before and not after & views, "step_refused": step_refused}
+        return {
+            "flats_back": after == before and not after & views,
+            "step_refused": step_refused,
+            "hooks_left": hooks_left,
+        }
 
 
 def double_count(scenario: Scenario) -> None:
