@@ -872,10 +872,11 @@ class FlatView:
         Raises:
             flatview.OptimStateError: the optimizer holds a tensor that is
                 not one of this model's parameters (a flat parameter, say), or state
-                that cannot be cut into pieces (neither per-element nor scalar). Both
-                are raised before any collective. Ranks that hold different parameters
-                or state, or disagree on a scalar such as ``step``, make every rank
-                raise after the description exchange, before any state tensor moves.
+                that cannot be cut into pieces (neither per-element nor scalar), on any
+                rank; or ranks hold different parameters or state, or disagree on a
+                scalar such as ``step``. Raised on every rank alike (the message names
+                the rank), after the exchange of descriptions and before any state
+                tensor moves.
         """
         return optim_state.consolidate(self, optimizer, rank0_only=rank0_only)
 

@@ -36,8 +36,11 @@ padded like a flat parameter of one segment. It says which elements each rank ho
 Agreement and hangs
 -------------------
 Errors that the model and the optimizer alone decide (a parameter the model does not
-hold, a state tensor that cannot be consolidated on a replicated parameter) are raised
-before any collective; on ranks built alike they are raised on every rank. Then one
+hold, a state tensor that cannot be consolidated on a replicated parameter) are found
+before any collective. Without a collective to follow (every rank holds everything)
+they are raised at once; otherwise the rank that found one sends it in place of its
+description, and every rank raises it, so that no rank is left waiting in a collective
+the others never join. Then that one
 small all-gather of descriptions (keys, kinds, dtypes and scalar values, no data) lets
 every rank check the same facts: that the optimizers on all ranks hold the same
 parameters, that every rank holding elements of a parameter has its state, and that
@@ -162,41 +165,69 @@ def _describe_foreign(tensor: Any, fv: FlatView) -> str:
 # ------------------------------------------------------------------------ consolidate
 
 
+def _local_facts(
+    fv: FlatView, optimizer: torch.optim.Optimizer, homes: Sequence[Placement]
+) -> tuple[list[list[int]], dict[str, Any], list[int], dict[int, dict[Any, Kind]]]:
+    """What this rank's optimizer holds: its parameter groups (as indices), its
+    ``state_dict()``, the indices in state-dict order, and the kind of each state entry
+    of sharded parameters. Raises :class:`OptimStateError` for what cannot be
+    consolidated whatever the other ranks hold."""
+    groups = _optimizer_params(fv, optimizer)
+    saved = optimizer.state_dict()
+    # Optimizer.state_dict() numbers the parameters in group order: position k is the
+    # k-th parameter over all groups.
+    order = [index for group in groups for index in group]
+    described: dict[int, dict[Any, Kind]] = {}
+    for position, index in enumerate(order):
+        state = saved["state"].get(position)
+        if state is None:
+            continue
+        home = homes[index]
+        kinds = {key: _kind(home, key, value) for key, value in state.items()}
+        if home.layout is None:
+            # Replicated state is the same on every rank: refused here, on every rank.
+            for key, kind in kinds.items():
+                if kind[0] == "other":
+                    raise _not_consolidable(home, key, kind[1], None)
+        else:
+            described[position] = kinds
+    return groups, saved, order, described
+
+
+def _raise_reported(
+    descriptions: Sequence[Mapping[str, Any]], cause: BaseException | None = None
+) -> None:
+    """Raise, on every rank alike, the first error a rank reported in place of its
+    description."""
+    for rank, description in enumerate(descriptions):
+        if "error" in description:
+            raise OptimStateError(f"on rank {rank}: {description['error']}") from cause
+
+
 def consolidate(
     fv: FlatView, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
 ) -> dict[str, Any]:
     """The consolidated state of ``optimizer`` (see :meth:`flatview.FlatView.optim_state_dict`)."""
     params, adapter = fv._params, fv.adapter
     homes = [param.placement for param in params]
-    groups = _optimizer_params(fv, optimizer)
-    saved = optimizer.state_dict()
-    # Optimizer.state_dict() numbers the parameters in group order: position k is the
-    # k-th parameter over all groups.
-    order = [index for group in groups for index in group]
+    gathering = adapter.world_size > 1 and any(home.layout is not None for home in homes)
+    try:
+        groups, saved, order, described = _local_facts(fv, optimizer, homes)
+    except OptimStateError as err:
+        if not gathering:
+            raise
+        # The other ranks are about to exchange descriptions: tell them, so that every
+        # rank raises instead of the others waiting in the collective until it times out.
+        _raise_reported(exchange({"error": str(err)}, adapter.group), cause=err)
+        raise AssertionError("unreachable: this rank's own error was reported") from err
     states: dict[int, dict[Any, Any]] = saved["state"]
 
-    # Local facts; what cannot be consolidated on a replicated parameter is refused
-    # here, before any collective (replicated state is the same on every rank).
-    described: dict[int, dict[Any, Kind]] = {}
-    for position, index in enumerate(order):
-        state = states.get(position)
-        if state is None:
-            continue
-        home = homes[index]
-        kinds = {key: _kind(home, key, value) for key, value in state.items()}
-        if home.layout is None:
-            for key, kind in kinds.items():
-                if kind[0] == "other":
-                    raise _not_consolidable(home, key, kind[1], None)
-        else:
-            described[position] = kinds
-
-    gathering = adapter.world_size > 1 and any(home.layout is not None for home in homes)
     receiving = not rank0_only or adapter.rank == 0
     fulls: dict[tuple[int, Any], torch.Tensor] = {}
     plan: dict[int, dict[Any, Kind]] = {}
     if gathering:
         descriptions = exchange({"params": tuple(order), "state": described}, adapter.group)
+        _raise_reported(descriptions)
         plan = merge(descriptions, order, homes, params)
         fulls = _gather(plan, states, order, homes, adapter, rank0_only)
 

@@ -252,6 +252,9 @@ def error_cases(scenario: Scenario) -> dict[str, tuple[str, int]]:
         stranger = nn.Parameter(torch.zeros(2, 3))
         foreign = torch.optim.SGD([{"params": [named["head.bias"]]}, {"params": [stranger]}])
         out["foreign"] = _attempt(lambda: fv.optim_state_dict(foreign, rank0_only=True))
+        # Only rank 1's optimizer holds a stranger: every rank must raise, none may hang.
+        lonely = foreign if rank == 1 else torch.optim.SGD([named["head.bias"]], lr=0.1)
+        out["foreign_one_rank"] = _attempt(lambda: fv.optim_state_dict(lonely))
         out["foreign_load"] = _attempt(
             lambda: fv.load_optim_state_dict(foreign, {"state": {}, "param_groups": []})
         )
