@@ -1,4 +1,5 @@
-"""Where flatview + DDP spends a step on one GPU, against DDP ``find_unused_parameters``.
+"""Where flatview spends a step on one GPU: + DDP against DDP ``find_unused_parameters``,
++ torch FSDP1 against torch FSDP1 alone.
 
 A companion of ``gpu_smoke.py`` for a lent GPU machine (NCCL, world size 1). For each
 variant it measures, side by side in one process:
@@ -8,7 +9,7 @@ variant it measures, side by side in one process:
   run ahead of the GPU, as it does in training);
 * every host-device synchronisation the step makes (``torch.cuda.set_sync_debug_mode``),
   with the flatview line that caused it;
-* a ``torch.profiler`` table of the operators with most host time.
+* a ``torch.profiler`` table of the operators with most host time (``--tables``).
 
     python benchmarks/gpu_profile.py --out results/gpu_profile     # sizes: see --sizes
 
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,7 +40,17 @@ from gpu_smoke import recording_syncs
 
 import flatview
 
-VARIANTS = ("ddp_find_unused", "flatview_ddp", "flatview_ddp_no_overlap", "flatview_ddp_no_check")
+VARIANTS = (
+    "ddp_find_unused",
+    "flatview_ddp",
+    "flatview_ddp_no_overlap",
+    "flatview_ddp_no_check",
+    "torch_fsdp1_plain",
+    "flatview_torch_fsdp1",
+)
+"""DDP variants are compared with ``ddp_find_unused``; torch FSDP1 per block (``NO_SHARD``
+at world size 1; skipped blocks are not called, so plain FSDP1 handles the skips too)
+with flatview against without."""
 
 
 def _free_port() -> int:
@@ -52,14 +64,22 @@ class Run:
 
     def __init__(self, variant: str, cfg: bench.Config, device: torch.device, n: int) -> None:
         ids = [device.index or 0] if device.type == "cuda" else None
-        self.model = DDP(
-            bench.make_net(cfg).to(device),
-            device_ids=ids,
-            find_unused_parameters=variant == "ddp_find_unused",
-        )
+        net = bench.make_net(cfg).to(device)
+        self.model: nn.Module
+        if "torch_fsdp1" in variant:
+            from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            policy = ModuleWrapPolicy({bench.Block})
+            self.model = TorchFSDP(net, auto_wrap_policy=policy, device_id=device)
+        else:
+            find_unused = variant == "ddp_find_unused"
+            self.model = DDP(net, device_ids=ids, find_unused_parameters=find_unused)
         self.fv: Any = None
         self.check = variant != "flatview_ddp_no_check"
-        if variant != "ddp_find_unused":
+        if variant == "flatview_torch_fsdp1":
+            self.fv = flatview.wrap(self.model)
+        elif variant.startswith("flatview"):
             overlap = variant != "flatview_ddp_no_overlap"
             self.fv = flatview.wrap(self.model, overlap_reduction=overlap)
         self.opt = torch.optim.SGD((self.fv or self.model).parameters(), lr=cfg.lr, momentum=0.9)
@@ -131,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated WIDTHxBATCH; the first is host-bound on a GPU",
     )
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--tables", default="", help="sizes to write profiler tables for")
     parser.add_argument("--out", default="results/gpu_profile")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -149,13 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             cfg = bench.Config(blocks=args.blocks, width=width, batch=batch, world_size=1)
             runs = {v: Run(v, cfg, device, 16) for v in VARIANTS}
             times = {v: measure(run, args.steps) for v, run in runs.items()}
-            base = times["ddp_find_unused"]
-            for t in times.values():
-                t["latency_vs_find_unused"] = t["latency_ms"] / base["latency_ms"]
-                t["throughput_vs_find_unused"] = t["throughput_ms"] / base["throughput_ms"]
+            for v, t in times.items():
+                base = times["torch_fsdp1_plain" if "torch_fsdp1" in v else "ddp_find_unused"]
+                t["latency_vs_base"] = t["latency_ms"] / base["latency_ms"]
+                t["throughput_vs_base"] = t["throughput_ms"] / base["throughput_ms"]
             syncs = {v: synchronisations(run, 4) for v, run in runs.items()}
-            for v, run in runs.items():
-                (out / f"profile_{size}_{v}.txt").write_text(profile_table(run, 10))
+            if size in args.tables.split(","):
+                for v, run in runs.items():
+                    (out / f"profile_{size}_{v}.txt").write_text(profile_table(run, 10))
             report[size] = {"times": times, "syncs_in_4_steps": syncs}
             print(json.dumps({size: report[size]}, indent=2), flush=True)
     finally:

@@ -173,6 +173,45 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
     return results
 
 
+def check_mixed_precision(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
+    """torch FSDP1 per block in bf16 (``MixedPrecision``), with flatview against without:
+    skipped blocks are not called, so plain FSDP1 leaves their gradients ``None`` too and
+    both runs must agree (up to the order of the bf16 reduction)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    masks = bench.skip_masks(cfg, steps)
+    batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, steps, 0)]
+    finals = []
+    try:
+        for with_flatview in (False, True):
+            model = TorchFSDP(
+                bench.make_net(cfg).to(device),
+                auto_wrap_policy=ModuleWrapPolicy({bench.Block}),
+                mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+                device_id=device,
+            )
+            fv = flatview.wrap(model) if with_flatview else None
+            opt = torch.optim.SGD((fv or model).parameters(), lr=cfg.lr, momentum=0.9)
+            for (x, y), skip in zip(batches, masks, strict=True):
+                if fv is not None:
+                    _step(model, fv, opt, x, y, skip)
+                else:
+                    F.cross_entropy(model(x, skip), y).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            if fv is not None:
+                fv.unwrap()
+            with TorchFSDP.summon_full_params(model):
+                finals.append([p.detach().clone().float().reshape(-1) for p in model.parameters()])
+        plain, ours = (torch.cat(f) for f in finals)
+        worst = float((plain - ours).abs().max())
+        return {"ok": worst < 1e-3, "max_abs_diff": worst}
+    except Exception as exc:  # reported, not raised
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
 def time_ddp(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, float]:
     """Median step times of flatview + DDP (buckets overlapped with the backward or not)
     and of DDP ``find_unused_parameters=True``, measured side by side."""
@@ -236,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         report["equivalence"] = check_equivalence(cfg, device, args.steps)
+        report["equivalence"]["torch_fsdp1_bf16_vs_plain"] = check_mixed_precision(
+            cfg, device, args.steps
+        )
         report["timing_ms"] = time_ddp(cfg, device, args.timed_steps)
     finally:
         dist.destroy_process_group()
