@@ -10,7 +10,8 @@ Without a GPU it runs the same on CPU over gloo, so that it can be checked anywh
     python benchmarks/gpu_smoke.py                 # prints a report, writes --out JSON
 
 Exit status 1 if any wrapper's parameters or ``None`` gradients differ from the
-reference, a wrapper raised, or flatview made the host wait for the GPU inside a step
+reference, a wrapper raised, the skip-set check read wrong fingerprints or waited for
+the compute queued after it, or flatview made the host wait for the GPU inside a step
 (``torch.cuda.set_sync_debug_mode``; waits elsewhere, the wrappers' and the model's, are
 reported apart).
 """
@@ -214,6 +215,34 @@ def check_mixed_precision(cfg: bench.Config, device: torch.device, steps: int) -
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
+def check_agreement_readback(device: torch.device) -> dict[str, Any]:
+    """The skip-set check reads its fingerprints through a side stream: right values, and
+    without waiting for compute queued after the check started (as a forward is). At
+    world size 1 the fingerprints always agree, so the training runs cannot tell."""
+    if device.type != "cuda":
+        return {"ok": True, "skipped": "no GPU"}
+    from flatview.comm.agreement import Agreement
+    from flatview.comm.ledger import Ledger
+
+    a = torch.randn(8192, 8192, device=device)
+    torch.cuda.synchronize()
+    agreement = Agreement(123456789, list, None, device, Ledger())
+    busy = [a @ a for _ in range(20)]  # tens of milliseconds queued behind the check
+    done = torch.cuda.Event()
+    done.record()
+    agreement.settle()
+    compute_finished = done.query()
+    host = agreement._host
+    value = host.tolist() if host is not None else None
+    torch.cuda.synchronize()
+    del busy
+    return {
+        "ok": value == [123456789] and not compute_finished,
+        "value": value,
+        "waited_for_compute": compute_finished,
+    }
+
+
 def time_ddp(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, float]:
     """Median step times of flatview + DDP (buckets overlapped with the backward or not)
     and of DDP ``find_unused_parameters=True``, measured side by side."""
@@ -280,13 +309,15 @@ def main(argv: list[str] | None = None) -> int:
         report["equivalence"]["torch_fsdp1_bf16_vs_plain"] = check_mixed_precision(
             cfg, device, args.steps
         )
+        report["agreement_readback"] = check_agreement_readback(device)
         report["timing_ms"] = time_ddp(cfg, device, args.timed_steps)
     finally:
         dist.destroy_process_group()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
-    return 0 if all(r["ok"] for r in report["equivalence"].values()) else 1
+    ok = all(r["ok"] for r in report["equivalence"].values())
+    return 0 if ok and report["agreement_readback"]["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -326,7 +326,11 @@ def report(
     elapsed: float,
 ) -> None:
     mib = 2.0**20
-    saved = 1 - history.reduced_bytes / history.dense_bytes if history.dense_bytes else 0.0
+    saved = (
+        f"{1 - history.reduced_bytes / history.dense_bytes:9.1%}"
+        if history.dense_bytes
+        else "      n/a  (one rank: the wrapper communicates nothing)"
+    )
     mean_skipped = sum(history.skipped_blocks) / len(history.skipped_blocks)
     plain, everything = (
         ("plain DDP", "every gradient")
@@ -342,7 +346,7 @@ def report(
         f"  flatview           {history.reduced_bytes / mib:9.2f} MiB\n"
         f"  {plain:<18} {history.dense_bytes / mib:9.2f} MiB  ({everything})\n"
         f"  used gradients     {history.used_bytes / mib:9.2f} MiB  (exact lower bound)\n"
-        f"  saved              {saved:9.1%}\n"
+        f"  saved              {saved}\n"
         f"  skip-set checks    {history.agreement_bytes / mib:9.4f} MiB",
         flush=True,
     )

@@ -798,8 +798,8 @@ class FlatView:
         return StepStats(
             reduced_bytes=sum(source.ledger_bytes.get(k, 0) for k in reduce_kinds),
             reduce_calls=sum(source.ledger_calls.get(k, 0) for k in reduce_kinds),
-            dense_bytes=dense if synced else 0,
-            used_bytes=used if synced else 0,
+            dense_bytes=dense if synced and self.adapter.wrapper_reduces else 0,
+            used_bytes=used if synced and self.adapter.wrapper_reduces else 0,
             skipped_bytes=skipped_bytes,
             params_skipped=len(skipped),
             units_skipped=source.units_skipped,

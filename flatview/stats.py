@@ -17,9 +17,11 @@ class StepStats:
     reduce_calls: int
     dense_bytes: int
     """What the wrapper's own reduce-scatters would take as input with nothing skipped:
-    every flat parameter's padded gradient."""
+    every flat parameter's padded gradient (0 where the wrapper communicates nothing:
+    fairscale on one rank)."""
     used_bytes: int
-    """Gradient bytes of the parameters that took part (what an exact exchange moves)."""
+    """Gradient bytes of the parameters that took part (what an exact exchange moves; 0
+    where nothing needs exchanging)."""
     skipped_bytes: int
     """Gradient bytes of skipped parameters, which stayed local."""
     params_skipped: int

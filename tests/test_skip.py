@@ -103,6 +103,22 @@ def test_reduced_bytes_track_used_parameters(
         assert r["units_skipped"] == (2 if nested and backend.backend != "ddp" else 0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_rank_stats_follow_the_wrapper(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    """On one rank fairscale communicates no gradient, and flatview neither: nothing
+    reduced, nothing to compare with. The others still reduce (an all-reduce with
+    itself), and the stats say what that moved."""
+    scenario = backend.scenario(SC, world_size=1)
+    (r,) = dist_pool(1).run(w.count_step, scenario, (0, 2), "auto", timeout=TIMEOUT)
+    reduce_kinds = ("reduce_scatter", "all_to_all", "all_reduce")
+    measured = sum(r["bytes"].get(kind, 0) for kind in reduce_kinds)
+    assert measured == r["reduced_bytes"], r
+    if backend.backend == "fairscale":
+        assert (measured, r["dense_bytes"], r["used_bytes"]) == (0, 0, 0), r
+    else:
+        assert 0 < r["used_bytes"] <= measured < r["dense_bytes"], r
+
+
 # Per backend, how often an FSDP unit is all-gathered in one training step.
 GATHERS_PER_UNIT = {
     "fairscale": 2,  # for forward, and again for backward (resharded after forward)

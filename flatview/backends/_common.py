@@ -63,6 +63,7 @@ class AdapterBase:
 
     root: Any
     overlaps_agreement = False
+    wrapper_reduces = True
 
     def __init__(self) -> None:
         self._core: FlatView | None = None

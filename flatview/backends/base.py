@@ -90,6 +90,11 @@ class Adapter(Protocol):
     gradient collectives, so the skip-set check may run alongside the forward; the
     adapter calls ``FlatView.settle_agreement`` before its first collective."""
 
+    wrapper_reduces: bool
+    """The wrapper alone would communicate gradients (fairscale at world size 1 does not:
+    its unsharded gradients are final). :attr:`flatview.StepStats.dense_bytes` and
+    ``used_bytes`` are 0 otherwise."""
+
     def clean_name(self, name: str) -> str:
         """An original name from a module or parameter name in the wrapped tree."""
 

@@ -119,6 +119,8 @@ class FairscaleAdapter(AdapterBase):
         self.group: dist.ProcessGroup | None = root.process_group
         self.rank: int = root.rank
         self.world_size: int = root.world_size
+        # One rank: fairscale reduces nothing (its gradients are final), nor does flatview.
+        self.wrapper_reduces = self.world_size > 1
         self.device = torch.device(root.compute_device)
         cap = int(root.bucket_cap_mb * 2**20 // 4)
         self.bucket_numel = max(cap, 1)
