@@ -59,11 +59,12 @@ def assert_norms_equal(got: w.Norms, want: w.Norms, label: str) -> None:
         else:
             assert got[name] is not None, f"{label}: {name} has no norm"
             # With one sample per rank, AdamW turns the rounding of a different
-            # reduction order into differences the next step's norms amplify: two drawn
-            # scenarios (3 ranks, width 2) were off by 1.4e-4 and 1.7e-4 relative on
-            # fairscale, torch FULL_SHARD and NO_SHARD and DDP alike. Real faults (a
-            # wrong average, a dropped or misplaced piece) are off by far more.
-            np.testing.assert_allclose(got[name], value, rtol=1e-3, atol=1e-5, err_msg=name)
+            # reduction order into differences the next step's norms amplify: drawn
+            # scenarios (3 ranks, width 2) were off by 1.4e-4, 1.7e-4 and (seed 143,
+            # a gradient norm at step 2) 0.9e-3 to 1.6e-3 relative on fairscale, torch
+            # FULL_SHARD and NO_SHARD and DDP alike. Real faults (a wrong average, a
+            # dropped or misplaced piece) are off by far more.
+            np.testing.assert_allclose(got[name], value, rtol=5e-3, atol=1e-5, err_msg=name)
 
 
 def check_training(dist_pool: PoolFactory, scenario: Scenario) -> None:
