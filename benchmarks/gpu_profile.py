@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -36,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_skip as bench
-from gpu_smoke import recording_syncs
+from gpu_smoke import recording_syncs, start_one_process
 
 import flatview
 
@@ -51,12 +49,6 @@ VARIANTS = (
 """DDP variants are compared with ``ddp_find_unused``; torch FSDP1 per block (``NO_SHARD``
 at world size 1; skipped blocks are not called, so plain FSDP1 handles the skips too)
 with flatview against without."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Run:
@@ -154,13 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tables", default="", help="sizes to write profiler tables for")
     parser.add_argument("--out", default="results/gpu_profile")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    device = start_one_process()
+    cuda = device.type == "cuda"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu"}

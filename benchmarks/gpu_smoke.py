@@ -28,6 +28,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +81,24 @@ def recording_syncs(device: torch.device) -> Iterator[dict[str, int]]:
 def _step(
     model: nn.Module, fv: Any, opt: torch.optim.Optimizer, x: Any, y: Any, skip: list[int]
 ) -> None:
-    with fv.step(skip=[f"blocks.{i}" for i in skip]):
+    """One training step, through flatview unless ``fv`` is None."""
+    step = fv.step(skip=[f"blocks.{i}" for i in skip]) if fv is not None else nullcontext()
+    with step:
         F.cross_entropy(model(x, skip), y).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def start_one_process() -> torch.device:
+    """This process as rank 0 of 1 (NCCL on the first GPU, else gloo on CPU)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    return device
 
 
 def _wrappers(device: torch.device) -> dict[str, Callable[[nn.Module], nn.Module]]:
@@ -198,12 +213,7 @@ def check_mixed_precision(cfg: bench.Config, device: torch.device, steps: int) -
             fv = flatview.wrap(model) if with_flatview else None
             opt = torch.optim.SGD((fv or model).parameters(), lr=cfg.lr, momentum=0.9)
             for (x, y), skip in zip(batches, masks, strict=True):
-                if fv is not None:
-                    _step(model, fv, opt, x, y, skip)
-                else:
-                    F.cross_entropy(model(x, skip), y).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                _step(model, fv, opt, x, y, skip)
             if fv is not None:
                 fv.unwrap()
             with TorchFSDP.summon_full_params(model):
@@ -264,12 +274,7 @@ def time_ddp(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, f
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            if fv is not None:
-                _step(model, fv, opt, x, y, skip)
-            else:
-                F.cross_entropy(model(x, skip), y).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            _step(model, fv, opt, x, y, skip)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= 3:
@@ -291,13 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timed-steps", type=int, default=30)
     parser.add_argument("--out", default="results/gpu_smoke.json")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    device = start_one_process()
+    cuda = device.type == "cuda"
     cfg = bench.Config(blocks=args.blocks, width=args.width, world_size=1)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
