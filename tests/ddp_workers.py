@@ -162,6 +162,61 @@ def overlapped_and_end_of_backward(scenario: Scenario) -> dict[str, Any]:
     }
 
 
+class _Reversed(nn.Module):
+    """Layers applied in the reverse of the order they are registered in: reverse
+    registration order, flatview's first guess at the order of the backward, is then
+    exactly wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+def learned_bucket_order(scenario: Scenario) -> dict[str, Any]:
+    """Every parameter its own bucket, overlapped: per backward, how many gradients were
+    ready when each bucket but the last (which waits for the end) started, and whether
+    the gradients are the local ones averaged by hand."""
+    torch.manual_seed(0)
+    reference = _Reversed()
+    torch.manual_seed(0)
+    model = DDP(_Reversed(), bucket_cap_mb=1e-5)
+    fv = flatview.wrap(model, overlap_reduction=True)
+    adapter: Any = fv.adapter
+    ready_at_start: list[list[int]] = []
+    start = adapter._start_bucket
+
+    def spy(round_: Any, extra: Any = ()) -> None:
+        if round_.started == 0:
+            ready_at_start.append([])
+        if round_.started < len(round_.buckets) - 1:
+            ready_at_start[-1].append(len(round_.ready))
+        start(round_, extra)
+
+    adapter._start_bucket = spy
+    averaged = True
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        x = torch.randn(2, 3, generator=generator)
+        with fv.step():
+            model(x).backward()
+        reference.zero_grad()
+        reference(x).backward()
+        for got, want in zip(fv.parameters(), reference.parameters(), strict=True):
+            assert want.grad is not None and got.grad is not None
+            mean = want.grad.clone()
+            dist.all_reduce(mean)
+            averaged = averaged and torch.allclose(got.grad, mean / dist.get_world_size())
+        for param in fv.parameters():
+            param.grad = None
+    fv.unwrap()
+    return {"ready_at_start": ready_at_start, "averaged": averaged}
+
+
 class _Twice(nn.Module):
     """``a`` runs twice: inside a reentrant checkpoint and after it, so its gradient is
     accumulated in two graph tasks of one backward, the second after ``a``'s bucket

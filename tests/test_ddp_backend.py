@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flatview.backends.ddp import plan_buckets
+from flatview.backends.ddp import plan_buckets, readiness_order
 from tests import ddp_workers as w
 from tests.scenarios import DDP
 
@@ -85,6 +85,39 @@ def test_overlapped_buckets_equal_end_of_backward(dist_pool: PoolFactory) -> Non
     for result in dist_pool(3).run(w.overlapped_and_end_of_backward, scenario, timeout=TIMEOUT):
         assert result["equal"], result
         assert len(result["started_early"]) == 4 and sum(result["started_early"]) > 0, result
+
+
+def test_buckets_follow_the_order_the_first_backward_produced(dist_pool: PoolFactory) -> None:
+    """A model whose backward runs opposite to its registration order: in the first
+    backward no bucket can start before (nearly) every gradient is ready (the first
+    bucket's, the first layer's bias, comes next to last); from the second on, buckets
+    follow the order the first one produced, and each starts as soon as its gradient is
+    ready, as DDP's do after its rebuild."""
+    for result in dist_pool(2).run(w.learned_bucket_order, DDP.scenario(), timeout=TIMEOUT):
+        first, *later = result["ready_at_start"]
+        assert min(first) >= 7 and len(first) == 7, result
+        assert later == [list(range(1, 8))] * 2 and result["averaged"], result
+
+
+@given(
+    registration=st.lists(st.integers(0, 40), unique=True, max_size=12),
+    data=st.data(),
+)
+def test_readiness_order(registration: list[int], data: st.DataObject) -> None:
+    """Observed parameters in the observed order; each one not observed right after the
+    one before it in reverse registration order; a total order over all."""
+    observed = data.draw(st.permutations(registration)).copy()
+    observed = observed[: data.draw(st.integers(0, len(observed)))]
+    keys = readiness_order(registration, observed)
+    assert sorted(keys) == sorted(registration)
+    order = sorted(registration, key=keys.__getitem__)
+    assert len(set(keys.values())) == len(keys)
+    assert [i for i in order if i in observed] == observed
+    backward = registration[::-1]
+    for position, index in enumerate(backward):
+        if index not in observed and position > 0:
+            before = backward[position - 1]
+            assert order.index(index) == order.index(before) + 1, (order, index)
 
 
 def test_gradient_that_grows_after_its_bucket_started(dist_pool: PoolFactory) -> None:

@@ -124,6 +124,26 @@ def plan_buckets(sizes: Sequence[tuple[int, object]], first_cap: int, cap: int) 
     return buckets
 
 
+def readiness_order(
+    registration: Sequence[int], observed: Sequence[int]
+) -> dict[int, tuple[int, int]]:
+    """Sort keys, per parameter of ``registration`` (model order), for the order their
+    gradients are expected in: ``observed``, the order one backward produced them in,
+    first-hand; a parameter it lacks (skipped in that step, say) right after the one
+    before it in reverse registration order, the order a backward usually goes in.
+    Keys are (position in ``observed`` of that anchor, -1 for none; steps after it)."""
+    seen = {index: position for position, index in enumerate(observed)}
+    keys: dict[int, tuple[int, int]] = {}
+    anchor, after = -1, 0
+    for index in reversed(registration):
+        if index in seen:
+            anchor, after = seen[index], 0
+        else:
+            after += 1
+        keys[index] = (anchor, after)
+    return keys
+
+
 @dataclass
 class _Round:
     """One synchronising backward's reduction, bucket by bucket."""
@@ -184,6 +204,11 @@ class DDPAdapter(AdapterBase):
         run on the cores the backward computes on: there (2 processes over gloo,
         ``benchmarks/README.md``) overlapping took 1.08-1.20x the ideal's step time
         against 1.02-1.14x without."""
+        self._order: dict[int, tuple[int, int]] | None = None
+        """Sort keys of the order gradients are expected in (:func:`readiness_order`),
+        learned from the first overlapped backward; until then, reverse registration."""
+        self._observed: list[int] | None = None
+        """Core indices in the order the first overlapped backward made them ready."""
         self._synced = True
         """Whether the backward of the last forward reduces (``no_sync()`` was not on)."""
         self._callback_queued = False
@@ -253,6 +278,7 @@ class DDPAdapter(AdapterBase):
         super().uninstall()
         self._window.clear()
         self._round = None
+        self._order = self._observed = None
 
     # -------------------------------------------------------------- lifecycle
 
@@ -273,6 +299,8 @@ class DDPAdapter(AdapterBase):
         core.begin_compute(outermost=True)
         core.guard_skipped_plain()
         self._synced = bool(ddp.require_backward_grad_sync)
+        if self._observed is not None and self._synced and torch.is_grad_enabled():
+            self._learn_order(self._observed)
         # DDP's reducer stays idle: flatview reduces after the backward.
         ddp.require_backward_grad_sync = False
 
@@ -299,11 +327,27 @@ class DDPAdapter(AdapterBase):
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._synced and self.overlap:
             self._round = self._plan_round(self._reduced_now(), self._first_bucket_bytes)
+            if self._order is None and self._observed is None:
+                self._observed = []  # _grad_ready records this backward's order
 
     def _reduced_now(self) -> list[int]:
         """Core indices to reduce at this synchronising backward, in model order."""
         used = (i for i in self.core.plain_used() if id(self.core.tensor(i)) in self._reduced)
         return sorted(self._window.union(used))
+
+    def _learn_order(self, observed: list[int]) -> None:
+        """Bucket from now on in the order the first overlapped backward produced the
+        gradients, as DDP rebuilds its buckets after its first iteration: rank 0's order,
+        so that every rank forms the same buckets. Called at the next synchronising
+        forward, the same point on every rank (as DDP's rebuild), with one broadcast."""
+        box: list[Any] = [observed]
+        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast_object_list(box, src=source, group=self.group)
+        core = self.core
+        registration = [i for _, p in self._params if (i := core.index_of(p)) is not None]
+        self._order = readiness_order(registration, box[0])
+        self._observed = None
+        self._bucket_plans.clear()
 
     def _plan_round(self, indices: list[int], first_cap: int) -> _Round:
         """The buckets of ``indices`` (a first one of at most ``first_cap`` bytes), none
@@ -311,8 +355,10 @@ class DDPAdapter(AdapterBase):
         key = (first_cap, *indices)
         plan = self._bucket_plans.get(key)
         if plan is None:
-            # Reverse registration order: roughly the order the backward produces them.
-            order = indices[::-1]
+            # The order the backward produces them in: learned, or until then reverse
+            # registration order (roughly that for most models).
+            keys = self._order
+            order = sorted(indices, key=keys.__getitem__) if keys else indices[::-1]
             sizes = []
             for index in order:
                 param = self.core.tensor(index)
@@ -343,6 +389,8 @@ class DDPAdapter(AdapterBase):
             if round_.bucket_of[index] < round_.started:
                 round_.refired = True
             return
+        if self._observed is not None and self._order is None:
+            self._observed.append(index)
         self._mark_ready(round_, index)
         # The last bucket waits for the end of the backward: the flags travel with it.
         while (
