@@ -66,13 +66,14 @@ def wrapped(scenario: Scenario) -> Iterator[tuple[nn.Module, flatview.FlatView]]
 
 def norms_while_training(
     scenario: Scenario, norm_types: Sequence[float]
-) -> tuple[list[Record], list[dict[str, int]]]:
+) -> tuple[list[Record], list[dict[str, int]], list[Record]]:
     """Train the scenario with per-submodule optimizers over views; after every synced
-    backward record the parameter and gradient norms of every norm type, and the
-    collectives each call issued."""
+    backward record the parameter and gradient norms of every norm type, the
+    collectives each call issued, and the same norms computed the slow way from every
+    rank's pieces of this run (:func:`_assembled`)."""
     with backend_context(scenario.backend):
         model, fv, opts = distributed_model(scenario)
-        records, calls = [], []
+        records, calls, slow = [], [], []
         for stepped in distributed_training(scenario, model, fv, opts):
             if stepped:
                 continue
@@ -85,7 +86,20 @@ def norms_while_training(
                     record[f"grad {norm_type}"] = as_floats(fv.grad_norms(norm_type=norm_type))
                 calls.append(dict(counter.calls))
             records.append(record)
-        return records, calls
+            named = dict(fv.named_parameters())
+            slow.append(
+                {
+                    f"{kind} {norm_type}": _assembled(
+                        fv,
+                        scenario,
+                        {n: p if kind == "param" else p.grad for n, p in named.items()},
+                        norm_type,
+                    )
+                    for norm_type in norm_types
+                    for kind in ("param", "grad")
+                }
+            )
+        return records, calls, slow
 
 
 def reference_norms_while_training(scenario: Scenario, norm_types: Sequence[float]) -> list[Record]:
@@ -133,19 +147,24 @@ def subsets_and_tensors(scenario: Scenario) -> dict[str, Any]:
 
 
 def _assembled(
-    fv: flatview.FlatView, scenario: Scenario, pieces: dict[str, torch.Tensor | None]
+    fv: flatview.FlatView,
+    scenario: Scenario,
+    pieces: dict[str, torch.Tensor | None],
+    norm_type: float = 2.0,
 ) -> dict[str, float | None]:
-    """2-norms of ``pieces`` computed the slow way: every rank's piece gathered."""
+    """Norms of ``pieces`` computed the slow way: every rank's piece gathered (one copy
+    where every rank holds the whole), concatenated, and measured in float64. Padding
+    in a piece is zeros, which no norm sees."""
     gathered: list[dict[str, np.ndarray | None]] = [{} for _ in range(dist.get_world_size())]
     mine = {n: None if t is None else t.detach().reshape(-1).numpy() for n, t in pieces.items()}
     dist.all_gather_object(gathered, mine)
-    replicated = scenario.backend == "torch" and scenario.strategy == "NO_SHARD"
     out: dict[str, float | None] = {}
     for name in pieces:
         parts = [g[name] for g in gathered if g[name] is not None]
-        if replicated:
+        if scenario.config.replicated:
             parts = parts[:1]
-        out[name] = float(np.linalg.norm(np.concatenate(parts))) if parts else None
+        whole = np.concatenate(parts).astype(np.float64) if parts else None
+        out[name] = None if whole is None else float(np.linalg.norm(whole, ord=norm_type))
     return out
 
 
