@@ -23,9 +23,11 @@ How DDP is driven (public behaviour, checked against torch 2.13):
   them and queue a callback that autograd runs when the whole backward is done.
 * The reduction, in a synchronising backward, overlaps the backward as DDP's does: the
   parameters to reduce (used since the last synchronising backward) are cut into
-  buckets in reverse registration order, the order a backward usually produces their
-  gradients (a first bucket of DDP's first-bucket size, 1 MiB, then DDP's
-  ``bucket_cap_mb``); a hook on each parameter marks its gradient ready, and the next
+  buckets in the order the backward is expected to produce their gradients (a first
+  bucket of DDP's first-bucket size, 1 MiB, then DDP's ``bucket_cap_mb``): reverse
+  registration order until the first overlapped backward, then the order that one
+  produced them in, rank 0's, broadcast at the next synchronising forward (DDP rebuilds
+  its buckets the same way, at the same point); a hook on each parameter marks its gradient ready, and the next
   bucket whose gradients are all ready starts its all-reduce (an average, as DDP's:
   NCCL's ``AVG``, elsewhere divided by the world size first), in bucket order on every
   rank. The end-of-backward callback
