@@ -27,11 +27,11 @@ How DDP is driven (public behaviour, checked against torch 2.13):
   bucket of DDP's first-bucket size, 1 MiB, then DDP's ``bucket_cap_mb``): reverse
   registration order until the first overlapped backward, then the order that one
   produced them in, rank 0's, broadcast at the next synchronising forward (DDP rebuilds
-  its buckets the same way, at the same point); a hook on each parameter marks its gradient ready, and the next
-  bucket whose gradients are all ready starts its all-reduce (an average, as DDP's:
-  NCCL's ``AVG``, elsewhere divided by the world size first), in bucket order on every
-  rank. The end-of-backward callback
-  starts what is left and waits for everything. Buckets follow from the skip set alone,
+  its buckets the same way, at the same point); a hook on each parameter marks its
+  gradient ready, and the next bucket whose gradients are all ready starts its
+  all-reduce (an average, as DDP's: NCCL's ``AVG``, elsewhere divided by the world size
+  first), in bucket order on every rank. The end-of-backward callback starts what is
+  left and waits for everything. Buckets follow from the skip set alone,
   so every rank forms the same ones, whatever order its backward runs in.
 * A gradient accumulated again after its bucket started (a parameter that takes part in
   two graph tasks of one backward, as with reentrant checkpointing) would be reduced
@@ -42,7 +42,8 @@ How DDP is driven (public behaviour, checked against torch 2.13):
 * Nothing in a step waits for the GPU (as DDP's reducer does not): the flags below are
   made on the device and read back only on a rank that lacks a gradient, and the
   skip-set check reads its fingerprints through a side stream (``comm/agreement.py``).
-  ``benchmarks/gpu_smoke.py`` checks it with ``torch.cuda.set_sync_debug_mode``.
+  ``benchmarks/gpu_smoke.py`` checks it with ``torch.cuda.set_sync_debug_mode``. The
+  one exception is the broadcast of the learned bucket order, once.
 * Overlap is off by default on CPU (``wrap(overlap_reduction=)``): there the collectives
   compete with the backward for the same cores, and one all-reduce at the end was
   faster.
@@ -341,7 +342,8 @@ class DDPAdapter(AdapterBase):
         """Bucket from now on in the order the first overlapped backward produced the
         gradients, as DDP rebuilds its buckets after its first iteration: rank 0's order,
         so that every rank forms the same buckets. Called at the next synchronising
-        forward, the same point on every rank (as DDP's rebuild), with one broadcast."""
+        forward, the same point on every rank (as DDP's rebuild), with one broadcast of
+        Python objects: the one time a step waits for the GPU (DDP's rebuild does too)."""
         box: list[Any] = [observed]
         source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(box, src=source, group=self.group)
