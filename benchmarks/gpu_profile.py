@@ -28,13 +28,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_skip as bench
-from gpu_smoke import recording_syncs, start_one_process
+from gpu_smoke import _step, recording_syncs, start_one_process
 
 import flatview
 
@@ -81,14 +80,7 @@ class Run:
 
     def step(self, i: int) -> None:
         (x, y), skip = self.batches[i % len(self.batches)], self.masks[i % len(self.masks)]
-        if self.fv is not None:
-            names = [f"blocks.{b}" for b in skip]
-            with self.fv.step(skip=names, check=self.check):
-                F.cross_entropy(self.model(x, skip), y).backward()
-        else:
-            F.cross_entropy(self.model(x, skip), y).backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        _step(self.model, self.fv, self.opt, x, y, skip, self.check)
 
     def sync(self) -> None:
         if self.cuda:

@@ -79,10 +79,18 @@ def recording_syncs(device: torch.device) -> Iterator[dict[str, int]]:
 
 
 def _step(
-    model: nn.Module, fv: Any, opt: torch.optim.Optimizer, x: Any, y: Any, skip: list[int]
+    model: nn.Module,
+    fv: Any,
+    opt: torch.optim.Optimizer,
+    x: Any,
+    y: Any,
+    skip: list[int],
+    check: bool | None = None,
 ) -> None:
-    """One training step, through flatview unless ``fv`` is None."""
-    step = fv.step(skip=[f"blocks.{i}" for i in skip]) if fv is not None else nullcontext()
+    """One training step, through flatview unless ``fv`` is None (``check``: the skip-set
+    check, as ``FlatView.step`` takes it)."""
+    names = [f"blocks.{i}" for i in skip]
+    step = fv.step(skip=names, check=check) if fv is not None else nullcontext()
     with step:
         F.cross_entropy(model(x, skip), y).backward()
     opt.step()

@@ -219,7 +219,7 @@ def consolidate(
         # The other ranks are about to exchange descriptions: tell them, so that every
         # rank raises instead of the others waiting in the collective until it times out.
         _raise_reported(exchange({"error": str(err)}, adapter.group), cause=err)
-        raise AssertionError("unreachable: this rank's own error was reported") from err
+        raise  # not reached: this rank's own report is among them
     states: dict[int, dict[Any, Any]] = saved["state"]
 
     receiving = not rank0_only or adapter.rank == 0
