@@ -298,10 +298,12 @@ def build_torch_fsdp2(cfg: Config) -> Trainer:
     return Trainer(_loop(net, _sgd(net.parameters(), cfg)))
 
 
-def _with_flatview(model: nn.Module, cfg: Config, check: bool, strategy: str) -> Trainer:
+def _with_flatview(
+    model: nn.Module, cfg: Config, check: bool, strategy: str, **options: Any
+) -> Trainer:
     import flatview
 
-    fv = flatview.wrap(model, check_skip_agreement=check, reduce_strategy=strategy)
+    fv = flatview.wrap(model, check_skip_agreement=check, reduce_strategy=strategy, **options)
     optimizer = _sgd(fv.parameters(), cfg)
 
     def step(x: torch.Tensor, y: torch.Tensor, skip: list[int]) -> None:
@@ -320,25 +322,30 @@ def _flatview_fairscale(check: bool, strategy: str) -> Callable[[Config], Traine
     return build
 
 
-def _flatview_torch_one_unit(check: bool) -> Callable[[Config], Trainer]:
+def _flatview_torch_one_unit(check: bool, runtime: bool = False) -> Callable[[Config], Trainer]:
     def build(cfg: Config) -> Trainer:
-        return _with_flatview(_torch_fsdp1_one_unit(cfg, "NO_SHARD"), cfg, check, "auto")
+        options = {"compute_on_views": False} if runtime else {}
+        model = _torch_fsdp1_one_unit(cfg, "NO_SHARD")
+        return _with_flatview(model, cfg, check, "auto", **options)
 
     return build
 
 
 def _flatview_torch(
-    strategy: str, check: bool = True, unpacked: bool | None = None
+    strategy: str, check: bool = True, unpacked: bool | None = None, runtime: bool = False
 ) -> Callable[[Config], Trainer]:
-    """``unpacked`` overrides flatview's rule for reducing (nearly) fully used gradients
-    whole, without packing, by a collective that runs while the backward goes on:
-    ``True`` for gradients of every size, ``False`` never (every gradient packed into one
-    bucket reduced at the end of the backward); ``None`` keeps the default rule (only
-    gradients of ``IN_PLACE_MIN_NUMEL`` elements or more)."""
+    """``runtime``: keep torch's unit runtime (``compute_on_views=False``) where flatview
+    would compute on views (NO_SHARD). ``unpacked`` (torch's runtime only) overrides
+    flatview's rule for reducing (nearly) fully used gradients whole, without packing, by
+    a collective that runs while the backward goes on: ``True`` for gradients of every
+    size, ``False`` never (every gradient packed into one bucket reduced at the end of the
+    backward); ``None`` keeps the default rule (only gradients of ``IN_PLACE_MIN_NUMEL``
+    elements or more)."""
 
     def build(cfg: Config) -> Trainer:
         model = _torch_fsdp1(cfg, use_orig_params=False, strategy=strategy)
-        trainer = _with_flatview(model, cfg, check, "auto")
+        options = {"compute_on_views": False} if runtime else {}
+        trainer = _with_flatview(model, cfg, check, "auto", **options)
         if unpacked is False:
             trainer.flatview.reducer.in_place_tolerance = None
         elif unpacked:
@@ -434,18 +441,28 @@ APPROACHES: tuple[Approach, ...] = (
     ),
     Approach(
         "flatview_torch_no_shard",
-        "flatview + torch FSDP1 per block, NO_SHARD",
+        "flatview + torch FSDP1 per block, NO_SHARD, on views, check on",
         _flatview_torch("NO_SHARD"),
     ),
     Approach(
+        "flatview_torch_no_shard_nocheck",
+        "flatview + torch FSDP1 per block, NO_SHARD, on views, check off",
+        _flatview_torch("NO_SHARD", check=False),
+    ),
+    Approach(
+        "flatview_torch_no_shard_runtime",
+        "flatview + torch FSDP1 per block, NO_SHARD, torch's runtime, check on",
+        _flatview_torch("NO_SHARD", runtime=True),
+    ),
+    Approach(
         "flatview_torch_no_shard_one_unit",
-        "flatview + torch FSDP1 one unit, NO_SHARD (DDP-style), check on",
+        "flatview + torch FSDP1 one unit, NO_SHARD, on views, check on",
         _flatview_torch_one_unit(True),
     ),
     Approach(
-        "flatview_torch_no_shard_one_unit_nocheck",
-        "flatview + torch FSDP1 one unit, NO_SHARD (DDP-style), check off",
-        _flatview_torch_one_unit(False),
+        "flatview_torch_no_shard_one_unit_runtime",
+        "flatview + torch FSDP1 one unit, NO_SHARD, torch's runtime, check on",
+        _flatview_torch_one_unit(True, runtime=True),
     ),
     Approach("flatview_ddp_check", "flatview + DDP, check on", _flatview_ddp(True)),
     Approach("flatview_ddp", "flatview + DDP, check off", _flatview_ddp(False)),
@@ -510,15 +527,32 @@ PAIRS: tuple[Pair, ...] = (
     ),
     Pair(
         "replicated_vs_ideal",
-        "DDP-style: the ideal vs flatview + torch FSDP1 per block, NO_SHARD (check on), skipping",
+        "DDP-style: the ideal vs flatview + torch FSDP1 per block, NO_SHARD on views (check "
+        "on), skipping",
         ("ideal", build_ideal),
         ("flatview NO_SHARD", _flatview_torch("NO_SHARD")),
         skip=True,
     ),
     Pair(
+        "replicated_vs_ideal_nocheck",
+        "DDP-style: the ideal vs flatview + torch FSDP1 per block, NO_SHARD on views (check "
+        "off), skipping",
+        ("ideal", build_ideal),
+        ("flatview NO_SHARD", _flatview_torch("NO_SHARD", check=False)),
+        skip=True,
+    ),
+    Pair(
+        "replicated_runtime_vs_views",
+        "DDP-style: flatview + torch FSDP1 per block, NO_SHARD (check on), skipping: torch's "
+        "runtime (compute_on_views=False) vs computed on views",
+        ("torch's runtime", _flatview_torch("NO_SHARD", runtime=True)),
+        ("on views", _flatview_torch("NO_SHARD")),
+        skip=True,
+    ),
+    Pair(
         "replicated_vs_ddp",
         "DDP-style: DDP find_unused_parameters=True vs flatview + torch FSDP1 per block, "
-        "NO_SHARD (check on), skipping",
+        "NO_SHARD on views (check on), skipping",
         ("DDP find_unused", _ddp("skip", True)),
         ("flatview NO_SHARD", _flatview_torch("NO_SHARD")),
         skip=True,
@@ -541,18 +575,19 @@ PAIRS: tuple[Pair, ...] = (
         "replicated_views_cost",
         "DDP-style, what flatview adds: torch FSDP1 per block, NO_SHARD, skipping (skipped units "
         "are not called, so plain torch all-reduces only used units too), plain vs wrapped by "
-        "flatview (check off)",
+        "flatview, on views (check off)",
         ("plain torch FSDP1", _torch_plain("NO_SHARD")),
         ("flatview", _flatview_torch("NO_SHARD", check=False)),
         skip=True,
     ),
     Pair(
         "replicated_in_place",
-        "flatview + torch FSDP1 per block, NO_SHARD (check on), skipping: every gradient "
-        "packed into one bucket vs every fully used gradient all-reduced in place, unpacked, "
-        "while the backward goes on (by default only gradients of 2**20 elements or more are)",
-        ("packed", _flatview_torch("NO_SHARD", unpacked=False)),
-        ("unpacked", _flatview_torch("NO_SHARD", unpacked=True)),
+        "flatview + torch FSDP1 per block, NO_SHARD, torch's runtime (check on), skipping: "
+        "every gradient packed into one bucket vs every fully used gradient all-reduced in "
+        "place, unpacked, while the backward goes on (by default only gradients of 2**20 "
+        "elements or more are)",
+        ("packed", _flatview_torch("NO_SHARD", unpacked=False, runtime=True)),
+        ("unpacked", _flatview_torch("NO_SHARD", unpacked=True, runtime=True)),
         skip=True,
     ),
     Pair(

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from flatview.backends import ddp, detect
+from flatview.backends import detect
+from flatview.backends.replicated import ReplicatedAdapter
 from flatview.comm.reduce import Strategy
 from flatview.core import FlatView, Phase
 from flatview.errors import (
@@ -54,6 +55,7 @@ def wrap(
     check_skip_agreement: bool = True,
     reduce_strategy: Strategy | str = Strategy.AUTO,
     overlap_reduction: bool | None = None,
+    compute_on_views: bool | None = None,
 ) -> FlatView:
     """Give an FSDP model's original parameters back as views, and enable skip sets.
 
@@ -78,8 +80,16 @@ def wrap(
             everything at the end of the backward in as few collectives as DDP's bucket
             size allows (``False``). ``None`` (default): overlap unless the model is on
             CPU, where the collectives compete with the backward for the same cores.
-            FSDP models reduce in the wrapper's own gradient hooks: anything but
-            ``None`` is refused there.
+            Applies to torch FSDP1 models computed on views too (below); other FSDP
+            models reduce in the wrapper's own gradient hooks: anything but ``None`` is
+            refused there.
+        compute_on_views: torch FSDP1 models whose every unit is ``NO_SHARD`` (DDP-style;
+            torch also picks it at world size 1), with flat parameters and no mixed
+            precision: bypass torch's per-unit runtime, compute on the views, and
+            all-reduce the used gradients as for DDP (faster; the flat parameters then
+            get no gradient, so optimizers must be built from views). ``None``
+            (default): wherever eligible; ``True``: refuse a model that is not;
+            ``False``: keep torch's runtime.
 
     Returns:
         The :class:`FlatView` handle. From now on every submodule's ``parameters()``
@@ -91,15 +101,14 @@ def wrap(
             configuration (the message names what is not supported), or is already
             wrapped.
     """
-    if overlap_reduction is not None and not ddp.is_ddp(model):
-        raise WrapError(
-            f"overlap_reduction={overlap_reduction!r} applies to DistributedDataParallel "
-            f"models only; a {type(model).__name__} reduces gradients in its own hooks "
-            "(leave it None)"
-        )
-    adapter = detect(model)
+    adapter = detect(model, compute_on_views)
     if overlap_reduction is not None:
-        assert isinstance(adapter, ddp.DDPAdapter)
+        if not isinstance(adapter, ReplicatedAdapter):
+            raise WrapError(
+                f"overlap_reduction={overlap_reduction!r} applies to DistributedDataParallel "
+                "models and torch FSDP1 models computed on views only; this "
+                f"{type(model).__name__} reduces gradients in its own hooks (leave it None)"
+            )
         adapter.overlap = overlap_reduction
     return FlatView(
         model,

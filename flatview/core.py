@@ -634,6 +634,15 @@ class FlatView:
         """Indices of the plain parameters trained in the iteration in flight."""
         return self._iteration.plain_used if self._iteration is not None else frozenset()
 
+    def flat_parameter(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
+        """(unit name, original names it holds) if ``tensor`` is one of the model's flat
+        parameters, else ``None``: what error messages name it by."""
+        record = self._flat_of.get(id(tensor))
+        if record is not None:
+            unit = self._units[record.unit].name or "<root>"
+            return unit, tuple(self._params[i].name for i in record.params)
+        return self.adapter.describe_flat(tensor)
+
     def index_of(self, tensor: torch.Tensor) -> int | None:
         """The index of the original parameter ``tensor`` is (view or plain), if any."""
         return self._index_of_tensor.get(id(tensor))
@@ -811,6 +820,7 @@ class FlatView:
     # --------------------------------------------------------- double counting
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.adapter.check_optimizer(optimizer)
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for flat in self._flats:
             if id(flat.spec.flat) not in held:

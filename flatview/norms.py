@@ -141,7 +141,7 @@ def indices_of(fv: FlatView, items: Iterable[object], argument: str = "params") 
 
 def _unknown_tensor(tensor: torch.Tensor, fv: FlatView, argument: str) -> str:
     what = f"{type(tensor).__name__} of shape {tuple(tensor.shape)}"
-    if any(flat.spec.flat is tensor for flat in fv._flats):
+    if fv.flat_parameter(tensor) is not None:
         return (
             f"{argument} holds a flat parameter ({what}), whose elements differ from rank to "
             "rank; pass its views (the submodules' parameters) or their names"

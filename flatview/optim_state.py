@@ -148,11 +148,10 @@ def _optimizer_params(fv: FlatView, optimizer: torch.optim.Optimizer) -> list[li
 
 
 def _describe_foreign(tensor: Any, fv: FlatView) -> str:
-    flat = fv._flat_of.get(id(tensor))
+    flat = fv.flat_parameter(tensor)
     if flat is not None:
-        names = [fv._params[i].name for i in flat.params]
+        unit, names = flat
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        unit = fv._units[flat.unit].name or "<root>"
         return f"the flat parameter of FSDP unit {unit!r} (holding {shown})"
     if isinstance(tensor, torch.Tensor):
         return (

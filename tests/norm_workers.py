@@ -58,7 +58,7 @@ def reference_norm(tensor: torch.Tensor | None, norm_type: float) -> float | Non
 def wrapped(scenario: Scenario) -> Iterator[tuple[nn.Module, flatview.FlatView]]:
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
-        yield model, flatview.wrap(model)
+        yield model, flatview.wrap(model, **scenario.flatview_options)
 
 
 # ------------------------------------------------------------------ equivalence

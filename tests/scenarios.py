@@ -49,11 +49,16 @@ class BackendConfig:
     backend: str
     strategy: str = "FULL_SHARD"
     """torch's ``ShardingStrategy`` name; fairscale and DDP ignore it."""
+    runtime: bool = False
+    """torch: keep torch's unit runtime (``flatview.wrap(compute_on_views=False)``).
+    Otherwise a model whose units all replicate (``NO_SHARD``, or any strategy on one
+    rank) computes on flatview's views."""
 
     def __str__(self) -> str:
         if self.backend in ("fairscale", "ddp"):
             return self.backend
-        return f"torch-{self.strategy.lower().replace('_', '-')}"
+        name = f"torch-{self.strategy.lower().replace('_', '-')}"
+        return f"{name}-runtime" if self.runtime else name
 
     @property
     def flattens(self) -> bool:
@@ -66,16 +71,27 @@ class BackendConfig:
         """Whether every rank holds every parameter (torch ``NO_SHARD``, DDP)."""
         return self.backend == "ddp" or (self.backend == "torch" and self.strategy == "NO_SHARD")
 
+    @property
+    def on_views(self) -> bool:
+        """Whether flatview all-reduces the gradients itself, DDP-style (DDP, and torch
+        ``NO_SHARD`` computed on views): what the wrapper's runtime did is not done."""
+        return self.backend == "ddp" or (self.replicated and not self.runtime)
+
     def scenario(self, base: Scenario | None = None, **fields: Any) -> Scenario:
         """``base`` (or a default :class:`Scenario`) on this backend, with ``fields`` changed."""
+        if self.runtime:
+            options = fields.get("options", base.options if base is not None else {})
+            fields["options"] = {**options, "compute_on_views": False}
         return replace(base or Scenario(), backend=self.backend, strategy=self.strategy, **fields)
 
 
 FAIRSCALE = BackendConfig("fairscale")
 DDP = BackendConfig("ddp")
+TORCH_NO_SHARD_RUNTIME = BackendConfig("torch", "NO_SHARD", runtime=True)
 BACKEND_CONFIGS: tuple[BackendConfig, ...] = (
     FAIRSCALE,
     *(BackendConfig("torch", strategy) for strategy in TORCH_STRATEGIES),
+    TORCH_NO_SHARD_RUNTIME,
     DDP,
 )
 
@@ -277,7 +293,14 @@ class Scenario:
 
     @property
     def config(self) -> BackendConfig:
-        return BackendConfig(self.backend, self.strategy)
+        runtime = self.options.get("compute_on_views") is False
+        return BackendConfig(self.backend, self.strategy, runtime=runtime)
+
+    @property
+    def flatview_options(self) -> dict[str, Any]:
+        """The options of ``flatview.wrap`` the scenario's ``options`` hold."""
+        keys = {"overlap": "overlap_reduction", "compute_on_views": "compute_on_views"}
+        return {keys[k]: v for k, v in self.options.items() if k in keys}
 
 
 # Four blocks with gates, and an aux layer: across these steps every kind of skip
@@ -357,6 +380,10 @@ def scenarios(
         # Buckets started during the backward (off by default on CPU), of a few
         # parameters each or of the whole model.
         options.update(overlap=True, bucket_cap_mb=draw(st.sampled_from((1e-5, 4e-4, 25.0))))
+    if config.on_views and config.backend == "torch" and not options and draw(st.booleans()):
+        # Computed on views (not with use_orig_params), reduced as for DDP: buckets
+        # started during the backward.
+        options["overlap"] = True
     return config.scenario(
         world_size=draw(st.sampled_from(world_sizes)),
         in_dim=draw(st.integers(1, 5)),
@@ -514,7 +541,12 @@ def _torch_kwargs(scenario: Scenario) -> dict[str, Any]:
     pickle and read well in test ids."""
     from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
-    options = {k: v for k, v in scenario.options.items() if k != "auto_wrap"}
+    # auto_wrap is the tests' own; compute_on_views and overlap are flatview's.
+    options = {
+        k: v
+        for k, v in scenario.options.items()
+        if k not in ("auto_wrap", "compute_on_views", "overlap")
+    }
     if "backward_prefetch" in options:
         name = options["backward_prefetch"]
         options["backward_prefetch"] = None if name is None else BackwardPrefetch[name]
@@ -591,11 +623,7 @@ def distributed_model(
     import flatview
 
     model = wrap_fsdp(scenario, make_net(scenario) if net is None else net)
-    fv = flatview.wrap(
-        model,
-        check_skip_agreement=scenario.check,
-        overlap_reduction=scenario.options.get("overlap"),
-    )
+    fv = flatview.wrap(model, check_skip_agreement=scenario.check, **scenario.flatview_options)
     freeze(fv.named_parameters(), scenario)
     return model, fv, optimizers(_original_tree(model))
 

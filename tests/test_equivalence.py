@@ -49,8 +49,9 @@ def test_matches_single_process_reference(
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
-# Quick: fairscale and SHARD_GRAD_OP on 2 ranks, FULL_SHARD and NO_SHARD on 3, DDP on 4.
-@pytest.mark.parametrize(("backend", "world_size"), spread((1, 2, 3, 4), quick=(2, 3, 2, 3, 4)))
+# Quick: fairscale, SHARD_GRAD_OP and NO_SHARD on torch's runtime on 2 ranks, FULL_SHARD and
+# NO_SHARD on views on 3, DDP on 4.
+@pytest.mark.parametrize(("backend", "world_size"), spread((1, 2, 3, 4), quick=(2, 3, 2, 3, 2, 4)))
 def test_skips_of_every_kind(
     dist_pool: PoolFactory, backend: BackendConfig, world_size: int
 ) -> None:
@@ -141,7 +142,7 @@ def test_freezing_by_name(dist_pool: PoolFactory, backend: BackendConfig) -> Non
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize(("backend", "world_size"), spread((2, 3, 4), quick=(3, 2, 4, 3, 2)))
+@pytest.mark.parametrize(("backend", "world_size"), spread((2, 3, 4), quick=(3, 2, 4, 3, 3, 2)))
 def test_one_unit_mostly_skipped(
     dist_pool: PoolFactory, backend: BackendConfig, world_size: int
 ) -> None:

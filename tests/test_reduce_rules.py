@@ -342,7 +342,8 @@ def _reduced_twice(strategy: str, unpacked: bool) -> dict[str, object]:
     model = FullyShardedDataParallel(
         net, sharding_strategy=ShardingStrategy[strategy], device_id=CPU
     )
-    fv = flatview.wrap(model)
+    # torch's runtime reduces (a NO_SHARD model would otherwise compute on views).
+    fv = flatview.wrap(model, compute_on_views=False)
     if unpacked:
         fv.reducer.in_place_min_numel = 0
     else:

@@ -80,9 +80,10 @@ def test_reduced_bytes_track_used_parameters(
         assert measured == r["reduced_bytes"], r
         assert r["used_bytes"] == used * 4
         assert 1 <= r["reduce_calls"] == sum(r["calls"].get(k, 0) for k in reduce_kinds), r
-        if backend.backend == "ddp":
+        if backend.on_views:
             # One all-reduce of the packed used gradients and, per used parameter, a
-            # flag saying whether this rank's backward reached it.
+            # flag saying whether this rank's backward reached it (DDP, torch NO_SHARD
+            # computed on views).
             assert set(r["bytes"]) & set(reduce_kinds) == {"all_reduce"}, r
             flags = len(list(make_net(scenario).parameters())) - len(skipped_names)
             assert measured == (used + flags) * 4, r
@@ -125,6 +126,7 @@ GATHERS_PER_UNIT = {
     "torch-full-shard": 2,
     "torch-shard-grad-op": 1,  # kept unsharded from forward to backward
     "torch-no-shard": 0,  # every rank holds every parameter
+    "torch-no-shard-runtime": 0,
     "ddp": 0,
 }
 
@@ -237,8 +239,8 @@ def test_skipped_parameter_that_gets_a_gradient(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unit_unused_but_not_declared(dist_pool: PoolFactory, backend: BackendConfig) -> None:
-    # DDP has no units: it names the parameters.
-    name = r"'body\.0\.\w+" if backend.backend == "ddp" else r"'body\.0'"
+    # Reduced DDP-style (DDP, torch NO_SHARD on views), the flags name the parameters.
+    name = r"'body\.0\.\w+" if backend.on_views else r"'body\.0'"
     err = dist_pool(2).run_expecting_error(
         w.undeclared_unused,
         backend.scenario(SC, nested=True),

@@ -213,9 +213,54 @@ def test_backward_prefetch_never_gathers_skipped_units(
         ("comm_hook", "already has a communication hook"),
         ("overlap_reduction", "overlap_reduction=False applies to DistributedDataParallel"),
         ("HYBRID_SHARD", "hybrid sharding"),
+        (
+            "views_sharded",
+            r"compute_on_views=True needs every FSDP unit to replicate .*: FSDP unit '<root>' "
+            r"shards \(FULL_SHARD\)",
+        ),
+        ("views_mixed_precision", "compute_on_views=True .*: FSDP unit '.*' uses mixed precision"),
+        ("views_ddp", "compute_on_views=False applies to torch FSDP1 models only"),
     ],
 )
 def test_wrap_refuses(dist_pool: PoolFactory, case: str, match: str) -> None:
     scenario = FULL_SHARD.scenario(Scenario())
     for message in dist_pool(2).run(tw.wrap_error_task, scenario, case, timeout=TIMEOUT):
         assert re.search(match, message), message
+
+
+# ------------------------------------------------------------------ computed on views
+
+
+def test_no_shard_computes_on_views(dist_pool: PoolFactory) -> None:
+    """Every unit NO_SHARD, flat parameters, full precision: the model computes on the
+    views and flatview reduces (torch's runtime stays idle); otherwise torch's runtime."""
+    for r in dist_pool(2).run(tw.on_views_task, NO_SHARD.scenario(GATED), timeout=TIMEOUT):
+        assert r["default"] == "TorchReplicatedAdapter", r
+        assert r["runtime"] == r["mixed_precision"] == r["use_orig_params"] == "TorchFSDPAdapter"
+        assert r["units_idle"] and r["flat_grads_none"] and r["flats_hidden"], r
+        assert r["grads_on_used_views"], r
+        assert re.search(
+            r"OptimStateError: optimizer SGD holds the flat parameter of FSDP unit '<root>', "
+            r"which gets no gradient.*compute_on_views=False",
+            r["flat_optimizer"],
+        ), r
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_computed_on_views_overlapped_with_accumulation(
+    dist_pool: PoolFactory, world_size: int
+) -> None:
+    """Buckets started during the backward (as DDP's), gradient accumulation under
+    no_sync(), evaluation passes between steps: the single-process reference's result.
+    One rank: torch picks NO_SHARD for the FULL_SHARD model, which then computes on views."""
+    config = FULL_SHARD if world_size == 1 else NO_SHARD
+    scenario = config.scenario(
+        GATED,
+        world_size=world_size,
+        skips=(*GATED.skips, ()),
+        accumulate=2,
+        evaluate=True,
+        set_to_none=False,
+        options={"overlap": True},
+    )
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)

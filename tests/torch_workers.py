@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import flatview
 from flatview.errors import FlatViewError
@@ -55,7 +56,7 @@ def state_dict_task(scenario: Scenario, kind: str) -> dict[str, Any]:
     loss_of(root(x), y).backward()
     with TorchFSDP.state_dict_type(root, state_type):
         plain = _local_values(root.state_dict())
-    fv = flatview.wrap(root)
+    fv = flatview.wrap(root, **scenario.flatview_options)
     view_ids = sorted(id(p) for p in net.parameters())
     with TorchFSDP.state_dict_type(root, state_type):
         wrapped_state = root.state_dict()
@@ -113,7 +114,7 @@ def uninstall_task(scenario: Scenario) -> list[str]:
     """What the adapter leaves behind after ``uninstall``: should be nothing."""
     root = wrap_fsdp(scenario, make_net(scenario))
     x, y = local_batch(scenario, 0)
-    fv = flatview.wrap(root)
+    fv = flatview.wrap(root, **scenario.flatview_options)
     with fv.step(skip=["body.1"]):
         loss_of(root(x, ("body.1",)), y).backward()
     patched = list(fv.adapter._patched)  # type: ignore[attr-defined]
@@ -159,7 +160,11 @@ def prefetch_task(
 
     wasted = []
     prefetched = []
-    fv = flatview.wrap(root, check_skip_agreement=False) if use_flatview else None
+    fv = (
+        flatview.wrap(root, check_skip_agreement=False, **scenario.flatview_options)
+        if use_flatview
+        else None
+    )
     for name, module in root.named_modules():
         if _is_unit(module):
             # Registered after flatview's hooks, so it runs right before FSDP unshards.
@@ -216,7 +221,7 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
             # The escape hatch: a warning instead, and a working FlatView.
             os.environ[torch_fsdp.UNTESTED_TORCH_ENV] = "1"
             with pytest.warns(UserWarning, match="going ahead"):
-                fv = flatview.wrap(root)
+                fv = flatview.wrap(root, **scenario.flatview_options)
             assert dict(fv.named_parameters())
             fv.unwrap()
             return refused
@@ -227,6 +232,22 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
         root = wrap_fsdp(scenario, net)
         try:
             flatview.wrap(root, overlap_reduction=False)
+        except FlatViewError as err:
+            return str(err)
+        raise AssertionError("no error")
+    elif case in ("views_sharded", "views_mixed_precision"):
+        if case == "views_mixed_precision":
+            options = {"mixed_precision": ("bfloat16", "float32")}
+            scenario = replace(scenario, strategy="NO_SHARD", options=options)
+        root = wrap_fsdp(scenario, net)
+        try:
+            flatview.wrap(root, compute_on_views=True)
+        except FlatViewError as err:
+            return str(err)
+        raise AssertionError("no error")
+    elif case == "views_ddp":
+        try:
+            flatview.wrap(DistributedDataParallel(net), compute_on_views=False)
         except FlatViewError as err:
             return str(err)
         raise AssertionError("no error")
@@ -248,3 +269,44 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
     except FlatViewError as err:
         return str(err)
     raise AssertionError(f"flatview.wrap accepted case {case!r}")
+
+
+# ------------------------------------------------------------------ computed on views
+
+
+def on_views_task(scenario: Scenario) -> dict[str, Any]:
+    """Which adapter each NO_SHARD configuration gets, and what a step computed on views
+    leaves behind: FSDP idle, flat parameters without gradients and hidden, views with
+    their own; an optimizer over flat parameters refused at its first step."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    out: dict[str, Any] = {}
+    for label, options, wrap_kwargs in (
+        ("default", {}, {}),
+        ("runtime", {}, {"compute_on_views": False}),
+        ("mixed_precision", {"mixed_precision": ("bfloat16", "float32")}, {}),
+        ("use_orig_params", {"use_orig_params": True}, {}),
+    ):
+        root = wrap_fsdp(replace(scenario, options=options), make_net(scenario))
+        fv = flatview.wrap(root, **wrap_kwargs)
+        out[label] = type(fv.adapter).__name__
+        fv.unwrap()
+    root = wrap_fsdp(scenario, make_net(scenario))
+    units = [m for m in root.modules() if isinstance(m, TorchFSDP)]
+    flats = [u._handle.flat_param for u in units if u._handle is not None]
+    early = torch.optim.SGD(flats, lr=0.1)  # built before wrapping: flat parameters
+    fv = flatview.wrap(root)
+    x, y = local_batch(scenario, 0)
+    with fv.step(skip=["body.1"]):
+        loss_of(root(x, ("body.1",)), y).backward()
+    out["units_idle"] = all(u.training_state.name == "IDLE" for u in units)
+    out["flat_grads_none"] = all(f.grad is None for f in flats)
+    held = {id(p) for p in root.parameters()}
+    out["flats_hidden"] = not any(id(f) in held for f in flats)
+    grads = {n: p.grad is not None for n, p in fv.named_parameters()}
+    out["grads_on_used_views"] = all(grads[n] != n.startswith("body.1.") for n in grads)
+    try:
+        early.step()
+    except FlatViewError as err:
+        out["flat_optimizer"] = f"{type(err).__name__}: {err}"
+    return out

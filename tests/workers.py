@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatview
+from flatview.backends.replicated import ReplicatedAdapter
 from flatview.comm.counting import CollectiveCounter
 from flatview.errors import SkipSetError, StateError
 from flatview.layout import PieceKind
@@ -40,7 +41,7 @@ def wrapped(
 ) -> Iterator[tuple[nn.Module, flatview.FlatView]]:
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
-        yield model, flatview.wrap(model, **wrap_kwargs)
+        yield model, flatview.wrap(model, **{**scenario.flatview_options, **wrap_kwargs})
 
 
 def train_step(
@@ -159,14 +160,21 @@ def alias_after_operations(scenario: Scenario) -> dict[str, bool]:
         train_step(model, fv, scenario, 0, ())
         out["after_backward"] = aliased()
         flats = [flat for flat, _ in flats_and_shards(model, scenario.backend)]
-        out["grads_alias_flat_grad"] = all(
-            view.grad is not None
-            and (
-                view.numel() == 0
-                or any(f.grad is not None and _same_storage(view.grad, f.grad) for f in flats)
+        if isinstance(fv.adapter, ReplicatedAdapter):
+            # Computed on views (torch, every unit NO_SHARD): the gradients are the views'
+            # own, and the flat parameters get none.
+            out["grads_alias_flat_grad"] = all(
+                view.grad is not None for view in fv.parameters()
+            ) and all(f.grad is None for f in flats)
+        else:
+            out["grads_alias_flat_grad"] = all(
+                view.grad is not None
+                and (
+                    view.numel() == 0
+                    or any(f.grad is not None and _same_storage(view.grad, f.grad) for f in flats)
+                )
+                for view in fv.parameters()
             )
-            for view in fv.parameters()
-        )
         before = {n: v.detach().clone() for n, v in fv.named_parameters()}
         opt.step()
         out["step_changes_views"] = any(
@@ -210,7 +218,7 @@ def state_dict_with_and_without(scenario: Scenario) -> dict[str, Any]:
     with backend_context(scenario.backend):
         plain = wrap_fsdp(scenario, make_net(scenario))
         viewed = wrap_fsdp(scenario, make_net(scenario))
-        fv = flatview.wrap(viewed)
+        fv = flatview.wrap(viewed, **scenario.flatview_options)
         for model in (plain, viewed):
             x, y = local_batch(scenario, 0)
             loss_of(model(x), y).backward()
@@ -248,7 +256,7 @@ def unwrap_restores_plain_fsdp(scenario: Scenario) -> dict[str, bool]:
         model = wrap_fsdp(scenario, make_net(scenario))
         before = {id(p) for p in model.parameters()}
         hooks_before = _hook_counts(model)
-        fv = flatview.wrap(model)
+        fv = flatview.wrap(model, **scenario.flatview_options)
         views = {id(p) for p in fv.parameters()}
         train_step(model, fv, scenario, 0, (1,))  # guards (DDP: on the originals)
         fv.unwrap()
@@ -270,7 +278,7 @@ def unwrap_restores_plain_fsdp(scenario: Scenario) -> dict[str, bool]:
             step_refused = False
         except StateError:
             step_refused = True
-        flatview.wrap(model).unwrap()
+        flatview.wrap(model, **scenario.flatview_options).unwrap()
         return {
             "flats_back": after == before and not after & views,
             "step_refused": step_refused,
@@ -321,7 +329,7 @@ def plain_and_flatview(scenario: Scenario) -> tuple[dict[str, np.ndarray], ...] 
     for use_flatview in (False, True):
         with backend_context(scenario.backend):
             model = wrap_fsdp(scenario, make_net(scenario))
-            fv = flatview.wrap(model) if use_flatview else None
+            fv = flatview.wrap(model, **scenario.flatview_options) if use_flatview else None
             params = list(fv.parameters() if fv is not None else model.parameters())
             # Momentum and weight decay, elementwise: any difference in a gradient shows.
             opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)

@@ -3,6 +3,7 @@ removes, lending wrappers, and wrapper-free names."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections.abc import Callable, Iterable
@@ -90,12 +91,24 @@ class AdapterBase:
             owner.__dict__.pop(name, None)
         self._patched.clear()
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer this backend cannot serve (checked at its first step)."""
+
+    def describe_flat(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
+        """(unit name, original names) of a flat parameter the core does not know (its
+        views described as plain parameters), else ``None``."""
+        return None
+
+    def _lend(self) -> contextlib.AbstractContextManager[None]:
+        """Views step aside for one of the wrapper's own operations."""
+        return self.core.lend()
+
     def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
         """``method`` run with the views stepped aside (a wrapper operation)."""
 
         @functools.wraps(method)
         def lent(*args: Any, **kwargs: Any) -> Any:
-            with self.core.lend():
+            with self._lend():
                 return method(*args, **kwargs)
 
         return lent

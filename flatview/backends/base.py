@@ -106,3 +106,10 @@ class Adapter(Protocol):
 
     def uninstall(self) -> None:
         """Detach everything :meth:`install` attached."""
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise if ``optimizer`` holds parameters this backend cannot serve."""
+
+    def describe_flat(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
+        """(unit name, original names) of a flat parameter whose views the adapter
+        describes as plain parameters, else ``None``."""

@@ -1,0 +1,268 @@
+"""Adapter for torch FSDP1 models that replicate (every unit ``NO_SHARD``): the model
+computes on flatview's views, and torch's unit runtime stays idle.
+
+Why: ``NO_SHARD`` replicates like DDP, but torch's runtime still works per unit and per
+step as if it sharded: every forward it sets plain tensor views of each flat parameter
+on the submodules, the backward of those views gathers every original gradient into
+the flat gradient (zeros for skipped parameters included), and each unit runs its
+pre- and post-backward hooks. On 2 CPU processes that took 1.35-1.49x the step time of
+the ideal (only the used blocks, gradients all-reduced by hand), against flatview + DDP's
+1.02-1.15x (``benchmarks/README.md``). Since every rank holds every parameter whole and
+the flat parameter's storage does not move between passes, none of that is needed.
+
+How: each unit's ``forward`` (an instance attribute shadowing torch's) calls the wrapped
+module directly. flatview's views, registered on the submodules as always, are the
+leaves the model computes with, so autograd gives each used view its own gradient and a
+skipped one none. flatview all-reduces the used gradients in buckets, as for DDP
+(:mod:`flatview.backends.replicated`). FSDP's own state stays ``IDLE`` throughout.
+
+What torch's runtime did and still happens:
+
+* inputs are moved to the compute device, as the root's pre-forward does;
+* ``no_sync()``: read from the root's ``_sync_gradients`` at the forward;
+* ``state_dict``, ``load_state_dict``, ``summon_full_params`` and ``.to()`` run with the
+  views stepped aside, as with :class:`~flatview.backends.torch_fsdp.TorchFSDPAdapter`;
+* FSDP's ``clip_grad_norm_`` works unchanged: the views are parameters FSDP does not
+  manage, whose norm it takes locally, which under ``NO_SHARD`` is the whole norm.
+
+What differs: the flat parameters get no gradient (``flat.grad`` stays ``None``), so an
+optimizer that holds a flat parameter (built before wrapping) is refused at its first
+step. ``flatview.wrap(model, compute_on_views=False)`` keeps torch's runtime instead.
+
+Eligible (:func:`ineligibility`): every unit ``NO_SHARD`` (torch picks it for every
+strategy at world size 1), flat parameters (``use_orig_params=False``), no mixed
+precision (torch would cast the parameters for compute) and no optimizer in backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from flatview.backends.base import PlainSpec, UnitSpec
+from flatview.backends.replicated import ReplicatedAdapter, in_backward
+from flatview.backends.torch_fsdp import TorchFSDPAdapter, clean_name
+from flatview.errors import DoubleCountError, OptimStateError
+from flatview.views import ViewSet
+
+if TYPE_CHECKING:
+    from flatview.core import FlatView
+
+_DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP's default ``bucket_cap_mb``: the bucket size of the all-reduces."""
+
+_LENDING_METHODS = ("state_dict", "load_state_dict", "_apply")
+
+
+def ineligibility(fsdp: TorchFSDPAdapter) -> str | None:
+    """Why the model cannot compute on views (the first reason found), or ``None``."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    for name, unit in fsdp.units:
+        label = name or "<root>"
+        if unit.sharding_strategy is not ShardingStrategy.NO_SHARD:
+            return f"FSDP unit {label!r} shards ({unit.sharding_strategy.name})"
+        handle = unit._handle
+        if handle is not None and handle._use_orig_params:
+            return f"FSDP unit {label!r} uses use_orig_params=True"
+        precision = unit.mixed_precision
+        if any(
+            getattr(precision, attr, None) is not None
+            for attr in ("param_dtype", "reduce_dtype", "buffer_dtype")
+        ):
+            return f"FSDP unit {label!r} uses mixed precision"
+        if handle is not None and getattr(handle, "_has_optim_in_backward", False):
+            return f"FSDP unit {label!r} steps an optimizer in backward"
+    return None
+
+
+class TorchReplicatedAdapter(ReplicatedAdapter):
+    """Maps the flatview core onto a torch FSDP1 model whose units all replicate,
+    bypassing torch's unit runtime (see the module docstring)."""
+
+    backend = "torch"
+
+    def __init__(self, fsdp: TorchFSDPAdapter) -> None:
+        super().__init__()
+        reason = ineligibility(fsdp)
+        assert reason is None, reason
+        self.root: Any = fsdp.root
+        self.units = fsdp.units
+        self.group = fsdp.group
+        self.rank = fsdp.rank
+        self.world_size = fsdp.world_size
+        self.device = fsdp.device
+        self._summoning_state = fsdp._summoning_state
+        self._view_sets: list[ViewSet] = []
+        self._flats: dict[int, tuple[str, tuple[str, ...]]] = {}
+        """Per flat parameter (by id): its unit's name and the original names it holds."""
+        self._specs: list[UnitSpec] = []
+        params: list[tuple[str, nn.Parameter]] = []
+        reduced: set[int] = set()
+        for unit in fsdp.describe():
+            plain: list[PlainSpec] = []
+            for spec in unit.flats:
+                views = ViewSet(
+                    spec.flat, spec.flat_owner, spec.layout, 0, spec.local_shard(), spec.owners
+                )
+                self._view_sets.append(views)
+                originals = tuple(names[0] for names in spec.names)
+                self._flats[id(spec.flat)] = (unit.name or "<root>", originals)
+                for view, names, segment in zip(
+                    views.views, spec.names, spec.layout.segments, strict=True
+                ):
+                    # A tied parameter is one view shown at every place: its first name.
+                    plain.append(PlainSpec(names[0], view, segment.shape, reduced=True))
+                    params.append((names[0], view))
+                    reduced.add(id(view))
+            # Parameters FSDP was told to ignore: nobody reduces them, as without flatview.
+            plain.extend(unit.plain)
+            params.extend((p.name, p.param) for p in unit.plain)
+            self._specs.append(UnitSpec(unit.name, unit.module, (), tuple(plain), unit.is_root))
+        first = params[0][1] if params else None
+        element = first.element_size() if first is not None else 4
+        self.bucket_numel = _DDP_BUCKET_BYTES // element
+        self._lent_depth = 0
+        self._summoning: set[int] = set()
+        self._summon_stack = contextlib.ExitStack()
+        self._init_reduction(params, reduced, _DDP_BUCKET_BYTES)
+        # Shown from the start: the core finds plain parameters where they are registered.
+        for views in self._view_sets:
+            views.show()
+
+    @staticmethod
+    def clean_name(name: str) -> str:
+        return clean_name(name)
+
+    def describe(self) -> list[UnitSpec]:
+        return self._specs
+
+    # ---------------------------------------------------------------- install
+
+    def install(self, core: FlatView) -> None:
+        self._core = core
+        for index, (_, unit) in enumerate(self.units):
+            forward = self._root_forward if unit is self.root else self._unit_forward(index)
+            self._patch(unit, "forward", forward)
+            for method in _LENDING_METHODS:
+                self._patch(unit, method, self._lending(getattr(unit, method)))
+            handle = unit._handle
+            if handle is not None:
+                self._patch(handle, "pre_unshard", self._summon_entry(handle))
+                self._patch(handle, "post_reshard", self._summon_exit(handle))
+        self._install_reduction()
+
+    def uninstall(self) -> None:
+        super().uninstall()
+        self._summon_stack.close()
+        self._summoning.clear()
+        for views in self._view_sets:
+            views.hide()
+
+    # ---------------------------------------------------------------- forward
+
+    def _root_forward(self, *args: Any, **kwargs: Any) -> Any:
+        wrapped = self.root._fsdp_wrapped_module
+        if in_backward():
+            return wrapped(*args, **kwargs)  # a recomputation (checkpointing)
+        self._begin_forward(bool(self.root._sync_gradients))
+        if self.device.type != "cpu":
+            from torch.distributed.utils import _to_kwargs
+
+            moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
+            args = moved_args[0] if moved_args else ()
+            kwargs = moved_kwargs[0] if moved_kwargs else {}
+        output = wrapped(*args, **kwargs)
+        self._end_forward(output)
+        return output
+
+    def _unit_forward(self, index: int) -> Callable[..., Any]:
+        wrapped = self.units[index][1]._fsdp_wrapped_module
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not in_backward():
+                self.core.check_unit_forward(index)
+            return wrapped(*args, **kwargs)
+
+        return forward
+
+    # ---------------------------------------------------------------- lending
+
+    @contextlib.contextmanager
+    def _lend(self) -> Iterator[None]:
+        """Views step aside (flat parameters registered again) for one of torch's own
+        operations; nested calls (``state_dict`` recurses into the units) lend once."""
+        with self.core.lend():
+            self._lent_depth += 1
+            if self._lent_depth == 1:
+                for views in self._view_sets:
+                    views.hide()
+            try:
+                yield
+            finally:
+                self._lent_depth -= 1
+                if self._lent_depth == 0:
+                    for views in self._view_sets:
+                        # .to() may have moved the storage. Replicated, the flat parameter
+                        # is its own local shard, and its data is what torch reads.
+                        views.rebind(views.flat.data)
+                        views.show()
+
+    def _summon_entry(self, handle: Any) -> Callable[[], bool]:
+        original = handle.pre_unshard
+
+        def pre_unshard() -> bool:
+            # Summoning unshards before it changes any module attribute.
+            if handle._training_state is self._summoning_state and id(handle) not in (
+                self._summoning
+            ):
+                if not self._summoning:
+                    self._summon_stack.enter_context(self._lend())
+                self._summoning.add(id(handle))
+            result: bool = original()
+            return result
+
+        return pre_unshard
+
+    def _summon_exit(self, handle: Any) -> Callable[[], None]:
+        original = handle.post_reshard
+
+        def post_reshard() -> None:
+            original()
+            if handle._training_state is self._summoning_state and id(handle) in self._summoning:
+                self._summoning.discard(id(handle))
+                if not self._summoning:
+                    self._summon_stack.close()
+
+        return post_reshard
+
+    # ------------------------------------------------------------- optimizers
+
+    def describe_flat(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
+        return self._flats.get(id(tensor))
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for views in self._view_sets:
+            if id(views.flat) not in held:
+                continue
+            unit, _ = self._flats[id(views.flat)]
+            name = type(optimizer).__name__
+            if any(id(view) in held for view in views.views):
+                raise DoubleCountError(
+                    f"optimizer {name} holds the flat parameter of unit {unit!r} and views "
+                    "that live inside it: it would update those elements twice. Build "
+                    "optimizers from views (submodule.parameters() or "
+                    "FlatView.parameters())."
+                )
+            raise OptimStateError(
+                f"optimizer {name} holds the flat parameter of FSDP unit {unit!r}, which gets "
+                "no gradient: with every unit NO_SHARD the model computes on flatview's views "
+                "and they get the gradients. Build optimizers from views "
+                "(submodule.parameters() or FlatView.parameters()), or wrap with "
+                "flatview.wrap(model, compute_on_views=False)"
+            )
