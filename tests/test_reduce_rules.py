@@ -327,7 +327,8 @@ class _Checkpointed(torch.nn.Module):
         return self.b(torch.relu(hidden))
 
 
-def _reduced_twice(strategy: str, unpacked: bool) -> dict[str, object]:
+def _reduced_twice(strategy: str, unpacked: bool | None) -> dict[str, object]:
+    """``unpacked`` None: computed on views (NO_SHARD), buckets overlapped."""
     import warnings
 
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
@@ -342,12 +343,15 @@ def _reduced_twice(strategy: str, unpacked: bool) -> dict[str, object]:
     model = FullyShardedDataParallel(
         net, sharding_strategy=ShardingStrategy[strategy], device_id=CPU
     )
-    # torch's runtime reduces (a NO_SHARD model would otherwise compute on views).
-    fv = flatview.wrap(model, compute_on_views=False)
-    if unpacked:
-        fv.reducer.in_place_min_numel = 0
+    if unpacked is None:
+        fv = flatview.wrap(model, compute_on_views=True, overlap_reduction=True)
     else:
-        fv.reducer.in_place_tolerance = None
+        # torch's runtime reduces (a NO_SHARD model would otherwise compute on views).
+        fv = flatview.wrap(model, compute_on_views=False)
+        if unpacked:
+            fv.reducer.in_place_min_numel = 0
+        else:
+            fv.reducer.in_place_tolerance = None
     inputs = [
         torch.randn(8, 64, generator=torch.Generator().manual_seed(r + 1)) for r in range(world)
     ]
@@ -391,3 +395,12 @@ def test_a_unit_reduced_twice_in_one_backward(
         assert max(r["errors"].values()) < 1e-5, r
         reductions = r["calls"].get("all_reduce", 0) + r["calls"].get("reduce_scatter", 0)
         assert reductions == (2 if unpacked else 1), r
+
+
+def test_computed_on_views_reduced_again_after_a_nested_backward(dist_pool: PoolFactory) -> None:
+    """NO_SHARD computed on views, overlapped: the checkpointed layer's gradient arrives
+    in a nested backward, after the outer layer's bucket may have started; the result
+    is still the average of the local gradients."""
+    for r in dist_pool(2).run(_reduced_twice, "NO_SHARD", None, timeout=TIMEOUT):
+        assert max(r["errors"].values()) < 1e-5, r
+        assert r["calls"].get("all_reduce", 0) >= 1, r

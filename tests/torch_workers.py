@@ -194,6 +194,7 @@ def prefetch_task(
 def wrap_error_task(scenario: Scenario, case: str) -> str:
     """Try to wrap something flatview must refuse; return the error message."""
     net = make_net(scenario)
+    kwargs: dict[str, Any] = {}
     if case == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -229,28 +230,14 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
             torch_fsdp.TESTED_TORCH = tested
             os.environ.pop(torch_fsdp.UNTESTED_TORCH_ENV, None)
     elif case == "overlap_reduction":
-        root = wrap_fsdp(scenario, net)
-        try:
-            flatview.wrap(root, overlap_reduction=False)
-        except FlatViewError as err:
-            return str(err)
-        raise AssertionError("no error")
+        target, kwargs = wrap_fsdp(scenario, net), {"overlap_reduction": False}
     elif case in ("views_sharded", "views_mixed_precision"):
         if case == "views_mixed_precision":
             options = {"mixed_precision": ("bfloat16", "float32")}
             scenario = replace(scenario, strategy="NO_SHARD", options=options)
-        root = wrap_fsdp(scenario, net)
-        try:
-            flatview.wrap(root, compute_on_views=True)
-        except FlatViewError as err:
-            return str(err)
-        raise AssertionError("no error")
+        target, kwargs = wrap_fsdp(scenario, net), {"compute_on_views": True}
     elif case == "views_ddp":
-        try:
-            flatview.wrap(DistributedDataParallel(net), compute_on_views=False)
-        except FlatViewError as err:
-            return str(err)
-        raise AssertionError("no error")
+        target, kwargs = DistributedDataParallel(net), {"compute_on_views": False}
     elif case == "comm_hook":
         root = wrap_fsdp(scenario, net)
 
@@ -265,7 +252,7 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
         options = {**scenario.options, "auto_wrap": True}
         target = wrap_fsdp(replace(scenario, strategy=case, options=options), net)
     try:
-        flatview.wrap(target)
+        flatview.wrap(target, **kwargs)
     except FlatViewError as err:
         return str(err)
     raise AssertionError(f"flatview.wrap accepted case {case!r}")

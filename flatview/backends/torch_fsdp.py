@@ -68,6 +68,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -194,6 +195,58 @@ def _reduce_hook(
     state.adapter.reduce(state.unit, grad, output)
 
 
+class SummonLending:
+    """Views step aside for the length of a summoning (``summon_full_params``, full or
+    sharded ``state_dict``): torch unshards each unit through ``handle.pre_unshard()``
+    with ``handle._training_state == SUMMON_FULL_PARAMS`` before it touches any module
+    attribute, and ends with ``handle.post_reshard()`` after the flat parameter is
+    registered again. The views step aside at the first unit's entry and come back at
+    the last unit's exit, through ``lend``."""
+
+    def __init__(self, state: Any, lend: Callable[[], AbstractContextManager[None]]) -> None:
+        self._state = state
+        self._lend = lend
+        self._units: set[int] = set()
+        self._lent = contextlib.ExitStack()
+
+    def patch(self, handle: Any, patch: Callable[[object, str, Callable[..., Any]], None]) -> None:
+        """Shadow ``handle``'s two methods with bracketing ones (through ``patch``, which
+        records them for removal)."""
+        patch(handle, "pre_unshard", self._entry(handle))
+        patch(handle, "post_reshard", self._exit(handle))
+
+    def close(self) -> None:
+        self._units.clear()
+        self._lent.close()
+
+    def _entry(self, handle: Any) -> Callable[[], bool]:
+        original = handle.pre_unshard
+
+        def pre_unshard() -> bool:
+            if handle._training_state is self._state and id(handle) not in self._units:
+                if not self._units:
+                    self._lent.enter_context(self._lend())
+                self._units.add(id(handle))
+            result: bool = original()
+            return result
+
+        return pre_unshard
+
+    def _exit(self, handle: Any) -> Callable[[], None]:
+        original = handle.post_reshard
+
+        def post_reshard() -> None:
+            original()
+            # torch registered the flat parameter again before resharding: the summoning
+            # of this unit is over.
+            if handle._training_state is self._state and id(handle) in self._units:
+                self._units.discard(id(handle))
+                if not self._units:
+                    self._lent.close()
+
+        return post_reshard
+
+
 class TorchFSDPAdapter(AdapterBase):
     """Maps the flatview core onto one torch FSDP1 model (root and nested units)."""
 
@@ -287,8 +340,7 @@ class TorchFSDPAdapter(AdapterBase):
         self._handle_unit: dict[int, int] = {
             id(unit._handle): i for i, (_, unit) in enumerate(self.units) if unit._handle
         }
-        self._lent = contextlib.ExitStack()
-        self._summoning: set[int] = set()
+        self._summon = SummonLending(self._summoning_state, self._lend)
         self._undeclared: list[str] = []
         # use_orig_params=True: torch gives every original parameter of a reduced flat
         # parameter a gradient, zeros for the skipped ones; those that had none when the
@@ -419,8 +471,7 @@ class TorchFSDPAdapter(AdapterBase):
                 self._patch(unit, method, self._lending(getattr(unit, method)))
             handle = unit._handle
             if handle is not None:
-                self._patch(handle, "pre_unshard", self._summon_entry(handle))
-                self._patch(handle, "post_reshard", self._summon_exit(handle))
+                self._summon.patch(handle, self._patch)
         self._hook(self.root.register_forward_hook(self._post_forward))
         order = self.root._exec_order_data
         self._patch(order, "next_iter", self._finishing(order.next_iter))
@@ -432,9 +483,8 @@ class TorchFSDPAdapter(AdapterBase):
         for _, unit in self.units:
             unit._comm_hook = None
             unit._comm_hook_state = None
-        self._summoning.clear()
+        self._summon.close()
         self._in_place_guarded.clear()
-        self._lent.close()
 
     # -------------------------------------------------------------- lifecycle
 
@@ -459,37 +509,6 @@ class TorchFSDPAdapter(AdapterBase):
         handle = self.units[unit_index][1]._handle
         if handle is not None:
             self.core.guard_skipped(handle.flat_param)
-
-    def _summon_entry(self, handle: Any) -> Callable[[], bool]:
-        original = handle.pre_unshard
-
-        def pre_unshard() -> bool:
-            # Summoning (summon_full_params, full or sharded state_dict) unshards before
-            # it changes any module attribute: views step aside from here on.
-            if handle._training_state is self._summoning_state and id(handle) not in (
-                self._summoning
-            ):
-                if not self._summoning:
-                    self._lent.enter_context(self.core.lend())
-                self._summoning.add(id(handle))
-            result: bool = original()
-            return result
-
-        return pre_unshard
-
-    def _summon_exit(self, handle: Any) -> Callable[[], None]:
-        original = handle.post_reshard
-
-        def post_reshard() -> None:
-            original()
-            # Torch re-registered the flat parameter before resharding: the summoning of
-            # this unit is over.
-            if handle._training_state is self._summoning_state and id(handle) in self._summoning:
-                self._summoning.discard(id(handle))
-                if not self._summoning:
-                    self._lent.close()
-
-        return post_reshard
 
     def _forward_prefetch_target(self, current: Any) -> Any:
         """Torch's forward-prefetch choice (the unit ``limit`` steps ahead in the first

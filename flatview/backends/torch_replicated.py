@@ -45,7 +45,7 @@ from torch import nn
 
 from flatview.backends.base import PlainSpec, UnitSpec
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
-from flatview.backends.torch_fsdp import TorchFSDPAdapter, clean_name
+from flatview.backends.torch_fsdp import SummonLending, TorchFSDPAdapter, clean_name
 from flatview.errors import DoubleCountError, OptimStateError
 from flatview.views import ViewSet
 
@@ -96,7 +96,6 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         self.rank = fsdp.rank
         self.world_size = fsdp.world_size
         self.device = fsdp.device
-        self._summoning_state = fsdp._summoning_state
         self._view_sets: list[ViewSet] = []
         self._flats: dict[int, tuple[str, tuple[str, ...]]] = {}
         """Per flat parameter (by id): its unit's name and the original names it holds."""
@@ -127,8 +126,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         element = first.element_size() if first is not None else 4
         self.bucket_numel = _DDP_BUCKET_BYTES // element
         self._lent_depth = 0
-        self._summoning: set[int] = set()
-        self._summon_stack = contextlib.ExitStack()
+        self._summon = SummonLending(fsdp._summoning_state, self._lend)
         self._init_reduction(params, reduced, _DDP_BUCKET_BYTES)
         # Shown from the start: the core finds plain parameters where they are registered.
         for views in self._view_sets:
@@ -152,14 +150,12 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
                 self._patch(unit, method, self._lending(getattr(unit, method)))
             handle = unit._handle
             if handle is not None:
-                self._patch(handle, "pre_unshard", self._summon_entry(handle))
-                self._patch(handle, "post_reshard", self._summon_exit(handle))
+                self._summon.patch(handle, self._patch)
         self._install_reduction()
 
     def uninstall(self) -> None:
         super().uninstall()
-        self._summon_stack.close()
-        self._summoning.clear()
+        self._summon.close()
         for views in self._view_sets:
             views.hide()
 
@@ -211,34 +207,6 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
                         # is its own local shard, and its data is what torch reads.
                         views.rebind(views.flat.data)
                         views.show()
-
-    def _summon_entry(self, handle: Any) -> Callable[[], bool]:
-        original = handle.pre_unshard
-
-        def pre_unshard() -> bool:
-            # Summoning unshards before it changes any module attribute.
-            if handle._training_state is self._summoning_state and id(handle) not in (
-                self._summoning
-            ):
-                if not self._summoning:
-                    self._summon_stack.enter_context(self._lend())
-                self._summoning.add(id(handle))
-            result: bool = original()
-            return result
-
-        return pre_unshard
-
-    def _summon_exit(self, handle: Any) -> Callable[[], None]:
-        original = handle.post_reshard
-
-        def post_reshard() -> None:
-            original()
-            if handle._training_state is self._summoning_state and id(handle) in self._summoning:
-                self._summoning.discard(id(handle))
-                if not self._summoning:
-                    self._summon_stack.close()
-
-        return post_reshard
 
     # ------------------------------------------------------------- optimizers
 
