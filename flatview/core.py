@@ -296,7 +296,7 @@ class FlatView:
                 self._params.append(
                     _Param(
                         len(self._params),
-                        (plain.name,),
+                        (plain.name, *plain.aliases),
                         plain.param,
                         unit_index,
                         None,

@@ -270,9 +270,13 @@ def test_unknown_skip_items(dist_pool: PoolFactory, backend: BackendConfig) -> N
 def test_skip_items_resolve_to_original_names(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
-    got = dist_pool(2).run(w.resolve_items, backend.scenario(SC), timeout=TIMEOUT)[0]
+    scenario = backend.scenario(SC, tie=True)
+    got = dist_pool(2).run(w.resolve_items, scenario, timeout=TIMEOUT)[0]
     body0 = [n for n, _ in make_net(SC).named_parameters() if n.startswith("body.0.")]
     assert got["unit"] == body0
     assert got["inner_module"] == ["body.0.up.weight", "body.0.up.bias"]
     assert got["view"] == ["head.bias"]
     assert got["names"] == [*body0, "head.weight"]
+    # A tied parameter answers to each of its names, under its first.
+    assert got["tied_name"] == ["head.weight"]
+    assert got["tied_module"] == ["head.weight", "head_copy.bias"]

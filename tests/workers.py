@@ -423,6 +423,9 @@ def resolve_items(scenario: Scenario) -> dict[str, list[str]]:
             "inner_module": fv.resolve(_inner(unit).up),
             "view": fv.resolve(tree.head.bias),
             "names": fv.resolve(["body.0", "head.weight"]),
+            # The head's weight is tied to head_copy's when the scenario ties them.
+            "tied_name": fv.resolve(["head_copy.weight"]) if scenario.tie else [],
+            "tied_module": fv.resolve(tree.head_copy) if scenario.tie else [],
         }
 
 

@@ -61,6 +61,8 @@ class PlainSpec:
     rank: int = 0
     reduced: bool = False
     """flatview all-reduces its gradient itself (DDP): counted in ``FlatView.stats``."""
+    aliases: tuple[str, ...] = ()
+    """Its other original names: a tied parameter is registered at several places."""
 
 
 @dataclass(frozen=True)

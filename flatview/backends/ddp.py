@@ -95,10 +95,13 @@ class DDPAdapter(ReplicatedAdapter):
         # Per parameter (first name, in module order): reduced by flatview unless DDP
         # was told to ignore it (then, as with DDP, nobody reduces it).
         params: list[tuple[str, nn.Parameter]] = []
-        seen: set[int] = set()
+        # Per parameter, every further name it is registered under (tied parameters).
+        self._aliases: dict[int, list[str]] = {}
         for name, param in ddp.module.named_parameters(remove_duplicate=False):
-            if id(param) not in seen:
-                seen.add(id(param))
+            if id(param) in self._aliases:
+                self._aliases[id(param)].append(name)
+            else:
+                self._aliases[id(param)] = []
                 params.append((name, param))
         reduced = {id(p) for name, p in params if name not in ignored}
         self._init_reduction(params, reduced, int(ddp.bucket_bytes_cap))
@@ -144,7 +147,13 @@ class DDPAdapter(ReplicatedAdapter):
 
     def describe(self) -> list[UnitSpec]:
         plain = tuple(
-            PlainSpec(name, param, tuple(param.shape), reduced=id(param) in self._reduced)
+            PlainSpec(
+                name,
+                param,
+                tuple(param.shape),
+                reduced=id(param) in self._reduced,
+                aliases=tuple(self._aliases[id(param)]),
+            )
             for name, param in self._params
         )
         return [UnitSpec("", self.root, (), plain, True)]

@@ -114,8 +114,10 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
                 for view, names, segment in zip(
                     views.views, spec.names, spec.layout.segments, strict=True
                 ):
-                    # A tied parameter is one view shown at every place: its first name.
-                    plain.append(PlainSpec(names[0], view, segment.shape, reduced=True))
+                    # A tied parameter is one view shown at every place.
+                    plain.append(
+                        PlainSpec(names[0], view, segment.shape, reduced=True, aliases=names[1:])
+                    )
                     params.append((names[0], view))
                     reduced.add(id(view))
             # Parameters FSDP was told to ignore: nobody reduces them, as without flatview.
