@@ -332,10 +332,15 @@ def _flatview_torch_one_unit(check: bool, runtime: bool = False) -> Callable[[Co
 
 
 def _flatview_torch(
-    strategy: str, check: bool = True, unpacked: bool | None = None, runtime: bool = False
+    strategy: str,
+    check: bool = True,
+    unpacked: bool | None = None,
+    runtime: bool = False,
+    orig_params: bool = False,
 ) -> Callable[[Config], Trainer]:
     """``runtime``: keep torch's unit runtime (``compute_on_views=False``) where flatview
-    would compute on views (NO_SHARD). ``unpacked`` (torch's runtime only) overrides
+    would compute on views (NO_SHARD). ``orig_params``: ``use_orig_params=True``.
+    ``unpacked`` (torch's runtime only) overrides
     flatview's rule for reducing (nearly) fully used gradients whole, without packing, by
     a collective that runs while the backward goes on: ``True`` for gradients of every
     size, ``False`` never (every gradient packed into one bucket reduced at the end of the
@@ -343,7 +348,7 @@ def _flatview_torch(
     elements or more)."""
 
     def build(cfg: Config) -> Trainer:
-        model = _torch_fsdp1(cfg, use_orig_params=False, strategy=strategy)
+        model = _torch_fsdp1(cfg, use_orig_params=orig_params, strategy=strategy)
         options = {"compute_on_views": False} if runtime else {}
         trainer = _with_flatview(model, cfg, check, "auto", **options)
         if unpacked is False:
@@ -448,6 +453,11 @@ APPROACHES: tuple[Approach, ...] = (
         "flatview_torch_no_shard_nocheck",
         "flatview + torch FSDP1 per block, NO_SHARD, on views, check off",
         _flatview_torch("NO_SHARD", check=False),
+    ),
+    Approach(
+        "flatview_torch_no_shard_orig",
+        "flatview + torch FSDP1 per block, NO_SHARD, use_orig_params=True, on views, check on",
+        _flatview_torch("NO_SHARD", orig_params=True),
     ),
     Approach(
         "flatview_torch_no_shard_runtime",

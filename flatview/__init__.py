@@ -84,10 +84,11 @@ def wrap(
             models reduce in the wrapper's own gradient hooks: anything but ``None`` is
             refused there.
         compute_on_views: torch FSDP1 models whose every unit is ``NO_SHARD`` (DDP-style;
-            torch also picks it at world size 1), with flat parameters and no mixed
-            precision: bypass torch's per-unit runtime, compute on the views, and
-            all-reduce the used gradients as for DDP (faster; the flat parameters then
-            get no gradient, so optimizers must be built from views). ``None``
+            torch also picks it at world size 1) without mixed precision: bypass torch's
+            per-unit runtime, compute on the views (torch's own parameters with
+            ``use_orig_params=True``), and all-reduce the used gradients as for DDP
+            (faster; the flat parameters then get no gradient, so optimizers must be
+            built from views). ``None``
             (default): wherever eligible; ``True``: refuse a model that is not;
             ``False``: keep torch's runtime.
 

@@ -232,11 +232,12 @@ def test_wrap_refuses(dist_pool: PoolFactory, case: str, match: str) -> None:
 
 
 def test_no_shard_computes_on_views(dist_pool: PoolFactory) -> None:
-    """Every unit NO_SHARD, flat parameters, full precision: the model computes on the
-    views and flatview reduces (torch's runtime stays idle); otherwise torch's runtime."""
+    """Every unit NO_SHARD in full precision: the model computes on the views (torch's own
+    with use_orig_params=True) and flatview reduces (torch's runtime stays idle);
+    otherwise torch's runtime."""
     for r in dist_pool(2).run(tw.on_views_task, NO_SHARD.scenario(GATED), timeout=TIMEOUT):
-        assert r["default"] == "TorchReplicatedAdapter", r
-        assert r["runtime"] == r["mixed_precision"] == r["use_orig_params"] == "TorchFSDPAdapter"
+        assert r["default"] == r["use_orig_params"] == "TorchReplicatedAdapter", r
+        assert r["runtime"] == r["mixed_precision"] == "TorchFSDPAdapter", r
         assert r["units_idle"] and r["flat_grads_none"] and r["flats_hidden"], r
         assert r["grads_on_used_views"], r
         assert re.search(
@@ -264,3 +265,16 @@ def test_computed_on_views_overlapped_with_accumulation(
         options={"overlap": True},
     )
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig-params"])
+def test_state_dict_between_backward_and_step_keeps_gradients(
+    dist_pool: PoolFactory, use_orig_params: bool
+) -> None:
+    """Computed on views, a checkpoint taken before the optimizer step leaves every
+    gradient as the backward made it (torch may copy them into the flat gradient with
+    use_orig_params=True), skipped parameters' None included."""
+    options = {"use_orig_params": True} if use_orig_params else {}
+    scenario = NO_SHARD.scenario(GATED, skips=GATED.skips[:3], options=options)
+    for changed in dist_pool(2).run(tw.state_dict_mid_step_task, scenario, timeout=TIMEOUT):
+        assert changed == [[]] * 3, changed

@@ -297,3 +297,41 @@ def on_views_task(scenario: Scenario) -> dict[str, Any]:
     except FlatViewError as err:
         out["flat_optimizer"] = f"{type(err).__name__}: {err}"
     return out
+
+
+def state_dict_mid_step_task(scenario: Scenario) -> list[list[str]]:
+    """Per step: the parameters whose gradient a full ``state_dict`` and a
+    ``summon_full_params`` taken between the backward and the optimizer step changed
+    (identity of ``None``, or values). Skipped ones must keep ``None``."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    root = wrap_fsdp(scenario, make_net(scenario))
+    fv = flatview.wrap(root, **scenario.flatview_options)
+    opt = torch.optim.AdamW(fv.parameters(), lr=0.1, weight_decay=0.1)
+    changed = []
+    for step in range(len(scenario.skips)):
+        x, y = local_batch(scenario, step)
+        skip = skip_names(scenario, step)
+        with fv.step(skip=list(skip)):
+            loss_of(root(x, skip), y).backward()
+        before = {n: None if p.grad is None else p.grad.clone() for n, p in fv.named_parameters()}
+        config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+        with TorchFSDP.state_dict_type(root, StateDictType.FULL_STATE_DICT, config):
+            root.state_dict()
+        with TorchFSDP.summon_full_params(root):
+            pass
+        after = dict(fv.named_parameters())
+        changed.append(
+            sorted(
+                name
+                for name, grad in before.items()
+                if (grad is None) != (after[name].grad is None)
+                or (grad is not None and not torch.equal(grad, after[name].grad))
+            )
+        )
+        if any(after[n].grad is not None for n in after if n.startswith(skip)):
+            changed[-1].append("a skipped parameter has a gradient")
+        opt.step()
+        opt.zero_grad()
+    return changed

@@ -27,7 +27,7 @@ def detect(model: object, compute_on_views: bool | None = None) -> Adapter:
         if compute_on_views:
             raise WrapError(
                 f"compute_on_views=True needs every FSDP unit to replicate in full "
-                f"precision (NO_SHARD, flat parameters, no mixed precision): {reason}"
+                f"precision (NO_SHARD, no mixed precision): {reason}"
             )
         return adapter
     if compute_on_views is not None:

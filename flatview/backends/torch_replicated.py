@@ -12,8 +12,9 @@ the flat parameter's storage does not move between passes, none of that is neede
 
 How: each unit's ``forward`` (an instance attribute shadowing torch's) calls the wrapped
 module directly. flatview's views, registered on the submodules as always, are the
-leaves the model computes with, so autograd gives each used view its own gradient and a
-skipped one none. flatview all-reduces the used gradients in buckets, as for DDP
+leaves the model computes with (with ``use_orig_params=True``, torch's own parameters,
+which alias the flat parameter too), so autograd gives each used one its own gradient
+and a skipped one none. flatview all-reduces the used gradients in buckets, as for DDP
 (:mod:`flatview.backends.replicated`). FSDP's own state stays ``IDLE`` throughout.
 
 What torch's runtime did and still happens:
@@ -25,13 +26,15 @@ What torch's runtime did and still happens:
 * FSDP's ``clip_grad_norm_`` works unchanged: the views are parameters FSDP does not
   manage, whose norm it takes locally, which under ``NO_SHARD`` is the whole norm.
 
-What differs: the flat parameters get no gradient (``flat.grad`` stays ``None``), so an
+What differs: the flat parameters get no gradient from the backward (``flat.grad`` stays
+``None``; with ``use_orig_params=True`` torch may copy the parameters' gradients into it
+when it unshards, for ``state_dict`` say, and point them at it: the values stay), so an
 optimizer that holds a flat parameter (built before wrapping) is refused at its first
 step. ``flatview.wrap(model, compute_on_views=False)`` keeps torch's runtime instead.
 
 Eligible (:func:`ineligibility`): every unit ``NO_SHARD`` (torch picks it for every
-strategy at world size 1), flat parameters (``use_orig_params=False``), no mixed
-precision (torch would cast the parameters for compute) and no optimizer in backward.
+strategy at world size 1), no mixed precision (torch would cast the parameters for
+compute) and no optimizer in backward.
 """
 
 from __future__ import annotations
@@ -67,8 +70,6 @@ def ineligibility(fsdp: TorchFSDPAdapter) -> str | None:
         if unit.sharding_strategy is not ShardingStrategy.NO_SHARD:
             return f"FSDP unit {label!r} shards ({unit.sharding_strategy.name})"
         handle = unit._handle
-        if handle is not None and handle._use_orig_params:
-            return f"FSDP unit {label!r} uses use_orig_params=True"
         precision = unit.mixed_precision
         if any(
             getattr(precision, attr, None) is not None
@@ -105,14 +106,20 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         for unit in fsdp.describe():
             plain: list[PlainSpec] = []
             for spec in unit.flats:
-                views = ViewSet(
-                    spec.flat, spec.flat_owner, spec.layout, 0, spec.local_shard(), spec.owners
-                )
-                self._view_sets.append(views)
+                if spec.wrapper_views is not None:
+                    # use_orig_params=True: torch's own parameters alias the flat
+                    # parameter already, registered where they belong.
+                    leaves = spec.wrapper_views
+                else:
+                    views = ViewSet(
+                        spec.flat, spec.flat_owner, spec.layout, 0, spec.local_shard(), spec.owners
+                    )
+                    self._view_sets.append(views)
+                    leaves = views.views
                 originals = tuple(names[0] for names in spec.names)
                 self._flats[id(spec.flat)] = (unit.name or "<root>", originals)
                 for view, names, segment in zip(
-                    views.views, spec.names, spec.layout.segments, strict=True
+                    leaves, spec.names, spec.layout.segments, strict=True
                 ):
                     # A tied parameter is one view shown at every place.
                     plain.append(
