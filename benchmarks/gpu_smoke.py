@@ -3,8 +3,9 @@
 The CPU test suite cannot reach the CUDA code paths of the wrappers (side streams,
 NCCL, the overlapped DDP buckets that are off by default on CPU). This script trains the
 stochastic-depth model of ``bench_skip.py`` for a few steps under each wrapper with
-flatview, on the GPU, and compares the result with the same training without any
-wrapper; then it times flatview + DDP against DDP ``find_unused_parameters=True``.
+flatview, on the GPU (torch FSDP1 at world size 1 is ``NO_SHARD``: once computed on
+views, once on torch's runtime), and compares the result with the same training
+without any wrapper; then it times flatview + DDP against DDP ``find_unused_parameters=True``.
 Without a GPU it runs the same on CPU over gloo, so that it can be checked anywhere.
 
     python benchmarks/gpu_smoke.py                 # prints a report, writes --out JSON
@@ -109,6 +110,14 @@ def start_one_process() -> torch.device:
     return device
 
 
+_WRAP_OPTIONS: dict[str, dict[str, Any]] = {
+    "ddp": {"overlap_reduction": True},  # the CUDA default, also on CPU
+    "torch_fsdp1_per_block": {"overlap_reduction": True},  # computed on views: as DDP
+    "torch_fsdp1_per_block_runtime": {"compute_on_views": False},
+}
+"""flatview.wrap options per wrapper of :func:`_wrappers`."""
+
+
 def _wrappers(device: torch.device) -> dict[str, Callable[[nn.Module], nn.Module]]:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardingStrategy
@@ -116,14 +125,21 @@ def _wrappers(device: torch.device) -> dict[str, Callable[[nn.Module], nn.Module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index or 0] if device.type == "cuda" else None
-    wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {
-        "ddp": lambda net: DDP(net, device_ids=ids),
-        "torch_fsdp1_per_block": lambda net: TorchFSDP(
+
+    def per_block(net: nn.Module) -> nn.Module:
+        return TorchFSDP(
             net,
             auto_wrap_policy=ModuleWrapPolicy({bench.Block}),
-            sharding_strategy=ShardingStrategy.FULL_SHARD,  # NO_SHARD at world size 1
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
             device_id=device,
-        ),
+        )
+
+    wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {
+        "ddp": lambda net: DDP(net, device_ids=ids),
+        # NO_SHARD at world size 1: computed on flatview's views, and on torch's runtime
+        # (wrapped with compute_on_views=False, see _WRAP_OPTIONS).
+        "torch_fsdp1_per_block": per_block,
+        "torch_fsdp1_per_block_runtime": per_block,
     }
     if device.type == "cuda":
         try:
@@ -158,8 +174,7 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
     for name, wrap in _wrappers(device).items():
         try:
             model = wrap(bench.make_net(cfg).to(device))
-            overlap = True if name == "ddp" else None  # the CUDA default, also on CPU
-            fv = flatview.wrap(model, overlap_reduction=overlap)
+            fv = flatview.wrap(model, **_WRAP_OPTIONS.get(name, {}))
             opt = torch.optim.SGD(fv.parameters(), lr=cfg.lr, momentum=0.9)
             none_got = []
             syncs: dict[str, int] = {}
