@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.utils import _to_kwargs
 
 from flatview.backends.base import PlainSpec, UnitSpec
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
@@ -176,8 +177,6 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
             return wrapped(*args, **kwargs)  # a recomputation (checkpointing)
         self._begin_forward(bool(self.root._sync_gradients))
         if self.device.type != "cpu":
-            from torch.distributed.utils import _to_kwargs
-
             moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
             args = moved_args[0] if moved_args else ()
             kwargs = moved_kwargs[0] if moved_kwargs else {}
