@@ -278,3 +278,14 @@ def test_state_dict_between_backward_and_step_keeps_gradients(
     scenario = NO_SHARD.scenario(GATED, skips=GATED.skips[:3], options=options)
     for changed in dist_pool(2).run(tw.state_dict_mid_step_task, scenario, timeout=TIMEOUT):
         assert changed == [[]] * 3, changed
+
+
+def test_computed_on_views_edges(dist_pool: PoolFactory) -> None:
+    for r in dist_pool(2).run(tw.on_views_edges_task, NO_SHARD.scenario(GATED), timeout=TIMEOUT):
+        assert re.search(
+            r"OptimStateError: optimizer SGD holds the flat parameter of FSDP unit '.*', "
+            r"which gets no gradient",
+            r.get("orig_flat_optimizer", "accepted"),
+        ), r
+        assert r["dtypes"] == r["grad_dtypes"] == ["torch.float64"], r
+        assert r["alias_flats"] and r["step_reaches_flats"], r

@@ -335,3 +335,43 @@ def state_dict_mid_step_task(scenario: Scenario) -> list[list[str]]:
         opt.step()
         opt.zero_grad()
     return changed
+
+
+def on_views_edges_task(scenario: Scenario) -> dict[str, Any]:
+    """Computed on views: an optimizer over a flat parameter that torch keeps beside its
+    own parameters (use_orig_params=True) is refused too; after ``.double()`` the views
+    follow the flat parameter's new storage, and a step on them writes into it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    out: dict[str, Any] = {}
+    root = wrap_fsdp(replace(scenario, options={"use_orig_params": True}), make_net(scenario))
+    flats = [m._handle.flat_param for m in root.modules() if isinstance(m, TorchFSDP)]
+    fv = flatview.wrap(root)
+    early = torch.optim.SGD(flats[:1], lr=0.1)
+    x, y = local_batch(scenario, 0)
+    with fv.step():
+        loss_of(root(x), y).backward()
+    try:
+        early.step()
+    except FlatViewError as err:
+        out["orig_flat_optimizer"] = f"{type(err).__name__}: {err}"
+    fv.unwrap()
+
+    root = wrap_fsdp(scenario, make_net(scenario))
+    fv = flatview.wrap(root)
+    root.double()
+    units = [m for m in root.modules() if isinstance(m, TorchFSDP) and m._handle is not None]
+    storages = {m._handle.flat_param.untyped_storage().data_ptr() for m in units}
+    views = dict(fv.named_parameters())
+    out["dtypes"] = sorted({str(v.dtype) for v in views.values()})
+    out["alias_flats"] = all(v.untyped_storage().data_ptr() in storages for v in views.values())
+    before = [m._handle.flat_param.detach().clone() for m in units]
+    opt = torch.optim.SGD(views.values(), lr=0.1)
+    with fv.step():
+        loss_of(root(x.double()), y).backward()
+    opt.step()
+    out["grad_dtypes"] = sorted({str(v.grad.dtype) for v in views.values()})
+    out["step_reaches_flats"] = all(
+        not torch.equal(b, m._handle.flat_param) for b, m in zip(before, units, strict=True)
+    )
+    return out

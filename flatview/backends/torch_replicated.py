@@ -101,6 +101,9 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         self._view_sets: list[ViewSet] = []
         self._flats: dict[int, tuple[str, tuple[str, ...]]] = {}
         """Per flat parameter (by id): its unit's name and the original names it holds."""
+        self._leaves: dict[int, tuple[nn.Parameter, ...]] = {}
+        """Per flat parameter (by id): the parameters the model computes on in its place
+        (flatview's views, or torch's own with use_orig_params=True)."""
         self._specs: list[UnitSpec] = []
         params: list[tuple[str, nn.Parameter]] = []
         reduced: set[int] = set()
@@ -119,6 +122,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
                     leaves = views.views
                 originals = tuple(names[0] for names in spec.names)
                 self._flats[id(spec.flat)] = (unit.name or "<root>", originals)
+                self._leaves[id(spec.flat)] = tuple(leaves)
                 for view, names, segment in zip(
                     leaves, spec.names, spec.layout.segments, strict=True
                 ):
@@ -223,12 +227,12 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for views in self._view_sets:
-            if id(views.flat) not in held:
+        for flat, leaves in self._leaves.items():
+            if flat not in held:
                 continue
-            unit, _ = self._flats[id(views.flat)]
+            unit, _ = self._flats[flat]
             name = type(optimizer).__name__
-            if any(id(view) in held for view in views.views):
+            if any(id(leaf) in held for leaf in leaves):
                 raise DoubleCountError(
                     f"optimizer {name} holds the flat parameter of unit {unit!r} and views "
                     "that live inside it: it would update those elements twice. Build "
