@@ -28,7 +28,7 @@ import enum
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,7 +42,13 @@ from flatview.comm.agreement import Agreement, fingerprint
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
 from flatview.comm.reduce import MaskedReducer, Strategy
-from flatview.errors import DoubleCountError, SkippedParameterUsedError, StateError, WrapError
+from flatview.errors import (
+    DoubleCountError,
+    OptimStateError,
+    SkippedParameterUsedError,
+    StateError,
+    WrapError,
+)
 from flatview.layout import MaskPlan, Placement
 from flatview.skip import SkipResolver, SkipSet
 from flatview.stats import StepStats
@@ -241,6 +247,7 @@ class FlatView:
         for unit in self._units:
             _wrapped[unit.module] = self
         _live.add(self)
+        _bump_generation()
         _install_optimizer_hook()
         adapter.install(self)
 
@@ -314,6 +321,8 @@ class FlatView:
             direct.setdefault(id(module), [])
             children[id(module)] = list(module.children())
         tensors: dict[int, list[int]] = {id(p.tensor): [p.index] for p in self._params}
+        # Kept: a parameter set in a view's place becomes the view (_replace_view).
+        self._tensor_items = tensors
         for flat in self._flats:
             tensors[id(flat.spec.flat)] = list(flat.params)
             for index, owners in zip(flat.params, flat.spec.owners, strict=True):
@@ -332,7 +341,10 @@ class FlatView:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every original parameter once, as a view or plain parameter, under the name
         the unwrapped model's ``named_parameters()`` gives it (tied parameters under
-        their first name)."""
+        their first name). A parameter set in a view's place
+        (``module.weight = nn.Parameter(t)``) is the view from then on."""
+        if self.phase is Phase.IDLE:
+            self._write_back()
         for index in self._order:
             param = self._params[index]
             yield param.name, param.tensor
@@ -508,19 +520,47 @@ class FlatView:
                 "summon_full_params, ...): finish that first"
             )
         if self.phase is Phase.IDLE:
-            self._push_grads()
+            self._write_back()
+            self._detach_grads()
             for flat in self._flats:
                 flat.views.hide()
             self.phase = Phase.COMPUTING
             self._bind_iteration()
         elif outermost:
-            self._push_grads()
+            self._detach_grads()
             if self._iteration is None or self._iteration.step != self._step_count:
                 self._bind_iteration()
 
+    def _detach_grads(self) -> None:
+        # The wrapper computes a fresh gradient; the views keep theirs until the synced
+        # backward adds the two (end_backward), so a zero_grad between forward and
+        # backward counts. Inside a no_sync() window the flat parameters hold unsharded
+        # accumulated gradients: they were detached when the window opened.
+        if self._window is None:
+            for flat in self._flats:
+                flat.views.detach_grads()
+
+    def _write_back(self) -> None:
+        """Carry values written through views (``view.data = t``, a new parameter set in
+        a view's place) into the shards before the wrapper reads them; a replacing
+        parameter becomes the view."""
+        for flat in self._flats:
+            names = [self._params[i].name for i in flat.params]
+            for segment, param in flat.views.write_back(names):
+                self._replace_view(flat.params[segment], param)
+
+    def _replace_view(self, index: int, param: nn.Parameter) -> None:
+        old = self._params[index]
+        self._params[index] = replace(old, tensor=param)
+        self._index_of_tensor.pop(id(old.tensor), None)
+        self._index_of_tensor[id(param)] = index
+        self._tensor_items.pop(id(old.tensor), None)
+        self._tensor_items[id(param)] = [index]
+        _checked.clear()
+
     def _push_grads(self) -> None:
-        # Inside a no_sync() window the flat parameters hold unsharded accumulated
-        # gradients that no view can describe; views catch up at the synced backward.
+        """Make the flat gradients say what the view gradients say (before a wrapper
+        operation or unwrap reads them)."""
         if self._window is None:
             for flat in self._flats:
                 flat.views.push_grads()
@@ -707,7 +747,7 @@ class FlatView:
         used = [self._used_so_far(flat.index) for flat in self._flats]
         if synced:
             for flat, flags in zip(self._flats, used, strict=True):
-                flat.views.pull_grads(used=flags)
+                flat.views.combine_grads(used=flags)
             self._window = None
         else:
             self._window = used
@@ -725,6 +765,9 @@ class FlatView:
     def end_forward_only(self) -> None:
         """A forward ran without autograd: no backward will follow."""
         if self.phase is Phase.COMPUTING:
+            if self._window is None:
+                for flat in self._flats:
+                    flat.views.reattach_grads()
             self._end_compute()
 
     def _end_compute(self) -> None:
@@ -745,6 +788,10 @@ class FlatView:
         if self.phase is not Phase.IDLE:
             yield
             return
+        # The wrapper reads the shards (and may read gradients): what was written
+        # through the views must be there.
+        self._write_back()
+        self._push_grads()
         for flat in self._flats:
             flat.views.hide()
         self.phase = Phase.LENT
@@ -763,6 +810,10 @@ class FlatView:
         """
         if self.phase is not Phase.IDLE:
             raise StateError(f"unwrap() needs phase IDLE, the model is {self.phase.name}")
+        # The flat parameters carry on alone: the values and gradients the views hold
+        # (zeroed, dropped, written) must be theirs.
+        self._write_back()
+        self._push_grads()
         for flat in self._flats:
             flat.views.hide()
         for handle in self._plain_guards.values():
@@ -773,6 +824,13 @@ class FlatView:
             _wrapped.pop(unit.module, None)
         _live.discard(self)
         self.phase = Phase.DETACHED
+        # Views the model no longer holds are stale handles: an optimizer over them
+        # would step tensors nothing reads.
+        registered = {id(p) for p in self.model.parameters()}
+        for param in self._params:
+            if id(param.tensor) not in registered:
+                _stale[id(param.tensor)] = (weakref.ref(param.tensor), param.name)
+        _bump_generation()
 
     # ------------------------------------------------------------------ stats
 
@@ -825,16 +883,29 @@ class FlatView:
         for flat in self._flats:
             if id(flat.spec.flat) not in held:
                 continue
+            unit = self._units[flat.unit].name or "<root>"
             for index in flat.params:
                 if id(self._params[index].tensor) in held:
                     raise DoubleCountError(
                         f"optimizer {type(optimizer).__name__} holds the flat parameter of "
-                        f"unit {self._units[flat.unit].name or '<root>'!r} and the view "
+                        f"unit {unit!r} and the view "
                         f"{self._params[index].name!r} that lives inside it: it would update "
                         "those elements twice. Build optimizers from views "
                         "(submodule.parameters() or FlatView.parameters()) or from the "
                         "flat parameters, not both."
                     )
+            # An optimizer over a flat parameter steps all of it: it cannot leave skipped
+            # parameters alone (weight decay, momentum on zero gradients), and gradients
+            # live in the views while the model is wrapped.
+            names = ", ".join(repr(self._params[i].name) for i in flat.params[:4])
+            more = ", ..." if len(flat.params) > 4 else ""
+            raise OptimStateError(
+                f"optimizer {type(optimizer).__name__} holds the flat parameter of FSDP "
+                f"unit {unit!r} (holding {names}{more}): it would step every parameter in "
+                "it, skipped ones too, and it does not see gradients zeroed through the "
+                "views. Build optimizers from views (submodule.parameters() or "
+                "FlatView.parameters()), or call FlatView.unwrap() to train on plain FSDP."
+            )
 
     def __repr__(self) -> str:
         return (
@@ -937,10 +1008,20 @@ def _traversal_order(model: nn.Module, clean_name: Any) -> dict[str, tuple[int, 
 
 
 # One step pre-hook for all optimizers; the per-optimizer result is cached until the
-# optimizer's parameter list changes, so steady-state cost is a length comparison.
+# optimizer's parameters (by identity) or the set of wrapped models change, so the
+# steady-state cost is one tuple of ids per step.
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
     weakref.WeakKeyDictionary()
 )
+# Views of unwrapped models that the model no longer holds: id -> (weak view, name).
+_stale: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
+_generation = 0
+
+
+def _bump_generation() -> None:
+    """A model was wrapped or unwrapped: every optimizer is checked again."""
+    global _generation
+    _generation += 1
 
 
 def _install_optimizer_hook() -> None:
@@ -950,9 +1031,31 @@ def _install_optimizer_hook() -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    signature = tuple(len(group["params"]) for group in optimizer.param_groups)
+    signature = (_generation, *(id(p) for group in optimizer.param_groups for p in group["params"]))
     if _checked.get(optimizer) == signature:
         return
+    _check_stale(optimizer)
     for view in list(_live):
         view._check_optimizer(optimizer)
     _checked[optimizer] = signature
+
+
+def _check_stale(optimizer: torch.optim.Optimizer) -> None:
+    if not _stale:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            found = _stale.get(id(p))
+            if found is None:
+                continue
+            ref, name = found
+            if ref() is not p:
+                del _stale[id(p)]
+                continue
+            raise StateError(
+                f"optimizer {type(optimizer).__name__} holds the view {name!r} of a model "
+                "that FlatView.unwrap() detached: the model no longer reads it, so the "
+                "step would train nothing. Build a new optimizer over the model's "
+                "parameters (model.parameters(), or a new FlatView's views after wrapping "
+                "again)."
+            )

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from flatview.errors import FlatViewError
 from flatview.layout import FlatLayout, Piece, PieceKind
 
 
@@ -95,12 +96,22 @@ class ViewSet:
             for piece in self.pieces
         )
         self._bound_storage = local_shard.untyped_storage().data_ptr()
+        self._shard = local_shard
+        # Where each view's data must be: a view found elsewhere was given new data
+        # (``view.data = t``), to be written back into the shard.
+        self._bound_ptrs = [view.data_ptr() for view in self.views]
         self._split = self._split_sizes()
-        # The gradient tensors this set last handed to the views, and the sharded
-        # gradient they were cut from: anything else found there later was put there by
-        # someone else (an optimizer's zero_grad, or the user).
+        # The gradient tensors this set last handed to the views (and their storage),
+        # and the sharded gradient they were cut from: anything else found there later
+        # was put there by someone else (an optimizer's zero_grad, or the user, also
+        # through ``view.grad.data = t``).
         self._exposed: list[torch.Tensor | None] = [None] * len(self.views)
+        self._exposed_ptrs: list[int] = [0] * len(self.views)
         self._exposed_from: torch.Tensor | None = None
+        # While a forward and its backward run, the wrapper computes a fresh sharded
+        # gradient; the one from before (which the views may still alias) waits here.
+        self._detached = False
+        self._before: torch.Tensor | None = None
         self.placement = Placement.WRAPPER
 
     def _split_sizes(self) -> list[int] | None:
@@ -163,11 +174,88 @@ class ViewSet:
         """Point the views at a new local shard storage (same view objects: optimizers
         keep working). A no-op when the storage did not move."""
         storage = local_shard.untyped_storage().data_ptr()
+        self._shard = local_shard
         if storage == self._bound_storage:
             return
         for view, piece in zip(self.views, self.pieces, strict=True):
             view.data = self._piece_of(local_shard, piece)
         self._bound_storage = storage
+        self._bound_ptrs = [view.data_ptr() for view in self.views]
+
+    def write_back(self, names: Sequence[str]) -> list[tuple[int, nn.Parameter]]:
+        """Carry what was written through the views into the shard, as torch does with
+        ``use_orig_params=True``: new data (``view.data = t``) and new parameters
+        registered in a view's place (``module.weight = nn.Parameter(t)``), which then
+        become the views, aliasing the shard. ``names[i]`` names original parameter
+        ``i`` in errors.
+
+        Returns ``(segment, parameter)`` for each view replaced by a new parameter.
+
+        Raises:
+            FlatViewError: a value of the wrong shape or dtype, naming the parameter;
+                nothing is written then.
+        """
+        replaced: list[tuple[int, nn.Parameter]] = []
+        writes: list[tuple[int, torch.Tensor]] = []
+        shown = self.placement is Placement.VIEWS
+        for index, view in enumerate(self.views):
+            source: nn.Parameter = view
+            if shown:
+                for owner in self.owners[index]:
+                    found = owner.module._parameters.get(owner.attr)
+                    if found is not view and isinstance(found, nn.Parameter):
+                        source = found
+                        break
+            if source is view and view.data_ptr() == self._bound_ptrs[index]:
+                continue
+            writes.append((index, self._checked_source(index, source, names[index])))
+            if source is not view:
+                replaced.append((index, source))
+        if not writes:
+            return replaced
+        with torch.no_grad():
+            for index, values in writes:
+                target = self._piece_of(self._shard, self.pieces[index])
+                if target.numel():
+                    target.copy_(values)
+        views = list(self.views)
+        for index, param in replaced:
+            # The replaced view leaves the model, as the original parameter would: it
+            # must no longer alias the shard (an optimizer still holding it would write
+            # into the new parameter's elements).
+            old = views[index]
+            old.data = old.data.clone()
+            if old.grad is not None:
+                old.grad = old.grad.clone()
+            views[index] = param
+            for owner in self.owners[index]:
+                owner.module._parameters[owner.attr] = param
+        self.views = tuple(views)
+        for index, _ in writes:
+            self.views[index].data = self._piece_of(self._shard, self.pieces[index])
+            self._bound_ptrs[index] = self.views[index].data_ptr()
+        return replaced
+
+    def _checked_source(self, index: int, source: torch.Tensor, name: str) -> torch.Tensor:
+        """The values of this rank's piece in ``source``: a tensor shaped like the view,
+        or like the whole original parameter (this rank's piece is taken from it)."""
+        piece = self.pieces[index]
+        shape = torch.Size(self.layout.segments[piece.segment].shape)
+        dtype = self.flat.dtype
+        view_shape = torch.Size([piece.numel]) if piece.kind is not PieceKind.FULL else shape
+        if source.dtype != dtype or source.shape not in (view_shape, shape):
+            raise FlatViewError(
+                f"parameter {name!r} was given a value flatview cannot write back into its "
+                f"flat parameter: {source.dtype} of shape {tuple(source.shape)}, expected "
+                f"{dtype} of shape {tuple(view_shape)} (this rank's piece) or "
+                f"{tuple(shape)} (the whole parameter). Assign values of the parameter's "
+                "shape and dtype, or copy them in place (view.data.copy_(t))."
+            )
+        values = source.detach()
+        if source.shape == view_shape:
+            return values.reshape(view_shape)
+        start, end = piece.param_interval
+        return values.reshape(-1)[start:end]
 
     # ----------------------------------------------------------------- gradients
 
@@ -184,7 +272,7 @@ class ViewSet:
             self.pull_grads(used=None)
             return
         grads = [view.grad for view in self.views]
-        if all(g is e for g, e in zip(grads, self._exposed, strict=True)):
+        if self._as_exposed(grads):
             return
         if all(g is None for g in grads):
             flat.grad = None
@@ -195,7 +283,7 @@ class ViewSet:
             flat.grad = torch.zeros(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
         flat_grad = flat.grad
         for index, (piece, grad) in enumerate(zip(self.pieces, grads, strict=True)):
-            if grad is self._exposed[index] and grad is not None:
+            if grad is not None and self._still_exposed(index, grad):
                 continue
             start, end = piece.shard_interval
             if grad is None:
@@ -224,7 +312,79 @@ class ViewSet:
             if used is None or used[index] or view.grad is not None:
                 view.grad = grad
             self._exposed[index] = view.grad
+            self._exposed_ptrs[index] = view.grad.data_ptr() if view.grad is not None else 0
         self._exposed_from = flat_grad
+
+    def _still_exposed(self, index: int, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` is the gradient last handed to view ``index``, still on the
+        storage it was cut from (``view.grad.data = t`` keeps the object, not the data)."""
+        if grad is not self._exposed[index]:
+            return False
+        return grad is None or grad.numel() == 0 or grad.data_ptr() == self._exposed_ptrs[index]
+
+    def _as_exposed(self, grads: Sequence[torch.Tensor | None]) -> bool:
+        return all(self._still_exposed(i, g) for i, g in enumerate(grads))
+
+    def detach_grads(self) -> None:
+        """A forward starts: hand the wrapper no gradient to accumulate into (it computes
+        a fresh sharded gradient), keeping the views' gradients as they are.
+
+        Whatever happens to view gradients until the backward ends (an optimizer's
+        ``zero_grad`` after the forward, say) is then what :meth:`combine_grads` adds
+        the new gradient to, as autograd accumulates into the unwrapped model's
+        ``.grad``. A no-op while already detached (several forwards, one backward)."""
+        if self._detached:
+            return
+        flat = self.flat
+        if flat.grad is not self._exposed_from:
+            self.pull_grads(used=None)
+        self._before = flat.grad
+        flat.grad = None
+        self._detached = True
+
+    def combine_grads(self, used: Sequence[bool]) -> None:
+        """A synchronising backward ended: the sharded gradient becomes the new one plus
+        the view gradients of this moment (a ``None`` one adds nothing), and each view
+        gets its piece (one neither used nor holding a gradient keeps ``None``)."""
+        if not self._detached:
+            self.pull_grads(used=used)
+            return
+        before, self._before = self._before, None
+        self._detached = False
+        flat = self.flat
+        new = flat.grad
+        grads = [view.grad for view in self.views]
+        if before is not None and before is self._exposed_from and all(
+            g is not None for g in grads
+        ) and self._as_exposed(grads):
+            # Nothing touched the old gradient: one addition instead of one per view.
+            if new is None:
+                flat.grad = before
+            else:
+                new.add_(before)
+        else:
+            for piece, grad in zip(self.pieces, grads, strict=True):
+                if grad is None or piece.numel == 0:
+                    continue
+                if new is None:
+                    new = torch.zeros(
+                        self.layout.shard_numel, dtype=flat.dtype, device=flat.device
+                    )
+                    flat.grad = new
+                start, end = piece.shard_interval
+                new[start:end].add_(grad.reshape(-1))
+        self.pull_grads(used=used)
+
+    def reattach_grads(self) -> None:
+        """The forward that detached the gradients had no backward (run without
+        autograd): the old sharded gradient is the flat parameter's again."""
+        if not self._detached:
+            return
+        self._detached = False
+        before, self._before = self._before, None
+        if self.flat.grad is None:
+            self.flat.grad = before
+            self._exposed_from = before
 
 
 class WrapperViews:
@@ -249,3 +409,16 @@ class WrapperViews:
 
     def pull_grads(self, used: Sequence[bool] | None) -> None:
         pass
+
+    # torch keeps the gradients and writes parameters back itself (use_orig_params).
+    def detach_grads(self) -> None:
+        pass
+
+    def combine_grads(self, used: Sequence[bool]) -> None:
+        pass
+
+    def reattach_grads(self) -> None:
+        pass
+
+    def write_back(self, names: Sequence[str]) -> list[tuple[int, nn.Parameter]]:
+        return []

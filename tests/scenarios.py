@@ -271,6 +271,14 @@ class Scenario:
     accumulate: int = 1
     """Micro-batches per optimizer step; all but the last run under ``no_sync()``."""
     set_to_none: bool = True
+    zero_grad_at: str = "after_step"
+    """Where the optimizers zero their gradients: ``"after_step"`` (right after each
+    optimizer step), ``"before_forward"`` (before each step's first forward) or
+    ``"between"`` (between the first forward of each step and its backward)."""
+    unwrap_after: int | None = None
+    """After this optimizer step (counting from 0), ``fv.unwrap()``; training goes on as
+    plain FSDP with one fresh optimizer over ``model.parameters()`` (the reference: a
+    fresh one over the plain net's), and later micro-batches must skip nothing."""
     batch_per_rank: int = 3
     seed: int = 0
     backend: str = "fairscale"
@@ -339,6 +347,10 @@ def optimizer_steps(scenario: Scenario) -> list[range]:
     return [range(i, i + k) for i in range(0, n, k)]
 
 
+ZERO_GRAD_PLACES = ("after_step", "before_forward", "between")
+"""Where :attr:`Scenario.zero_grad_at` may zero gradients."""
+
+
 @st.composite
 def scenarios(
     draw: st.DrawFn,
@@ -384,6 +396,21 @@ def scenarios(
         # Computed on views (not with use_orig_params), reduced as for DDP: buckets
         # started during the backward.
         options["overlap"] = True
+    zero_grad_at = draw(st.sampled_from(ZERO_GRAD_PLACES))
+    unwrap_after = None
+    # Plain FSDP cannot skip or freeze parts of a flat parameter: unwrapping is drawn
+    # only where it would train the same afterwards.
+    # With use_orig_params, torch zeroes (in a no_sync() window, until a synchronising
+    # backward) what accumulates for a parameter whose .grad is None while others of its
+    # flat parameter have one: after a step that skipped it, plain torch training does
+    # that too (docs/limitations.md).
+    orig_window = bool(options.get("use_orig_params")) and accumulate > 1
+    if not frozen and not orig_window and draw(st.integers(0, 3)) == 0:
+        steps = micro // accumulate
+        unwrap_after = draw(st.integers(0, steps - 2))
+        skips = skips[: (unwrap_after + 1) * accumulate] + ((),) * (
+            micro - (unwrap_after + 1) * accumulate
+        )
     return config.scenario(
         world_size=draw(st.sampled_from(world_sizes)),
         in_dim=draw(st.integers(1, 5)),
@@ -398,6 +425,8 @@ def scenarios(
         skips=skips,
         accumulate=accumulate,
         set_to_none=set_to_none,
+        zero_grad_at=zero_grad_at,
+        unwrap_after=unwrap_after,
         batch_per_rank=draw(st.integers(1, 3)),
         seed=draw(st.integers(0, 2**16)),
         evaluate=evaluate,
@@ -487,12 +516,32 @@ def reference_model(scenario: Scenario) -> tuple[Net, list[torch.optim.Optimizer
     return net, optimizers(net)
 
 
-def reference_backward(scenario: Scenario, net: Net, micros: Iterable[int]) -> None:
+def reference_backward(
+    scenario: Scenario,
+    net: Net,
+    micros: Iterable[int],
+    before_backward: Callable[[], None] | None = None,
+) -> None:
     """The backward passes of micro-batches ``micros`` in one process, on the whole batch;
-    skipped parts do not run."""
-    for micro in micros:
+    skipped parts do not run. ``before_backward`` runs between the first forward and its
+    backward."""
+    for number, micro in enumerate(micros):
         x, y = batch(scenario, micro)
-        loss_of(net(x, skip_names(scenario, micro)), y).backward()
+        loss = loss_of(net(x, skip_names(scenario, micro)), y)
+        if number == 0 and before_backward is not None:
+            before_backward()
+        loss.backward()
+
+
+def zero_grads(scenario: Scenario, opts: Sequence[torch.optim.Optimizer]) -> None:
+    for opt in opts:
+        opt.zero_grad(set_to_none=scenario.set_to_none)
+
+
+def plain_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer a plain FSDP user trains with after :attr:`Scenario.unwrap_after`
+    (elementwise, so flat and original parameters step alike)."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def reference_training(
@@ -503,13 +552,22 @@ def reference_training(
 ) -> Iterator[None]:
     """The training loop of :func:`run_reference` on ``net``, for ``steps`` (by default
     every optimizer step of the scenario). Pauses (yields) once per optimizer step: after
-    its backward passes, before ``opts`` step (each then zeroes its gradients)."""
-    for micros in optimizer_steps(scenario) if steps is None else steps:
-        reference_backward(scenario, net, micros)
+    its backward passes, before ``opts`` step (zeroing their gradients where the
+    scenario says)."""
+    opts = list(opts)
+    at = scenario.zero_grad_at
+    for number, micros in enumerate(optimizer_steps(scenario) if steps is None else steps):
+        if at == "before_forward":
+            zero_grads(scenario, opts)
+        between = (lambda: zero_grads(scenario, opts)) if at == "between" else None
+        reference_backward(scenario, net, micros, between)
         yield
         for opt in opts:
             opt.step()
-            opt.zero_grad(set_to_none=scenario.set_to_none)
+        if at == "after_step":
+            zero_grads(scenario, opts)
+        if number == scenario.unwrap_after:
+            opts = [plain_optimizer(net.parameters())]
 
 
 def run_reference(scenario: Scenario) -> Outcome:
@@ -518,6 +576,8 @@ def run_reference(scenario: Scenario) -> Outcome:
     none_grads = []
     for _ in reference_training(scenario, net, opts):
         none_grads.append(_none_grads(net.named_parameters()))
+    if scenario.unwrap_after is not None:
+        none_grads = none_grads[: scenario.unwrap_after + 1]
     params = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
     return Outcome([n for n, _ in net.named_parameters()], none_grads, params)
 
@@ -628,17 +688,32 @@ def distributed_model(
     return model, fv, optimizers(_original_tree(model))
 
 
-def synced_backward(scenario: Scenario, model: nn.Module, fv: FlatView, micros: range) -> None:
+def synced_backward(
+    scenario: Scenario,
+    model: nn.Module,
+    fv: FlatView | None,
+    micros: range,
+    before_backward: Callable[[], None] | None = None,
+) -> None:
     """The backward passes of micro-batches ``micros`` (one optimizer step's) on this
     rank's chunks: all but the last under ``no_sync()``, each inside
-    ``fv.step(skip=...)`` unless the scenario does not declare its skips."""
+    ``fv.step(skip=...)`` unless the scenario does not declare its skips (or ``fv`` is
+    None: plain FSDP, after unwrap). ``before_backward`` runs between the first forward
+    and its backward."""
     for micro in micros:
         xs, ys = local_batch(scenario, micro)
         skip = skip_names(scenario, micro)
         sync = contextlib.nullcontext() if micro == micros[-1] else model.no_sync()
-        declared = fv.step(skip=list(skip)) if scenario.declare else contextlib.nullcontext()
+        declared = (
+            fv.step(skip=list(skip))
+            if scenario.declare and fv is not None
+            else contextlib.nullcontext()
+        )
         with sync, declared:
-            loss_of(model(xs, skip), ys).backward()
+            loss = loss_of(model(xs, skip), ys)
+            if micro == micros[0] and before_backward is not None:
+                before_backward()
+            loss.backward()
 
 
 def distributed_training(
@@ -652,20 +727,31 @@ def distributed_training(
     optimizer step of the scenario). Pauses twice per optimizer step: after its
     backward passes, before ``opts`` step (yields False), and right after they stepped
     (yields True), before the evaluate passes and ``zero_grad``."""
-    for micros in optimizer_steps(scenario) if steps is None else steps:
-        synced_backward(scenario, model, fv, micros)
+    opts = list(opts)
+    at = scenario.zero_grad_at
+    wrapped: FlatView | None = fv
+    for number, micros in enumerate(optimizer_steps(scenario) if steps is None else steps):
+        if at == "before_forward":
+            zero_grads(scenario, opts)
+        between = (lambda: zero_grads(scenario, opts)) if at == "between" else None
+        synced_backward(scenario, model, wrapped, micros, between)
         yield False
         for opt in opts:
             opt.step()
         yield True
         if scenario.evaluate:
             model(local_batch(scenario, 10_000 + micros[-1])[0])
-        for opt in opts:
-            opt.zero_grad(set_to_none=scenario.set_to_none)
+        if at == "after_step":
+            zero_grads(scenario, opts)
         if scenario.evaluate:
             skip = skip_names(scenario, micros[-1])
-            with torch.no_grad(), fv.step(skip=list(skip)):
+            step = wrapped.step(skip=list(skip)) if wrapped else contextlib.nullcontext()
+            with torch.no_grad(), step:
                 model(local_batch(scenario, 20_000 + micros[-1])[0], skip)
+        if number == scenario.unwrap_after:
+            fv.unwrap()
+            wrapped = None
+            opts = [plain_optimizer(model.parameters())]
 
 
 def run_distributed(scenario: Scenario) -> Outcome:
@@ -680,11 +766,13 @@ def run_distributed(scenario: Scenario) -> Outcome:
             return {id(p) for p in tree.parameters()}
 
         for stepped in distributed_training(scenario, model, fv, opts):
+            if fv.phase.name == "DETACHED":
+                continue
             if stepped:
                 on_modules.append(held() == {id(p) for p in fv.parameters()})
             else:
                 none_grads.append(_none_grads(fv.named_parameters()))
-        if not _wrapper_views(scenario):
+        if not _wrapper_views(scenario) and scenario.unwrap_after is None:
             # Also after the evaluation passes. torch's own per-parameter views are not
             # checked here: after a forward without backward, SHARD_GRAD_OP leaves its
             # unsharded parameters on the modules until the next pass.

@@ -348,6 +348,9 @@ class TorchFSDPAdapter(AdapterBase):
         # _restore_none_grads).
         self._accumulating = False
         self._none_before: set[int] = set()
+        # Taken again at the window's first backward: a zero_grad between the forward
+        # and its backward decides which parameters had no gradient.
+        self._none_at_backward = False
         self._masked: list[tuple[Any, int]] = []
         # Flat parameters whose gradient hook waits for an in-place reduction in flight.
         self._in_place_guarded: set[int] = set()
@@ -472,6 +475,11 @@ class TorchFSDPAdapter(AdapterBase):
             handle = unit._handle
             if handle is not None:
                 self._summon.patch(handle, self._patch)
+                if handle._use_orig_params:
+                    prepare = handle.prepare_gradient_for_backward
+                    self._patch(
+                        handle, "prepare_gradient_for_backward", self._noting_none(prepare)
+                    )
         self._hook(self.root.register_forward_hook(self._post_forward))
         order = self.root._exec_order_data
         self._patch(order, "next_iter", self._finishing(order.next_iter))
@@ -491,9 +499,8 @@ class TorchFSDPAdapter(AdapterBase):
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
         outermost = module is self.root
         if outermost and not self._accumulating:
-            self._none_before = {
-                id(p) for flat in self._wrapper_flats() for p in flat._params if p.grad is None
-            }
+            self._note_none_grads()
+            self._none_at_backward = True
             # torch re-derives the mask from the gradients it finds (and resets it only
             # after a synchronising backward): a stale entry would make it drop what
             # no_sync() accumulates for that parameter.
@@ -502,6 +509,23 @@ class TorchFSDPAdapter(AdapterBase):
             self._masked.clear()
         self.core.begin_compute(outermost=outermost)
         self.core.check_unit_forward(unit_index)
+
+    def _note_none_grads(self) -> None:
+        self._none_before = {
+            id(p) for flat in self._wrapper_flats() for p in flat._params if p.grad is None
+        }
+
+    def _noting_none(self, original: Callable[[], None]) -> Callable[[], None]:
+        """torch's pre-backward preparation of a flat gradient, after noting (at the first
+        of a window's backward) which original parameters have no gradient then."""
+
+        def prepare_gradient_for_backward() -> None:
+            if self._none_at_backward:
+                self._none_at_backward = False
+                self._note_none_grads()
+            original()
+
+        return prepare_gradient_for_backward
 
     def _guard_skipped(self, unit_index: int, module: nn.Module, args: Any) -> None:
         """Hook the compute tensors torch just set for skipped parameters, so that a

@@ -171,6 +171,9 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         super().uninstall()
         self._summon.close()
         for views in self._view_sets:
+            # Plain FSDP goes on from the flat parameters: they take the views' values
+            # and gradients.
+            views.push_grads()
             views.hide()
 
     # ---------------------------------------------------------------- forward
