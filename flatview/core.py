@@ -805,8 +805,12 @@ class FlatView:
         """Detach flatview: the model is plain FSDP again.
 
         Views leave the submodules, flat parameters are registered again, and every hook
-        and patch flatview installed is removed. Optimizers built over views still hold
-        tensors that alias the shards; build new ones over the flat parameters.
+        and patch flatview installed is removed. What was written through the views
+        (values, zeroed or dropped gradients) is carried into the flat parameters first,
+        so the model trains on exactly as if it had never been wrapped. Optimizers built
+        over views hold stale handles: their next step raises
+        :class:`~flatview.errors.StateError`; build new ones over ``model.parameters()``
+        (or wrap again and build them over the new views).
         """
         if self.phase is not Phase.IDLE:
             raise StateError(f"unwrap() needs phase IDLE, the model is {self.phase.name}")

@@ -182,7 +182,9 @@ class ViewSet:
         self._bound_storage = storage
         self._bound_ptrs = [view.data_ptr() for view in self.views]
 
-    def write_back(self, names: Sequence[str]) -> list[tuple[int, nn.Parameter]]:
+    def write_back(
+        self, names: Sequence[str], *, replace: bool = True
+    ) -> list[tuple[int, nn.Parameter]]:
         """Carry what was written through the views into the shard, as torch does with
         ``use_orig_params=True``: new data (``view.data = t``) and new parameters
         registered in a view's place (``module.weight = nn.Parameter(t)``), which then
@@ -192,8 +194,9 @@ class ViewSet:
         Returns ``(segment, parameter)`` for each view replaced by a new parameter.
 
         Raises:
-            FlatViewError: a value of the wrong shape or dtype, naming the parameter;
-                nothing is written then.
+            FlatViewError: a value of the wrong shape or dtype, or (``replace`` False) a
+                new parameter in a view's place, naming the parameter; nothing is
+                written then.
         """
         replaced: list[tuple[int, nn.Parameter]] = []
         writes: list[tuple[int, torch.Tensor]] = []
@@ -210,6 +213,13 @@ class ViewSet:
                 continue
             writes.append((index, self._checked_source(index, source, names[index])))
             if source is not view:
+                if not replace:
+                    raise FlatViewError(
+                        f"parameter {names[index]!r} was replaced by a new nn.Parameter; "
+                        "this backend reduces the gradients of the views it made, so the "
+                        "new one would train apart on each rank. Assign values instead "
+                        "(module.weight.data = t)."
+                    )
                 replaced.append((index, source))
         if not writes:
             return replaced
@@ -354,9 +364,12 @@ class ViewSet:
         flat = self.flat
         new = flat.grad
         grads = [view.grad for view in self.views]
-        if before is not None and before is self._exposed_from and all(
-            g is not None for g in grads
-        ) and self._as_exposed(grads):
+        if (
+            before is not None
+            and before is self._exposed_from
+            and all(g is not None for g in grads)
+            and self._as_exposed(grads)
+        ):
             # Nothing touched the old gradient: one addition instead of one per view.
             if new is None:
                 flat.grad = before
@@ -367,9 +380,7 @@ class ViewSet:
                 if grad is None or piece.numel == 0:
                     continue
                 if new is None:
-                    new = torch.zeros(
-                        self.layout.shard_numel, dtype=flat.dtype, device=flat.device
-                    )
+                    new = torch.zeros(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
                     flat.grad = new
                 start, end = piece.shard_interval
                 new[start:end].add_(grad.reshape(-1))
@@ -420,5 +431,7 @@ class WrapperViews:
     def reattach_grads(self) -> None:
         pass
 
-    def write_back(self, names: Sequence[str]) -> list[tuple[int, nn.Parameter]]:
+    def write_back(
+        self, names: Sequence[str], *, replace: bool = True
+    ) -> list[tuple[int, nn.Parameter]]:
         return []

@@ -76,6 +76,12 @@ def _train(
 # --------------------------------------------------------------- write-back
 
 
+def _replaceable(scenario: Scenario) -> bool:
+    """Whether views may be replaced by new parameters: not where flatview reduces the
+    views' own gradients (DDP-style, torch NO_SHARD computed on views)."""
+    return not scenario.config.on_views
+
+
 def _write_through(
     scenario: Scenario,
     params: dict[str, nn.Parameter],
@@ -85,8 +91,12 @@ def _write_through(
     """The writes a user makes through the original parameters between steps."""
     stem = params["stem.weight"]
     stem.data = _value(tuple(make_net(scenario).stem.weight.shape), 1)
-    head.weight = nn.Parameter(_value(tuple(make_net(scenario).head.weight.shape), 2))
-    opts[1] = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    shape = tuple(make_net(scenario).head.weight.shape)
+    if _replaceable(scenario):
+        head.weight = nn.Parameter(_value(shape, 2))
+        opts[1] = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    else:
+        head.weight.data = _value(shape, 2)
     grad = params["body.1.down.weight"].grad
     assert grad is not None
     grad.data = torch.full_like(grad, 0.25)
@@ -132,6 +142,10 @@ def write_back(scenario: Scenario) -> dict[str, Any] | None:
         x, _ = local_batch(scenario, 0)
         out["bad_shape"] = _message(lambda: model(x))
         out["phase"] = fv.phase.name
+        if not _replaceable(scenario):
+            stem.data = torch.zeros(tuple(make_net(scenario).stem.weight.shape))
+            tree.head.weight = nn.Parameter(torch.zeros_like(tree.head.weight))
+            out["replaced"] = _message(lambda: model(x))
     return out if dist.get_rank() == 0 else None
 
 

@@ -18,6 +18,7 @@ block of an unnested model) and parameters of the root unit (``aux``).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -559,7 +560,7 @@ def reference_training(
     for number, micros in enumerate(optimizer_steps(scenario) if steps is None else steps):
         if at == "before_forward":
             zero_grads(scenario, opts)
-        between = (lambda: zero_grads(scenario, opts)) if at == "between" else None
+        between = functools.partial(zero_grads, scenario, opts) if at == "between" else None
         reference_backward(scenario, net, micros, between)
         yield
         for opt in opts:
@@ -733,7 +734,7 @@ def distributed_training(
     for number, micros in enumerate(optimizer_steps(scenario) if steps is None else steps):
         if at == "before_forward":
             zero_grads(scenario, opts)
-        between = (lambda: zero_grads(scenario, opts)) if at == "between" else None
+        between = functools.partial(zero_grads, scenario, opts) if at == "between" else None
         synced_backward(scenario, model, wrapped, micros, between)
         yield False
         for opt in opts:

@@ -477,9 +477,7 @@ class TorchFSDPAdapter(AdapterBase):
                 self._summon.patch(handle, self._patch)
                 if handle._use_orig_params:
                     prepare = handle.prepare_gradient_for_backward
-                    self._patch(
-                        handle, "prepare_gradient_for_backward", self._noting_none(prepare)
-                    )
+                    self._patch(handle, "prepare_gradient_for_backward", self._noting_none(prepare))
         self._hook(self.root.register_forward_hook(self._post_forward))
         order = self.root._exec_order_data
         self._patch(order, "next_iter", self._finishing(order.next_iter))

@@ -99,6 +99,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         self.world_size = fsdp.world_size
         self.device = fsdp.device
         self._view_sets: list[ViewSet] = []
+        self._view_names: list[list[str]] = []
         self._flats: dict[int, tuple[str, tuple[str, ...]]] = {}
         """Per flat parameter (by id): its unit's name and the original names it holds."""
         self._leaves: dict[int, tuple[nn.Parameter, ...]] = {}
@@ -119,6 +120,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
                         spec.flat, spec.flat_owner, spec.layout, 0, spec.local_shard(), spec.owners
                     )
                     self._view_sets.append(views)
+                    self._view_names.append([names[0] for names in spec.names])
                     leaves = views.views
                 originals = tuple(names[0] for names in spec.names)
                 self._flats[id(spec.flat)] = (unit.name or "<root>", originals)
@@ -170,11 +172,18 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
     def uninstall(self) -> None:
         super().uninstall()
         self._summon.close()
+        self._write_back()
         for views in self._view_sets:
             # Plain FSDP goes on from the flat parameters: they take the views' values
             # and gradients.
             views.push_grads()
             views.hide()
+
+    def _write_back(self) -> None:
+        """Values assigned to views (``view.data = t``) into the flat parameters, which
+        torch's own operations read; a view replaced by a new parameter is refused."""
+        for views, names in zip(self._view_sets, self._view_names, strict=True):
+            views.write_back(names, replace=False)
 
     # ---------------------------------------------------------------- forward
 
@@ -182,6 +191,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         wrapped = self.root._fsdp_wrapped_module
         if in_backward():
             return wrapped(*args, **kwargs)  # a recomputation (checkpointing)
+        self._write_back()
         self._begin_forward(bool(self.root._sync_gradients))
         if self.device.type != "cpu":
             moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
@@ -210,6 +220,11 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         with self.core.lend():
             self._lent_depth += 1
             if self._lent_depth == 1:
+                try:
+                    self._write_back()
+                except BaseException:
+                    self._lent_depth -= 1
+                    raise
                 for views in self._view_sets:
                     views.hide()
             try:
