@@ -357,10 +357,13 @@ def scenarios(
     draw: st.DrawFn,
     world_sizes: Sequence[int] = (2, 3, 4, 1),
     configs: Sequence[BackendConfig] | None = None,
+    unwrap: bool = False,
 ) -> Scenario:
     """Random scenarios on a random backend configuration.
     The first world size is the one hypothesis starts from and shrinks towards: one rank
-    would shard nothing."""
+    would shard nothing. ``unwrap``: also draw :attr:`Scenario.unwrap_after` (for
+    workers that look at nothing but the outcome: after unwrap there is no FlatView to
+    ask)."""
     config = draw(st.sampled_from(configs or available_configs()))
     blocks = draw(st.integers(1, 4))
     width = draw(st.integers(1, 6))
@@ -406,7 +409,7 @@ def scenarios(
     # flat parameter have one: after a step that skipped it, plain torch training does
     # that too (docs/limitations.md).
     orig_window = bool(options.get("use_orig_params")) and accumulate > 1
-    if not frozen and not orig_window and draw(st.integers(0, 3)) == 0:
+    if unwrap and not frozen and not orig_window and draw(st.integers(0, 3)) == 0:
         steps = micro // accumulate
         unwrap_after = draw(st.integers(0, steps - 2))
         skips = skips[: (unwrap_after + 1) * accumulate] + ((),) * (

@@ -3,10 +3,11 @@ backend: fairscale FSDP, torch FSDP1 with FULL_SHARD, SHARD_GRAD_OP and NO_SHARD
 
 Hypothesis varies the backend, model shapes (so parameters straddle shard boundaries
 and padding is exercised), world sizes 1 to 4, nesting, tied parameters, frozen
-parameters, how gradients are zeroed, gradient accumulation, evaluation passes between
-steps and the skip set of every micro-batch (the first included). Optimizers are built
-per submodule from views. The reference runs the same model, data and optimizers in one
-process, without executing skipped parts.
+parameters, how and where gradients are zeroed, gradient accumulation, evaluation passes
+between steps, the skip set of every micro-batch (the first included) and unwrapping
+midway (then training on as plain FSDP). Optimizers are built per submodule from views.
+The reference runs the same model, data and optimizers in one process, without
+executing skipped parts.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ TIMEOUT = 120.0
 def test_matches_single_process_reference(
     dist_pool: PoolFactory, backend: BackendConfig, data: st.DataObject
 ) -> None:
-    scenario = data.draw(scenarios(configs=(backend,)), label="scenario")
+    scenario = data.draw(scenarios(configs=(backend,), unwrap=True), label="scenario")
     # Shown by --hypothesis-show-statistics: how the draws spread over world sizes.
     event(f"{scenario.world_size} rank(s)")
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
