@@ -814,6 +814,13 @@ class FlatView:
         """
         if self.phase is not Phase.IDLE:
             raise StateError(f"unwrap() needs phase IDLE, the model is {self.phase.name}")
+        if self._window is not None:
+            # The flat parameters hold the window's unsharded gradients, the views what
+            # came before it: only the synchronising backward combines the two.
+            raise StateError(
+                "unwrap() inside a no_sync() window: finish the accumulation with a "
+                "synchronising backward first"
+            )
         # The flat parameters carry on alone: the values and gradients the views hold
         # (zeroed, dropped, written) must be theirs.
         self._write_back()
@@ -833,7 +840,7 @@ class FlatView:
         registered = {id(p) for p in self.model.parameters()}
         for param in self._params:
             if id(param.tensor) not in registered:
-                _stale[id(param.tensor)] = (weakref.ref(param.tensor), param.name)
+                _mark_stale(param.tensor, param.name)
         _bump_generation()
 
     # ------------------------------------------------------------------ stats
@@ -1020,6 +1027,15 @@ _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
 # Views of unwrapped models that the model no longer holds: id -> (weak view, name).
 _stale: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
 _generation = 0
+
+
+def _mark_stale(view: nn.Parameter, name: str) -> None:
+    key = id(view)
+
+    def forget(_: object) -> None:
+        _stale.pop(key, None)
+
+    _stale[key] = (weakref.ref(view, forget), name)
 
 
 def _bump_generation() -> None:
