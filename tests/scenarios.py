@@ -409,7 +409,7 @@ def scenarios(
     # flat parameter have one: after a step that skipped it, plain torch training does
     # that too (docs/limitations.md).
     orig_window = bool(options.get("use_orig_params")) and accumulate > 1
-    if unwrap and not frozen and not orig_window and draw(st.integers(0, 3)) == 0:
+    if unwrap and not frozen and not orig_window and draw(st.integers(0, 3)) == 3:
         steps = micro // accumulate
         unwrap_after = draw(st.integers(0, steps - 2))
         skips = skips[: (unwrap_after + 1) * accumulate] + ((),) * (
