@@ -205,6 +205,7 @@ class FlatView:
         self._flats: list[_Flat] = []
         self._flat_of: dict[int, _Flat] = {}
         self._build_tables()
+        self._flat_names = [[self._params[i].name for i in flat.params] for flat in self._flats]
         # Which original parameter a tensor or a name is: asked per call by the norms and
         # optimizer-state operations (LARC asks every step).
         self._index_of_tensor: dict[int, int] = {id(p.tensor): p.index for p in self._params}
@@ -544,8 +545,7 @@ class FlatView:
         """Carry values written through views (``view.data = t``, a new parameter set in
         a view's place) into the shards before the wrapper reads them; a replacing
         parameter becomes the view."""
-        for flat in self._flats:
-            names = [self._params[i].name for i in flat.params]
+        for flat, names in zip(self._flats, self._flat_names, strict=True):
             for segment, param in flat.views.write_back(names):
                 self._replace_view(flat.params[segment], param)
 
