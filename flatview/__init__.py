@@ -17,6 +17,7 @@ from flatview.core import FlatView, Phase
 from flatview.errors import (
     DoubleCountError,
     FlatViewError,
+    FrozenMismatchError,
     NormError,
     OptimStateError,
     SkippedParameterUsedError,
@@ -32,6 +33,7 @@ __all__ = [
     "DoubleCountError",
     "FlatView",
     "FlatViewError",
+    "FrozenMismatchError",
     "NormError",
     "OptimStateError",
     "Phase",

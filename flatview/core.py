@@ -44,6 +44,7 @@ from flatview.comm.ledger import Ledger
 from flatview.comm.reduce import MaskedReducer, Strategy
 from flatview.errors import (
     DoubleCountError,
+    FlatViewError,
     OptimStateError,
     SkippedParameterUsedError,
     StateError,
@@ -120,6 +121,9 @@ class _Iteration:
     step: int
     plain_used: frozenset[int]
     """Plain parameters trained in this iteration (not skipped, not frozen)."""
+    declared: bool = False
+    """Bound inside a ``FlatView.step()`` (step ``step``): its skip set covers this
+    forward. A backward inside a step must belong to a forward bound in that step."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,11 @@ def _plain_guard(
             raise _skipped_used(name)
 
     return refuse
+
+
+def _in_backward() -> bool:
+    """Whether autograd runs a backward on this thread (a forward now recomputes)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 _live: weakref.WeakSet[FlatView] = weakref.WeakSet()
@@ -366,9 +375,12 @@ class FlatView:
         maximum for ``inf``) combines those of all requested parameters.
 
         A collective: every rank must call it with the same arguments, between
-        iterations. Arguments that are not this model's parameters, or an unsupported
-        ``norm_type``, raise before the collective; ranks that pass different
-        ``params`` or ``norm_type`` all raise after it, naming the parameters.
+        iterations. Arguments that are not this model's parameters, an unsupported
+        ``norm_type`` or a call in the wrong phase raise before any norm is taken, on
+        every rank even when only one rank's arguments are bad (that rank still joins
+        the one collective, flagged as failed; the others name it and its message);
+        ranks that pass different ``params`` or ``norm_type`` all raise after it,
+        naming the parameters.
 
         Args:
             params: views or parameters of this model, or their names (as in
@@ -464,36 +476,91 @@ class FlatView:
             skip: modules, views, flat parameters or original names (parameter names or
                 module paths); see :mod:`flatview.skip`. Must be the same on every rank.
             check: verify with one tiny all-gather that every rank passed the same skip
-                set, raising :class:`~flatview.errors.SkipSetMismatchError` on all ranks
-                otherwise; defaults to the ``check_skip_agreement`` given to ``wrap``.
+                set and froze the same parameters (``requires_grad=False``: frozen
+                parameters are not reduced either), raising
+                :class:`~flatview.errors.SkipSetMismatchError` (or its subclass
+                :class:`~flatview.errors.FrozenMismatchError`) on all ranks otherwise;
+                defaults to the ``check_skip_agreement`` given to ``wrap``.
+
+        Errors one rank finds on its own (a skip set that does not resolve there, a step
+        entered in the wrong phase) travel in the same all-gather: every rank raises,
+        the failing one its own error, the others an error of the same class naming the
+        failing rank and its message. With the check off nothing is exchanged: the
+        failing rank raises alone and the others wait for it in their next collective
+        (a hang, or the wrapper's timeout).
+
+        A backward that runs inside a step must be that of a forward that ran inside the
+        same step: the skip set binds to the forward (a backward inside
+        ``step(skip=...)`` whose forward ran before it raises
+        :class:`~flatview.errors.StateError` before its gradients are communicated).
+        If the body raises after the forward (an error of flatview's in the backward,
+        say), the iteration is abandoned: the next forward starts afresh.
         """
-        if self._step_skip is not None:
-            raise StateError("FlatView.step() contexts cannot be nested")
-        if self.phase is Phase.DETACHED:
-            raise StateError("FlatView.step() after unwrap()")
-        if self.phase is Phase.LENT:
-            raise StateError("FlatView.step() entered inside a wrapper operation")
-        skipped = self._resolver.resolve(skip)
-        self.ledger.reset()
-        if self.check_skip_agreement if check is None else check:
+        checked = self.check_skip_agreement if check is None else check
+        failure: FlatViewError | None = None
+        skipped: frozenset[int] = frozenset()
+        try:
+            if self._step_skip is not None:
+                raise StateError("FlatView.step() contexts cannot be nested")
+            if self.phase is Phase.DETACHED:
+                raise StateError("FlatView.step() after unwrap()")
+            if self.phase is Phase.LENT:
+                raise StateError("FlatView.step() entered inside a wrapper operation")
+            skipped = self._resolver.resolve(skip)
+        except FlatViewError as err:
+            if not checked:
+                raise
+            failure = err
+        if failure is None:
+            self.ledger.reset()
+        if checked:
+            params = self._params
+            frozen = frozenset(p.index for p in params if not p.tensor.requires_grad)
             agreement = Agreement(
-                fingerprint(skipped),
-                lambda: [self._params[i].name for i in sorted(skipped)],
+                fingerprint(skipped, frozen),
+                lambda: [params[i].name for i in sorted(skipped)],
                 self.adapter.group,
                 self.adapter.device,
                 self.ledger,
+                frozen=lambda: [params[i].name for i in sorted(frozen)],
+                failure=failure,
             )
-            if self.adapter.overlaps_agreement:
-                self._agreement = agreement
-            else:
+            if failure is not None or not self.adapter.overlaps_agreement:
                 agreement.settle()
+            else:
+                self._agreement = agreement
         self._step_count += 1
         self._step_skip = skipped
         try:
             yield self
+        except BaseException:
+            self._abandon_iteration()
+            raise
         finally:
             self._step_skip = None
             self.settle_agreement()
+
+    def _abandon_iteration(self) -> None:
+        """The body of a step raised: whatever its forward started (guards on the
+        compute tensors, the phase) is dropped, so that the next forward starts afresh."""
+        if self.phase is Phase.COMPUTING and not _in_backward():
+            self._end_compute()
+
+    def check_backward_binding(self) -> None:
+        """Refuse the backward of a forward that ran outside the step in flight: the
+        step's skip set would not apply to it (adapters call this before the backward
+        communicates)."""
+        if self._step_skip is None or self.phase is not Phase.COMPUTING:
+            return
+        iteration = self._iteration
+        if iteration is not None and iteration.declared and iteration.step == self._step_count:
+            return
+        raise StateError(
+            "a backward ran inside FlatView.step(skip=...) but its forward ran outside that "
+            "step: the skip set binds to the forward it covers and would be ignored. Run the "
+            "forward inside the same step as its backward (with fv.step(skip=...): "
+            "loss = model(x); loss.backward())"
+        )
 
     def settle_agreement(self) -> None:
         """Wait for the skip-set check of the step in flight if it still runs (adapters
@@ -528,8 +595,18 @@ class FlatView:
             self.phase = Phase.COMPUTING
             self._bind_iteration()
         elif outermost:
+            fresh = not _in_backward()
+            if fresh:
+                # The last iteration never ended (a forward without backward, or a backward
+                # that raised): its guards belong to compute tensors no backward will use.
+                self._remove_guards()
             self._detach_grads()
-            if self._iteration is None or self._iteration.step != self._step_count:
+            iteration = self._iteration
+            if (
+                iteration is None
+                or iteration.step != self._step_count
+                or (fresh and iteration.declared != (self._step_skip is not None))
+            ):
                 self._bind_iteration()
 
     def _detach_grads(self) -> None:
@@ -587,7 +664,13 @@ class FlatView:
             i for i in self._plain if i not in skipped and params[i].tensor.requires_grad
         )
         self._iteration = _Iteration(
-            skipped, used, read, skipped_units, self._step_count, plain_used
+            skipped,
+            used,
+            read,
+            skipped_units,
+            self._step_count,
+            plain_used,
+            declared=self._step_skip is not None,
         )
 
     def check_unit_forward(self, unit: int) -> None:
@@ -700,6 +783,7 @@ class FlatView:
         record = self._flat_of.get(id(flat))
         if record is None:
             return None
+        self.check_backward_binding()
         return record.plan(self._used_so_far(record.index))
 
     def gather_plan(self, flat: nn.Parameter) -> MaskPlan | None:
@@ -744,6 +828,7 @@ class FlatView:
         """A backward pass finished; ``synced`` is False under ``no_sync()``."""
         if self.phase is not Phase.COMPUTING:
             raise StateError(f"backward ended in phase {self.phase.name}, expected COMPUTING")
+        self.check_backward_binding()
         used = [self._used_so_far(flat.index) for flat in self._flats]
         if synced:
             for flat, flags in zip(self._flats, used, strict=True):
@@ -771,11 +856,14 @@ class FlatView:
             self._end_compute()
 
     def _end_compute(self) -> None:
+        self._remove_guards()
+        self._show_views()
+        self.phase = Phase.IDLE
+
+    def _remove_guards(self) -> None:
         for handle in self._guards:
             handle.remove()
         self._guards.clear()
-        self._show_views()
-        self.phase = Phase.IDLE
 
     def _show_views(self) -> None:
         for flat in self._flats:

@@ -19,6 +19,11 @@ class SkipSetMismatchError(FlatViewError):
     """Ranks passed different skip sets for the same step."""
 
 
+class FrozenMismatchError(SkipSetMismatchError):
+    """Ranks froze different parameters (``requires_grad=False``) for the same step: which
+    gradients are reduced depends on it, as on the skip set."""
+
+
 class SkippedParameterUsedError(FlatViewError):
     """A parameter declared skipped for a step received a gradient in that step."""
 

@@ -24,10 +24,14 @@ Agreement
 ---------
 Every call is a collective. Errors that the arguments alone decide (a name or tensor
 that is not an original parameter of the model, an unsupported norm type, a call while
-the model computes) are raised before the collective, on every rank alike. The
-collective itself checks that all ranks asked for the same parameters and the same
-norm: a disagreement raises :class:`NormError` on every rank, naming the parameters,
-instead of hanging or returning norms of different things.
+the model computes) are found before any norm is taken; the rank that finds one still
+joins the call's one collective, flagged as failed, so that a bad argument on one rank
+only raises on every rank instead of hanging the others: that rank raises its own
+error, the others a :class:`NormError` naming it and its message (gathered with
+``all_gather_object``, only then). The collective itself checks that all ranks asked
+for the same parameters and the same norm: a disagreement raises :class:`NormError` on
+every rank, naming the parameters, instead of hanging or returning norms of different
+things.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flatview.comm.norms import COLUMNS, NormExchange, request_code
-from flatview.errors import NormError, StateError
+from flatview.errors import FlatViewError, NormError, StateError
 from flatview.layout import Placement
 
 if TYPE_CHECKING:
@@ -248,6 +253,7 @@ def whole_norms(
     share = torch.where(sharded, share, torch.zeros_like(share))
     reduced = exchange.all_reduce(share, fv.adapter.group, device, fv.ledger).reshape(-1)
 
+    _raise_failures(fv, exchange, None)
     _raise_on_disagreement(exchange, table, columns, p)
     whole = reduced if maximum else reduced.pow(1.0 / p)
     norms = torch.where(sharded, whole, local).to(dtype).unbind()
@@ -259,6 +265,41 @@ def whole_norms(
         [norms[i * COLUMNS + c] if have[i][c] else None for c in range(len(columns))]
         for i in indices
     ]
+
+
+def refuse_everywhere(fv: FlatView, error: FlatViewError) -> NoReturn:
+    """This rank refused its own arguments: join the call's collective flagged as
+    failed (the other ranks may be in it already), then raise ``error``."""
+    exchange = NormExchange(len(fv._params), 0, maximum=False)
+    exchange.failed = True
+    device = fv.adapter.device
+    values = torch.zeros(len(fv._params) * COLUMNS, dtype=torch.float64, device=device)
+    exchange.all_reduce(values, fv.adapter.group, device, fv.ledger)
+    _raise_failures(fv, exchange, error)
+    raise error
+
+
+def _raise_failures(fv: FlatView, exchange: NormExchange, error: FlatViewError | None) -> None:
+    """Raise on every rank if some rank refused its arguments: ``error`` where it is
+    this rank's, else a :class:`NormError` naming the ranks that refused and why."""
+    if not exchange.some_failed:
+        return
+    reports: list[tuple[str, str] | None] = []
+    if exchange.some_ok:
+        # Some ranks do not know what went wrong: tell them (the only case that pays).
+        group = fv.adapter.group
+        reports = [None] * dist.get_world_size(group)
+        mine = None if error is None else (type(error).__name__, str(error))
+        dist.all_gather_object(reports, mine, group=group)
+    if error is not None:
+        raise error
+    told = "; ".join(
+        f"rank {r}: {report[0]}: {report[1]}" for r, report in enumerate(reports) if report
+    )
+    raise NormError(
+        "another rank refused its arguments to this norm call, so every rank raises "
+        f"(none would wait for it): {told}"
+    )
 
 
 def _raise_on_disagreement(
@@ -311,9 +352,12 @@ def grad_column(view: nn.Parameter) -> torch.Tensor | None:
 
 def param_norms(fv: FlatView, params: ParamSelection, norm_type: object) -> dict[str, torch.Tensor]:
     """See :meth:`flatview.FlatView.param_norms`."""
-    p = check_norm_type(norm_type)
-    indices = select(fv, params)
-    check_phase(fv, "param_norms", grads=False)
+    try:
+        p = check_norm_type(norm_type)
+        indices = select(fv, params)
+        check_phase(fv, "param_norms", grads=False)
+    except (NormError, StateError) as err:
+        refuse_everywhere(fv, err)
     rows = whole_norms(fv, indices, [("param", param_column)], p)
     out = {}
     for index, (norm,) in zip(indices, rows, strict=True):
@@ -326,9 +370,12 @@ def grad_norms(
     fv: FlatView, params: ParamSelection, norm_type: object
 ) -> dict[str, torch.Tensor | None]:
     """See :meth:`flatview.FlatView.grad_norms`."""
-    p = check_norm_type(norm_type)
-    indices = select(fv, params)
-    check_phase(fv, "grad_norms", grads=True)
+    try:
+        p = check_norm_type(norm_type)
+        indices = select(fv, params)
+        check_phase(fv, "grad_norms", grads=True)
+    except (NormError, StateError) as err:
+        refuse_everywhere(fv, err)
     rows = whole_norms(fv, indices, [("grad", grad_column)], p)
     return {fv._params[i].name: norm for i, (norm,) in zip(indices, rows, strict=True)}
 
@@ -339,7 +386,19 @@ def tensor_norms(
     norm_type: object,
 ) -> dict[str, torch.Tensor | None]:
     """See :meth:`flatview.FlatView.tensor_norms`."""
-    p = check_norm_type(norm_type)
+    try:
+        p = check_norm_type(norm_type)
+        given = _given_tensors(fv, tensors)
+        check_phase(fv, "tensor_norms", grads=False)
+    except (NormError, StateError) as err:
+        refuse_everywhere(fv, err)
+    indices = [i for i in fv._order if i in given]
+    by_view = {id(fv._params[i].tensor): given[i] for i in indices}
+    rows = whole_norms(fv, indices, [("tensor", lambda view: by_view[id(view)])], p)
+    return {fv._params[i].name: norm for i, (norm,) in zip(indices, rows, strict=True)}
+
+
+def _given_tensors(fv: FlatView, tensors: TensorsByParam) -> dict[int, torch.Tensor | None]:
     if not isinstance(tensors, Mapping):
         raise NormError(
             "tensors must map parameters (or names) to tensors laid out like their views, "
@@ -353,8 +412,4 @@ def tensor_norms(
                 f"{type(value).__name__}"
             )
         given[index] = value
-    indices = [i for i in fv._order if i in given]
-    check_phase(fv, "tensor_norms", grads=False)
-    by_view = {id(fv._params[i].tensor): given[i] for i in indices}
-    rows = whole_norms(fv, indices, [("tensor", lambda view: by_view[id(view)])], p)
-    return {fv._params[i].name: norm for i, (norm,) in zip(indices, rows, strict=True)}
+    return given

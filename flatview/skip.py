@@ -55,7 +55,16 @@ class SkipResolver:
         if skip is None:
             return frozenset()
         items: Iterable[SkipItem]
-        items = (skip,) if isinstance(skip, (nn.Module, torch.Tensor, str)) else skip
+        if isinstance(skip, (nn.Module, torch.Tensor, str)):
+            items = (skip,)
+        elif isinstance(skip, Iterable) and not isinstance(skip, (bytes, bytearray)):
+            items = skip
+        else:
+            # bytes iterate as ints: never what was meant.
+            raise SkipSetError(
+                "a skip set must be None, a module, a parameter, a name, or an iterable "
+                f"(list, tuple, set) of those; got {type(skip).__name__}: {_value(skip)}"
+            )
         resolved: set[int] = set()
         for item in items:
             resolved |= self._resolve_item(item)
@@ -82,7 +91,7 @@ class SkipResolver:
             return self._resolve_name(item)
         raise SkipSetError(
             f"skip set items must be modules, parameters or names, got {type(item).__name__}: "
-            f"{item!r}"
+            f"{_value(item)}"
         )
 
     def _resolve_name(self, name: str) -> frozenset[int]:
@@ -114,4 +123,9 @@ class SkipResolver:
 
 def _short(module: nn.Module) -> str:
     text = repr(module).splitlines()[0]
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _value(value: object) -> str:
+    text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -114,7 +114,10 @@ class AdapterBase:
         return lent
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Registered on the root: a forward without autograd has no backward to wait for."""
+        """Registered on the root: a forward without autograd has no backward to wait for.
+        A skip-set check that ran alongside the forward settles here, so that a rank's
+        error raises from the forward, before the wrapper's backward begins."""
+        self.core.settle_agreement()
         if not torch.is_grad_enabled():
             self.core.end_forward_only()
 

@@ -15,7 +15,10 @@ How DDP is driven (public behaviour, checked against torch 2.13):
   around every forward (a forward pre-hook; the forward hook puts the value back), so
   DDP's reducer never expects a gradient and never communicates. The value the user
   left there (``no_sync()`` or not) decides whether flatview reduces after that
-  forward's backward, as it would have decided for DDP.
+  forward's backward, as it would have decided for DDP. It is put back on every exit
+  of the forward, ``BaseException`` (``KeyboardInterrupt``) included: the clearing
+  happens inside an instance-level ``forward`` that restores it in a ``finally``
+  (forward hooks do not run for a ``BaseException``).
 * DDP broadcasts buffers (``broadcast_buffers``) before a forward only if the forward
   before was a synchronising one (``require_forward_param_sync``, set in
   ``_post_forward``); the forward hook sets it as DDP would have.
@@ -163,8 +166,9 @@ class DDPAdapter(ReplicatedAdapter):
     def install(self, core: FlatView) -> None:
         self._core = core
         self._hook(self.root.register_forward_pre_hook(self._pre_forward))
-        # always_call: a forward that raises must still give DDP its flag back.
+        # always_call: a forward that raises an Exception ends its iteration here.
         self._hook(self.root.register_forward_hook(self._after_forward, always_call=True))
+        self._patch(self.root, "forward", self._quiet_forward(self.root.forward))
         self._install_reduction()
 
     # -------------------------------------------------------------- lifecycle
@@ -174,13 +178,28 @@ class DDPAdapter(ReplicatedAdapter):
         if not in_backward():
             # Not a recomputation (checkpointing around the whole model): a new iteration.
             self._begin_forward(bool(ddp.require_backward_grad_sync))
-        # DDP's reducer stays idle, in recomputations too: flatview reduces after the
-        # backward.
-        ddp.require_backward_grad_sync = False
+            if ddp.will_sync_module_buffers():
+                # DDP broadcasts buffers in this forward: a rank that failed in step()
+                # must have been heard before that collective.
+                self.core.settle_agreement()
+
+    def _quiet_forward(self, original: Any) -> Any:
+        ddp: Any = self.root
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            # DDP's reducer stays idle, in recomputations too: flatview reduces after the
+            # backward. The user's value comes back however the forward ends.
+            saved = ddp.require_backward_grad_sync
+            ddp.require_backward_grad_sync = False
+            try:
+                return original(*args, **kwargs)
+            finally:
+                ddp.require_backward_grad_sync = saved
+
+        return forward
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         ddp: Any = self.root
-        ddp.require_backward_grad_sync = self._synced
         if in_backward():
             return  # a recomputation: its outputs feed the backward in flight
         if self._end_forward(output):

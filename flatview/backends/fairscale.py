@@ -116,6 +116,15 @@ class FairscaleAdapter(AdapterBase):
                     f"FSDP unit {name or '<root>'!r} uses its own process group; flatview "
                     "needs all units on the root's group"
                 )
+        if getattr(root, "_output_pre_backward_hook_registered", None):
+            # fairscale hooked the outputs of a forward for its backward, which would then
+            # run without flatview and without the views learning its gradients.
+            raise WrapError(
+                "flatview.wrap was called between a forward and its backward (the root "
+                "waits for the backward of a forward that ran with autograd on); wrap the "
+                "model between iterations: after the backward, or before the forward (run "
+                "evaluation passes under torch.no_grad())"
+            )
         self.group: dist.ProcessGroup | None = root.process_group
         self.rank: int = root.rank
         self.world_size: int = root.world_size
@@ -298,28 +307,35 @@ class FairscaleAdapter(AdapterBase):
 
     def _finishing(self, original: Callable[[], None]) -> Callable[[], None]:
         def wait_for_post_backward() -> None:
-            self._settle_units_without_backward()
+            self.core.check_backward_binding()
+            undeclared = self._settle_units_without_backward()
+            # Raised only once fairscale has finished the backward (reductions flushed,
+            # gradients finalised, states reset), so that the next iteration is sound.
             original()
             self.core.end_backward(synced=bool(self.root._require_backward_grad_sync))
+            if undeclared:
+                raise UndeclaredUnusedError(
+                    f"FSDP unit(s) {', '.join(repr(n) for n in undeclared)} took no part in "
+                    "this backward pass, but their parameters are not all declared skipped. "
+                    "Pass the layers a step does not use to FlatView.step(skip=...)."
+                )
 
         return wait_for_post_backward
 
     @torch.no_grad()
-    def _settle_units_without_backward(self) -> None:
+    def _settle_units_without_backward(self) -> list[str]:
         """Bring units that took no part in this backward to the state fairscale's
-        final callback expects, or refuse if they were not declared skipped."""
+        final callback expects; return the names of those not declared skipped (the
+        caller raises once fairscale has finished, settling them like skipped ones)."""
         synced = bool(self.root._require_backward_grad_sync)
+        undeclared: list[str] = []
         for index, (name, unit) in enumerate(self.units):
             trainable = [p for p in unit.params if p.requires_grad]
             self._reshard_unreached(unit, trainable, synced)
             if not trainable or unit.training_state is self._post:
                 continue
             if not self.core.unit_skipped(index):
-                raise UndeclaredUnusedError(
-                    f"FSDP unit {name or '<root>'!r} took no part in this backward pass, but "
-                    "its parameters are not all declared skipped. Pass the layers a step "
-                    "does not use to FlatView.step(skip=...)."
-                )
+                undeclared.append(name or "<root>")
             for p in unit.params:
                 unit._init_param_attributes(p)
             # Gradients accumulated under no_sync() in earlier micro-batches still need
@@ -338,6 +354,7 @@ class FairscaleAdapter(AdapterBase):
                 for p in pending:
                     unit._post_backward_hook(p)
             unit.training_state = self._post
+        return undeclared
 
     @staticmethod
     def _reshard_unreached(unit: Any, params: list[Any], synced: bool) -> None:

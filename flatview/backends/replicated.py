@@ -201,10 +201,15 @@ class ReplicatedAdapter(AdapterBase):
         core.guard_skipped_plain()
         self._synced = synced
         if self._observed is not None and self._synced and torch.is_grad_enabled():
+            # A collective: a rank that failed in step() must have been heard first.
+            core.settle_agreement()
             self._learn_order(self._observed)
 
     def _end_forward(self, output: Any) -> bool:
         """The root's forward returned ``output``: whether a backward is to follow."""
+        # The skip-set check ran alongside the forward: its errors raise here, from the
+        # forward, not from the middle of the backward.
+        self.core.settle_agreement()
         if output is None or not torch.is_grad_enabled():
             self.core.end_forward_only()
             return False
@@ -217,6 +222,7 @@ class ReplicatedAdapter(AdapterBase):
     def _backward_starts(self, grad: torch.Tensor) -> None:
         if self._core is None or self._callback_queued:
             return
+        self._core.check_backward_binding()
         self._callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._synced and self.overlap:

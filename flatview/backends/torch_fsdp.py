@@ -272,6 +272,8 @@ class TorchFSDPAdapter(AdapterBase):
         assert fsdp is not None
         self._runtime: Any = runtime
         self._forward_backward = TrainingState.FORWARD_BACKWARD
+        self._idle = TrainingState.IDLE
+        self._handle_idle = HandleTrainingState.IDLE
         self._backward_pre = HandleTrainingState.BACKWARD_PRE
         self._backward_post = HandleTrainingState.BACKWARD_POST
         self._summoning_state = HandleTrainingState.SUMMON_FULL_PARAMS
@@ -322,6 +324,7 @@ class TorchFSDPAdapter(AdapterBase):
         # Lazy initialisation creates the local shards the views alias and the shared
         # execution-order record; torch would run it at the first forward anyway.
         root.check_is_root()
+        self._check_no_pending_backward()
         for name, unit in self.units:
             if unit._handle is not None:
                 self._check_flat(name, unit._handle)
@@ -342,6 +345,7 @@ class TorchFSDPAdapter(AdapterBase):
         }
         self._summon = SummonLending(self._summoning_state, self._lend)
         self._undeclared: list[str] = []
+        self._grads_at_forward: list[tuple[Any, torch.Tensor | None]] = []
         # use_orig_params=True: torch gives every original parameter of a reduced flat
         # parameter a gradient, zeros for the skipped ones; those that had none when the
         # first forward since the last synchronising backward began get None back (see
@@ -354,6 +358,22 @@ class TorchFSDPAdapter(AdapterBase):
         self._masked: list[tuple[Any, int]] = []
         # Flat parameters whose gradient hook waits for an in-place reduction in flight.
         self._in_place_guarded: set[int] = set()
+
+    def _check_no_pending_backward(self) -> None:
+        """Refuse to wrap between a forward and its backward: torch registered that
+        forward's backward hooks for a model without flatview (and without views),
+        whose gradients flatview would then never see. torch marks each unit whose
+        forward registered pre-backward hooks until its backward (or the end of the
+        backward) runs."""
+        for name, unit in self.units:
+            handle = unit._handle
+            if handle is not None and getattr(handle, "_needs_pre_backward_unshard", False):
+                raise WrapError(
+                    f"flatview.wrap was called between a forward and its backward (FSDP unit "
+                    f"{name or '<root>'!r} waits for the backward of a forward that ran with "
+                    "autograd on); wrap the model between iterations: after the backward, or "
+                    "before the forward (run evaluation passes under torch.no_grad())"
+                )
 
     def _check_flat(self, unit_name: str, handle: Any) -> None:
         flat = handle.flat_param
@@ -496,6 +516,8 @@ class TorchFSDPAdapter(AdapterBase):
 
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
         outermost = module is self.root
+        if outermost and self._backward_aborted():
+            self._abandon_backward()
         if outermost and not self._accumulating:
             self._note_none_grads()
             self._none_at_backward = True
@@ -506,6 +528,14 @@ class TorchFSDPAdapter(AdapterBase):
                 flat._is_grad_none_mask[index] = False
             self._masked.clear()
         self.core.begin_compute(outermost=outermost)
+        if outermost and torch._C._current_graph_task_id() == -1:
+            # What the gradients were before this iteration's backward touches them: what
+            # an aborted backward gives back (references only).
+            self._grads_at_forward = [
+                (unit._handle.flat_param, unit._handle.flat_param.grad)
+                for _, unit in self.units
+                if unit._handle is not None
+            ]
         self.core.check_unit_forward(unit_index)
 
     def _note_none_grads(self) -> None:
@@ -524,6 +554,50 @@ class TorchFSDPAdapter(AdapterBase):
             original()
 
         return prepare_gradient_for_backward
+
+    def _backward_aborted(self) -> bool:
+        """Whether the last backward raised before torch's final callback reset the
+        units (an error of flatview's inside it): a unit is still in a backward state
+        as a new iteration's root forward starts (not a recomputation inside one)."""
+        if torch._C._current_graph_task_id() != -1:
+            return False
+        return any(
+            unit.training_state is not self._idle
+            or (unit._handle is not None and unit._handle._training_state is not self._handle_idle)
+            for _, unit in self.units
+        )
+
+    @torch.no_grad()
+    def _abandon_backward(self) -> None:
+        """Do what torch's final callback would have done after the aborted backward,
+        with what it did to the gradients dropped (none of it was handed out): each flat
+        parameter gets back the gradient it had at the forward, flatview's queued
+        reductions are dropped, parameters resharded and every state reset, so that the
+        next iteration runs as if the aborted one had not. (A gradient tensor that the
+        aborted backward accumulated into in place keeps what it added: zero the
+        gradients after such an error, as after any failed step.)"""
+        self.core.reducer.abandon()
+        self._undeclared = []
+        before = {id(flat): grad for flat, grad in self._grads_at_forward}
+        self._grads_at_forward = []
+        for _, unit in self.units:
+            handle = unit._handle
+            if handle is not None:
+                flat = handle.flat_param
+                if hasattr(flat, "_saved_grad_shard"):
+                    del flat._saved_grad_shard
+                flat._post_backward_called = False
+                self._runtime._catch_all_reshard(unit)
+                flat.grad = before.get(id(flat))
+                handle._ran_pre_backward_hook = False
+                handle._needs_pre_backward_unshard = False
+                handle._post_forward_index = None
+                handle._training_state = self._handle_idle
+                handle._prefetched = False
+            unit.training_state = self._idle
+        self.root._post_backward_callback_queued = False
+        order = self.root._exec_order_data
+        type(order).next_iter(order)
 
     def _guard_skipped(self, unit_index: int, module: nn.Module, args: Any) -> None:
         """Hook the compute tensors torch just set for skipped parameters, so that a
@@ -571,6 +645,7 @@ class TorchFSDPAdapter(AdapterBase):
         def next_iter() -> None:
             # Every backward hook has run; torch finalises the gradients after this.
             self.core.settle_agreement()
+            self.core.check_backward_binding()
             self._settle_units_without_backward()
             self.core.reducer.flush()
             original()

@@ -5,11 +5,14 @@ tensor, :class:`NormExchange`, whose length depends only on the number of origin
 parameters of the model, so ranks that pass different arguments still meet in a
 collective of the same shape and cannot hang. Its parts:
 
-``header`` (2 slots)
+``header`` (4 slots)
     A 16-bit code of what the call computes (norm type, which tensors), laid out so that
     the reduced values tell whether every rank sent the same code: ``(c, c * c)`` under a
     sum (equal sums of ``c`` and ``c * c`` force every ``c`` to be equal), ``(c, -c)``
-    under a maximum (the largest ``c`` is also the smallest).
+    under a maximum (the largest ``c`` is also the smallest). Then two flags: this rank
+    refused its own arguments (a bad name, norm type, phase), and it did not. A rank that
+    refused still joins the collective (with zeros, under a sum), so that no rank waits
+    for it; a flag reduced to more than zero was set somewhere, under either reduction.
 ``flags`` (5 slots per parameter)
     Requested by this rank, not requested, bad (a tensor that does not fit the view),
     and, per column, present (this rank has the tensor: a gradient may be ``None``).
@@ -35,7 +38,7 @@ COLUMNS = 2
 gradient); every call sends this many, so all calls have the same shape."""
 FLAGS = 3 + COLUMNS
 _REQUESTED, _NOT_REQUESTED, _BAD, _PRESENT = 0, 1, 2, 3
-_HEADER = 2
+_HEADER = 4
 
 
 def request_code(description: str) -> int:
@@ -67,6 +70,11 @@ class NormExchange:
         self.flags = torch.zeros(params, FLAGS, dtype=torch.float64)
         self.flags[:, _NOT_REQUESTED] = 1.0
         self.reduced_flags: torch.Tensor | None = None
+        self.failed = False
+        """This rank refused its own arguments and only joins the collective."""
+        self.some_failed = False
+        self.some_ok = False
+        """After :meth:`all_reduce`: some rank refused its arguments; some rank did not."""
 
     def request(self, index: int) -> None:
         self.flags[index, _REQUESTED] = 1.0
@@ -88,7 +96,10 @@ class NormExchange:
         """Reduce this rank's flags and ``values`` (``params x COLUMNS`` shares, on
         ``device``) over ``group`` with one all-reduce; return the reduced values."""
         c = float(self.code)
-        header = torch.tensor([c, -c if self.maximum else c * c], dtype=torch.float64)
+        header = torch.tensor(
+            [c, -c if self.maximum else c * c, float(self.failed), float(not self.failed)],
+            dtype=torch.float64,
+        )
         host = torch.cat([header, self.flags.reshape(-1)])
         buffer = torch.cat([host.to(device), values.reshape(-1).to(torch.float64)])
         op = dist.ReduceOp.MAX if self.maximum else dist.ReduceOp.SUM
@@ -96,6 +107,8 @@ class NormExchange:
         dist.all_reduce(buffer, op=op, group=group)
         reduced_host = buffer[: host.numel()].cpu()
         self._header = reduced_host[:_HEADER]
+        self.some_failed = bool(self._header[2] > 0.5)
+        self.some_ok = bool(self._header[3] > 0.5)
         self.reduced_flags = reduced_host[_HEADER:].view(self.params, FLAGS)
         self._world = dist.get_world_size(group)
         return buffer[host.numel() :].view(self.params, COLUMNS)
@@ -104,7 +117,7 @@ class NormExchange:
         """Read the reduced flags (after :meth:`all_reduce`); the same on every rank."""
         flags = self.reduced_flags
         assert flags is not None, "agreement() before all_reduce()"
-        first, second = (float(v) for v in self._header)
+        first, second = (float(v) for v in self._header[:2])
         c = float(self.code)
         if self.maximum:
             same = first == c and second == -c

@@ -438,6 +438,14 @@ class MaskedReducer:
             for start, end in op.zeroed:
                 target[start:end].zero_()
 
+    def abandon(self) -> None:
+        """A backward was aborted (an error raised inside it): drop what is queued,
+        never communicated, and wait for what is in flight, results discarded. Every
+        rank aborts at the same point of the same model, so none waits for the rest."""
+        self._replicated = {}
+        self._entries, self._queued_numel = [], 0
+        self.settle(discard=True)
+
     @torch.no_grad()
     def flush(self) -> None:
         """Reduce everything queued, one collective per kind of bucket, hand out the

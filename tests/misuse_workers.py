@@ -1,0 +1,194 @@
+"""Worker functions of ``test_misuse`` (run on every rank of a worker pool): errors one
+rank finds alone, ranks that freeze differently, and training after flatview's errors."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatview
+from flatview.errors import FlatViewError
+from tests.scenarios import (
+    Scenario,
+    _original_tree,
+    backend_context,
+    distributed_model,
+    distributed_training,
+    full_state,
+    local_batch,
+    loss_of,
+    make_net,
+    wrap_fsdp,
+)
+
+
+def _error(call: Callable[[], Any]) -> str:
+    """``"ClassName: message"`` of the flatview error ``call`` raises, else ``"accepted"``."""
+    try:
+        call()
+    except FlatViewError as err:
+        return f"{type(err).__name__}: {err}"
+    return "accepted"
+
+
+def _last() -> int:
+    return dist.get_world_size() - 1
+
+
+def _train_step(model: nn.Module, fv: flatview.FlatView, scenario: Scenario, skip: Any) -> None:
+    x, y = local_batch(scenario, 0)
+    with fv.step(skip=skip):
+        loss_of(model(x, ("body.1",)), y).backward()
+
+
+def local_errors(scenario: Scenario) -> dict[str, Any]:
+    """Each kind of error one rank finds alone inside ``step()`` (a name that does not
+    resolve on rank 0, a bad item on the last rank, a skip set of the wrong type on rank
+    0), then a norm call with a bad norm type on rank 0 and an unknown name on the last
+    rank: each must raise on every rank; then a valid step and norm call must work."""
+    rank = dist.get_rank()
+    with backend_context(scenario.backend):
+        model, fv, _ = distributed_model(scenario)
+        good = ["body.1"]
+        cases: dict[str, Any] = {
+            "name": ["bdy.1"] if rank == 0 else good,
+            "item": [*good, 3] if rank == _last() else good,
+            "type": 3 if rank == 0 else good,
+        }
+        out: dict[str, Any] = {}
+        for kind, skip in cases.items():
+            out[kind] = _error(lambda skip=skip: _train_step(model, fv, scenario, skip))
+        out["norm_type"] = _error(lambda: fv.param_norms(norm_type=-1 if rank == 0 else 2))
+        names = ["head.weight", "head.wieght" if rank == _last() else "head.bias"]
+        out["norm_name"] = _error(lambda: fv.grad_norms(names))
+        _train_step(model, fv, scenario, good)
+        grads = {n: p.grad for n, p in fv.named_parameters()}
+        out["skipped_none"] = all(g is None for n, g in grads.items() if n.startswith("body.1"))
+        out["norms"] = sorted(k for k, v in fv.grad_norms().items() if v is not None)
+        return out
+
+
+def frozen_differently(scenario: Scenario) -> dict[str, Any]:
+    """Rank 0 freezes a parameter that the others train: the step's check raises on every
+    rank, naming it, before any gradient moves; once frozen alike, a step works."""
+    with backend_context(scenario.backend):
+        model, fv, _ = distributed_model(scenario)
+        view = dict(fv.named_parameters())["body.0.up.weight"]
+        if dist.get_rank() == 0:
+            view.requires_grad_(False)
+        out = {"mismatch": _error(lambda: _train_step(model, fv, scenario, ["body.1"]))}
+        view.requires_grad_(False)
+        out["alike"] = _error(lambda: _train_step(model, fv, scenario, ["body.1"]))
+        out["frozen_grad"] = view.grad is None
+        return out
+
+
+@contextlib.contextmanager
+def _caught(out: list[str]) -> Iterator[None]:
+    try:
+        yield
+    except FlatViewError as err:
+        out.append(f"{type(err).__name__}: {err}")
+    else:
+        out.append("accepted")
+
+
+def recovery(scenario: Scenario, kinds: list[str]) -> dict[str, Any]:
+    """Provoke each of flatview's errors inside ``step()`` (on every rank alike), zero the
+    gradients, then train the scenario: the result must be the reference's (what the
+    reference never ran cannot have left anything behind)."""
+    errors: list[str] = []
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for kind in kinds:
+            x, y = local_batch(scenario, 0)
+            with _caught(errors):
+                if kind == "undeclared":
+                    # body.1 does not run, and the step does not say so.
+                    with fv.step():
+                        loss_of(model(x, ("body.1",)), y).backward()
+                elif kind == "skipped_used":
+                    # body.1 is declared skipped but runs.
+                    with fv.step(skip=["body.1"]):
+                        loss_of(model(x), y).backward()
+                elif kind == "outside":
+                    # The forward runs outside the step that declares body.1 skipped.
+                    loss = loss_of(model(x), y)
+                    with fv.step(skip=["body.1"]):
+                        loss.backward()
+                elif kind == "outside_skipping":
+                    loss = loss_of(model(x, ("body.1",)), y)
+                    with fv.step(skip=["body.1"]):
+                        loss.backward()
+                else:
+                    raise ValueError(kind)
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+        for _ in distributed_training(scenario, model, fv, opts):
+            pass
+        return {"errors": errors, "params": full_state(model, scenario), "phase": fv.phase.name}
+
+
+def interrupted_forward(scenario: Scenario, inside_step: bool) -> dict[str, Any]:
+    """DDP: a KeyboardInterrupt in the forward leaves DDP's sync flag as the user set it,
+    and the next step still averages the gradients over the ranks."""
+    with backend_context(scenario.backend):
+        model, fv, _ = distributed_model(scenario)
+        tree = _original_tree(model)
+
+        def interrupt(module: nn.Module, args: Any) -> None:
+            raise KeyboardInterrupt
+
+        handle = tree.body[0].register_forward_pre_hook(interrupt)
+        x, y = local_batch(scenario, 0)
+        interrupted = False
+        try:
+            with fv.step() if inside_step else contextlib.nullcontext():
+                model(x)
+        except KeyboardInterrupt:
+            interrupted = True
+        handle.remove()
+        flag = bool(getattr(model, "require_backward_grad_sync", True))
+        # Each rank its own batch: unaveraged gradients would differ between ranks.
+        with fv.step():
+            loss_of(model(x), y).backward()
+        averaged = []
+        for _, p in fv.named_parameters():
+            if p.grad is not None:
+                total = p.grad.clone()
+                dist.all_reduce(total)
+                averaged.append(torch.allclose(total, p.grad * dist.get_world_size()))
+        return {"interrupted": interrupted, "flag": flag, "averaged": all(averaged)}
+
+
+def wrap_mid_iteration(scenario: Scenario) -> dict[str, Any]:
+    """``flatview.wrap`` between a forward and its backward: refused on the FSDP
+    backends; on DDP (undetectable there) that backward is DDP's own, gradients
+    averaged by DDP as without flatview."""
+    with backend_context(scenario.backend):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        x, y = local_batch(scenario, 0)
+        loss = loss_of(model(x), y)
+        out: dict[str, Any] = {"error": _error(lambda: flatview.wrap(model))}
+        loss.backward()
+        if out["error"] == "accepted":
+            grads = [p.grad for p in model.parameters()]
+            same = []
+            for g in grads:
+                assert g is not None
+                total = g.clone()
+                dist.all_reduce(total)
+                same.append(torch.allclose(total, g * dist.get_world_size()))
+            out["averaged"] = all(same)
+        else:
+            # Refused before it touched anything: wrapping between iterations works.
+            fv = flatview.wrap(model)
+            with fv.step(skip=["body.1"]):
+                loss_of(model(x, ("body.1",)), y).backward()
+            out["after"] = sorted(n for n, p in fv.named_parameters() if p.grad is None)
+        return out

@@ -1,0 +1,177 @@
+"""Misuse that must neither train on silently nor hang (issue 15): errors one rank finds
+alone reach every rank, ranks that freeze differently are caught, training after any of
+flatview's errors is exactly the reference's, and wrapper state flatview changes is
+restored on every exit path."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from flatview.errors import SkipSetError
+from flatview.skip import SkipResolver
+from tests import misuse_workers as w
+from tests.scenarios import (
+    BACKEND_CONFIGS,
+    BACKENDS,
+    DDP,
+    FAIRSCALE,
+    BackendConfig,
+    Scenario,
+    backend_param,
+    compare,
+    run_reference,
+)
+
+if TYPE_CHECKING:
+    from tests.conftest import PoolFactory
+
+TIMEOUT = 60.0
+
+# Two micro-batches after the errors: one skipping a whole unit, one skipping nothing.
+SC = Scenario(skips=((1,), ()))
+
+
+# --------------------------------------------------------- errors on one rank only
+
+
+def _local_error_params() -> list[Any]:
+    return [backend_param(c, ws) for c in BACKEND_CONFIGS for ws in (2, 3)]
+
+
+LOCAL = {
+    "name": r"SkipSetError: .*'bdy\.1'",
+    "item": r"SkipSetError: .*got int: 3",
+    "type": r"SkipSetError: a skip set must be .*got int: 3",
+    "norm_type": r"NormError: .*norm_type must be a positive number or inf, got -1",
+    "norm_name": r"NormError: .*'head\.wieght'",
+}
+
+
+@pytest.mark.parametrize(("backend", "world_size"), _local_error_params())
+def test_error_on_one_rank_raises_on_every_rank(
+    dist_pool: PoolFactory, backend: BackendConfig, world_size: int
+) -> None:
+    """A skip set that fails on one rank only (a name that does not resolve, a bad item,
+    a wrong type), and a norm call with a bad argument on one rank only: every rank
+    raises (the others naming the failing rank), none hangs; a valid step follows."""
+    scenario = backend.scenario(SC, world_size=world_size)
+    results = dist_pool(world_size).run(w.local_errors, scenario, timeout=TIMEOUT)
+    for rank, got in enumerate(results):
+        for kind, pattern in LOCAL.items():
+            assert re.search(pattern, got[kind]), (rank, kind, got[kind])
+        failing = {"name": 0, "item": world_size - 1, "type": 0}
+        for kind, failed in failing.items():
+            if rank != failed:
+                assert f"rank(s) [{failed}] failed in FlatView.step()" in got[kind], got[kind]
+        assert got["skipped_none"], rank
+        assert got["norms"] and not any(n.startswith("body.1") for n in got["norms"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_that_freeze_differently_all_raise(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """What decides which gradients are reduced (skip set and frozen parameters) is
+    agreed: on DDP this trained wrong silently, on torch one unit gloo aborted."""
+    scenario = backend.scenario(SC, nested=backend.backend == "fairscale")
+    results = dist_pool(2).run(w.frozen_differently, scenario, timeout=TIMEOUT)
+    for got in results:
+        assert re.search(
+            r"FrozenMismatchError: ranks froze different parameters .*'body\.0\.up\.weight'.* "
+            r"rank 0 freezes \['body\.0\.up\.weight'\]",
+            got["mismatch"],
+        ), got["mismatch"]
+        assert got["alike"] == "accepted" and got["frozen_grad"], got
+
+
+def test_skip_set_of_the_wrong_type() -> None:
+    resolver = SkipResolver({}, {}, {}, [("a",)], {})
+    for bad, shown in ((3, "int: 3"), (0.5, "float: 0.5"), (True, "bool: True"), (b"ab", "b'ab'")):
+        with pytest.raises(SkipSetError, match=r"a skip set must be None, a module.*") as info:
+            resolver.resolve(bad)  # type: ignore[arg-type]
+        assert shown in str(info.value), str(info.value)
+    with pytest.raises(SkipSetError, match=r"items must be .*got float: 0\.5"):
+        resolver.resolve(["a", 0.5])  # type: ignore[list-item]
+    assert resolver.resolve(("a",)) == frozenset({0})
+
+
+# ------------------------------------------------------------ training afterwards
+
+KINDS = ["undeclared", "skipped_used", "outside", "outside_skipping"]
+EXPECTED = {
+    "undeclared": r"UndeclaredUnusedError: .*body\.1",
+    "skipped_used": r"SkippedParameterUsedError: .*body\.1",
+    "outside": r"StateError: a backward ran inside FlatView\.step\(skip=\.\.\.\) but its "
+    r"forward ran outside",
+    "outside_skipping": r"StateError: a backward ran inside FlatView\.step",
+}
+
+
+def _recovery_params() -> list[Any]:
+    params = [backend_param(c, "") for c in BACKEND_CONFIGS]
+    torch_full = BackendConfig("torch", "FULL_SHARD")
+    params.append(backend_param(torch_full, "one-unit"))
+    params.append(backend_param(torch_full, "orig-params"))
+    params.append(backend_param(FAIRSCALE, "one-unit"))
+    return params
+
+
+@pytest.mark.parametrize(("backend", "variant"), _recovery_params())
+def test_training_after_errors_is_the_reference(
+    dist_pool: PoolFactory, backend: BackendConfig, variant: str
+) -> None:
+    """After each of flatview's errors inside step() (undeclared unused, skipped but
+    used, a backward whose forward ran outside the step), caught on every rank and the
+    gradients zeroed, training is exactly the reference's: fairscale drifted by 0.029
+    after UndeclaredUnusedError, torch FULL_SHARD raised SkippedParameterUsedError for
+    parameters not skipped, and a forward outside the step trained body.1."""
+    fields: dict[str, Any] = {}
+    if variant == "one-unit":
+        fields["nested"] = False
+    if variant == "orig-params":
+        fields["options"] = {"use_orig_params": True}
+    scenario = backend.scenario(SC, **fields)
+    kinds = [k for k in KINDS if not (k == "undeclared" and not scenario.nested)]
+    results = dist_pool(2).run(w.recovery, scenario, kinds, timeout=TIMEOUT)
+    for got in results:
+        assert len(got["errors"]) == len(kinds)
+        for kind, message in zip(kinds, got["errors"], strict=True):
+            assert re.search(EXPECTED[kind], message), (kind, message)
+        assert "not declared skipped" not in got["errors"][-1]
+        assert got["phase"] == "IDLE"
+    reference = run_reference(scenario)
+    compare(results[0]["params"], reference.params)
+
+
+# ------------------------------------------------------------ wrapper state
+
+
+@pytest.mark.parametrize("inside_step", [True, False])
+def test_ddp_flag_restored_after_keyboard_interrupt(
+    dist_pool: PoolFactory, inside_step: bool
+) -> None:
+    """A BaseException in the forward left DDP's require_backward_grad_sync False: every
+    later step reduced nothing and the ranks drifted apart."""
+    results = dist_pool(2).run(
+        w.interrupted_forward, DDP.scenario(SC), inside_step, timeout=TIMEOUT
+    )
+    for got in results:
+        assert got == {"interrupted": True, "flag": True, "averaged": True}, got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrap_between_forward_and_backward(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    results = dist_pool(2).run(w.wrap_mid_iteration, backend.scenario(SC), timeout=TIMEOUT)
+    for got in results:
+        if backend.backend == "ddp":
+            # Undetectable on DDP, and harmless: that backward is DDP's own.
+            assert got == {"error": "accepted", "averaged": True}, got
+        else:
+            assert re.search(
+                r"WrapError: flatview\.wrap was called between a forward and its backward",
+                got["error"],
+            ), got["error"]
+            assert [n for n in got["after"] if not n.startswith("body.1")] == [], got
