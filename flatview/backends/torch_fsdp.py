@@ -78,6 +78,7 @@ from torch import nn
 from flatview.backends._common import (
     AdapterBase,
     join,
+    nested_unit_message,
     optional_class,
     owners_and_names,
     without_segments,
@@ -278,10 +279,13 @@ class TorchFSDPAdapter(AdapterBase):
         # torch's FSDP internals are untyped: they are reached through ``Any``.
         root: Any = model
         self.root = root
-        if root._is_root is False:
-            raise WrapError(
-                "flatview.wrap was given a nested FSDP unit; wrap the outermost FSDP model"
-            )
+        # Before lazy initialisation every unit has `_is_root` None; a unit constructed
+        # before another FSDP around it is marked by that one's constructor (for Dynamo;
+        # in the unit's own __dict__: FSDP forwards missing attributes to the wrapped
+        # module, which its own constructor marks). A unit that an auto-wrap policy
+        # created is not marked (see docs/limitations.md).
+        if root._is_root is False or vars(root).get("_is_fsdp_managed_module", False):
+            raise WrapError(nested_unit_message(root, fsdp, clean_name))
         self.units: list[tuple[str, Any]] = [
             (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
         ]
