@@ -9,8 +9,7 @@ Each returns plain data (or raises) for the test process to assert on.
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -91,8 +90,13 @@ def _fairscale_chain(kind: str) -> nn.Module:
     return FSDP(net)
 
 
-def _train(model: nn.Module, params: list[nn.Parameter], fv: flatview.FlatView | None,
-           skips: list[tuple[str, ...]], local: bool) -> list[float]:
+def _train(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    fv: flatview.FlatView | None,
+    skips: list[tuple[str, ...]],
+    local: bool,
+) -> list[float]:
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
     losses = []
     for step, skip in enumerate(skips):

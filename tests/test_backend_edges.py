@@ -45,7 +45,9 @@ def test_nested_unit_refused_before_first_forward(
     Either way the message names where the unit sits in the outer model."""
     if backend.backend == "fairscale":
         _needs_fairscale()
-    for message in dist_pool(2).run(ew.wrap_nested_before_forward, backend.scenario(), timeout=TIMEOUT):
+    for message in dist_pool(2).run(
+        ew.wrap_nested_before_forward, backend.scenario(), timeout=TIMEOUT
+    ):
         where = "forward" if backend.backend == "fairscale" else "wrap"
         assert message.startswith(f"{where}: "), message
         assert "nested FSDP unit" in message and "'body.0'" in message, message

@@ -61,7 +61,9 @@ def owners_and_names(
 _FPW = "FlattenParamsWrapper"
 
 
-def nested_unit_message(unit: nn.Module, unit_type: type[nn.Module], clean: Callable[[str], str]) -> str:
+def nested_unit_message(
+    unit: nn.Module, unit_type: type[nn.Module], clean: Callable[[str], str]
+) -> str:
     """Why ``unit`` cannot be wrapped: it is nested in another FSDP unit, named if found."""
     outer = _outermost_enclosing(unit, unit_type)
     where = ""
@@ -80,7 +82,9 @@ def nested_unit_message(unit: nn.Module, unit_type: type[nn.Module], clean: Call
     )
 
 
-def _outermost_enclosing(module: nn.Module, unit_type: type[nn.Module]) -> tuple[nn.Module, str] | None:
+def _outermost_enclosing(
+    module: nn.Module, unit_type: type[nn.Module]
+) -> tuple[nn.Module, str] | None:
     """The outermost ``unit_type`` module whose tree holds ``module``, and ``module``'s
     name in it. A module does not know its parents: they are found through the garbage
     collector's referrers, which scans the heap (slow: for error messages only)."""

@@ -236,7 +236,7 @@ class FairscaleAdapter(AdapterBase):
     # -------------------------------------------------------------- lifecycle
 
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
-        if module is self.root and self.root._is_root is False:
+        if self.root._is_root is False and module is self.root:
             # An outer FSDP's forward is running (its lazy initialisation marked this
             # one nested): wrap was given a nested unit before the first forward.
             raise WrapError(nested_unit_message(self.root, self._fsdp, clean_name))

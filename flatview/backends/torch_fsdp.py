@@ -57,8 +57,10 @@ Everything this adapter changes is an instance attribute, a hook or a unit's
 communication hook, removed by :meth:`TorchFSDPAdapter.uninstall`.
 
 Wrapping runs torch's lazy initialisation (it would otherwise run at the first forward).
-Before that, a nested unit cannot tell that it is nested: pass the outermost FSDP
-module, or torch will take the one given for the root.
+Before that every unit's ``_is_root`` is ``None``; a unit that another FSDP was
+constructed around carries that constructor's ``_is_fsdp_managed_module`` mark in its
+own ``__dict__`` and is refused. One that an auto-wrap policy created is not marked:
+torch would take it for the root (``docs/limitations.md``).
 """
 
 from __future__ import annotations
