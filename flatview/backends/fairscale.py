@@ -37,6 +37,7 @@ from torch import nn
 from flatview.backends._common import (
     AdapterBase,
     join,
+    nested_unit_message,
     optional_class,
     owners_and_names,
     without_segments,
@@ -57,6 +58,10 @@ _LENDING_METHODS = (
     "load_local_state_dict",
     "_apply",
 )
+# Views stepped aside for the root's gradient clipping too: it takes the norm over
+# `self.parameters()`, which would otherwise be the views (empty ones included, whose
+# max() fails for norm_type=inf) instead of the flat parameters fairscale manages.
+_ROOT_LENDING_METHODS = ("clip_grad_norm_",)
 
 
 def _fsdp_class() -> type[nn.Module] | None:
@@ -98,10 +103,12 @@ class FairscaleAdapter(AdapterBase):
         # fairscale is untyped: its attributes are reached through ``Any``.
         root: Any = model
         self.root = root
+        # Before the first forward every unit has `_is_root` None and fairscale leaves no
+        # other trace of nesting on a unit: the root's lazy initialisation marks the
+        # others False, which the first forward checks (_pre_forward).
+        self._fsdp = fsdp
         if root._is_root is False:
-            raise WrapError(
-                "flatview.wrap was given a nested FSDP unit; wrap the outermost FSDP model"
-            )
+            raise WrapError(nested_unit_message(root, fsdp, clean_name))
         self.units: list[tuple[str, Any]] = [
             (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
         ]
@@ -151,8 +158,13 @@ class FairscaleAdapter(AdapterBase):
                 self._describe_flat(unit_name, unit, fpw, i, flat)
                 for i, flat in enumerate(fpw.flat_params)
             )
-            plain_params = unit.params[unit._num_flatten_params :]
-            plain_names = unit._param_name_groups[unit._num_flatten_params :]
+            # A unit without parameters of its own still records one (empty) name group
+            # (flatten_parameters=True); parameters another unit owns, appended with
+            # append_shared_param, come after the unit's own and have no name group:
+            # their owner describes them.
+            plain_names = [g for g in unit._param_name_groups[unit._num_flatten_params :] if g]
+            start = unit._num_flatten_params
+            plain_params = unit.params[start : start + len(plain_names)]
             plain = tuple(
                 self._describe_plain(join(unit_name, clean_name(names[0])), p)
                 for names, p in zip(plain_names, plain_params, strict=True)
@@ -209,7 +221,8 @@ class FairscaleAdapter(AdapterBase):
         core.reducer.group = self.root.process_group_reduce_scatter
         for index, (_, unit) in enumerate(self.units):
             self._hook(unit.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
-            for method in _LENDING_METHODS:
+            methods = _LENDING_METHODS + (_ROOT_LENDING_METHODS if unit is self.root else ())
+            for method in methods:
                 self._patch(unit, method, self._lending(getattr(unit, method)))
             self._patch(unit, "summon_full_params", self._lending_context(unit.summon_full_params))
             fpw = unit._fsdp_wrapped_module
@@ -232,6 +245,10 @@ class FairscaleAdapter(AdapterBase):
     # -------------------------------------------------------------- lifecycle
 
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
+        if self.root._is_root is False and module is self.root:
+            # An outer FSDP's forward is running (its lazy initialisation marked this
+            # one nested): wrap was given a nested unit before the first forward.
+            raise WrapError(nested_unit_message(self.root, self._fsdp, clean_name))
         self.core.begin_compute(outermost=module is self.root)
         self.core.check_unit_forward(unit_index)
 
@@ -309,6 +326,7 @@ class FairscaleAdapter(AdapterBase):
         def wait_for_post_backward() -> None:
             self.core.check_backward_binding()
             undeclared = self._settle_units_without_backward()
+            self._keep_cpu_grads_of_unreduced()
             # Raised only once fairscale has finished the backward (reductions flushed,
             # gradients finalised, states reset), so that the next iteration is sound.
             original()
@@ -355,6 +373,29 @@ class FairscaleAdapter(AdapterBase):
                     unit._post_backward_hook(p)
             unit.training_state = self._post
         return undeclared
+
+    @torch.no_grad()
+    def _keep_cpu_grads_of_unreduced(self) -> None:
+        """With ``move_grads_to_cpu`` fairscale's final callback hands every parameter its
+        CPU gradient buffer (``p.grad = p._cpu_grad``), which only a reduction refreshes:
+        one that no rank reduces in this backward (skipped) would get whatever an earlier
+        step left there. Make the buffer what the parameter's gradient is now (zeros for
+        ``None``: the views keep ``None``)."""
+        if not bool(self.root._require_backward_grad_sync):
+            return
+        plain_used = self.core.plain_used()
+        for _, unit in self.units:
+            for p in unit.params:
+                buffer = getattr(p, "_cpu_grad", None)
+                if buffer is None or not p.requires_grad:
+                    continue
+                index = self.core.index_of(p)
+                if self.core.flat_used_so_far(p) or (index is not None and index in plain_used):
+                    continue
+                if p.grad is None:
+                    buffer.zero_()
+                elif p.grad is not buffer and p.grad.shape == buffer.shape:
+                    buffer.copy_(p.grad)
 
     @staticmethod
     def _reshard_unreached(unit: Any, params: list[Any], synced: bool) -> None:

@@ -330,7 +330,10 @@ class ReplicatedAdapter(AdapterBase):
         if core.phase is not Phase.COMPUTING:
             raise StateError(
                 "a second backward through a forward whose backward already ran "
-                "(retain_graph=True): flatview reduces once per forward; run a new forward"
+                "(retain_graph=True), or the backward of an earlier forward after a later "
+                "forward's (several forwards, then their backwards): flatview reduces once "
+                "per forward, for the last one; run each forward's backward before the next "
+                "forward"
             )
         if self._synced:
             indices = self._reduced_now()

@@ -57,8 +57,10 @@ Everything this adapter changes is an instance attribute, a hook or a unit's
 communication hook, removed by :meth:`TorchFSDPAdapter.uninstall`.
 
 Wrapping runs torch's lazy initialisation (it would otherwise run at the first forward).
-Before that, a nested unit cannot tell that it is nested: pass the outermost FSDP
-module, or torch will take the one given for the root.
+Before that every unit's ``_is_root`` is ``None``; a unit that another FSDP was
+constructed around carries that constructor's ``_is_fsdp_managed_module`` mark in its
+own ``__dict__`` and is refused. One that an auto-wrap policy created is not marked:
+torch would take it for the root (``docs/limitations.md``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from torch import nn
 from flatview.backends._common import (
     AdapterBase,
     join,
+    nested_unit_message,
     optional_class,
     owners_and_names,
     without_segments,
@@ -280,10 +283,13 @@ class TorchFSDPAdapter(AdapterBase):
         # torch's FSDP internals are untyped: they are reached through ``Any``.
         root: Any = model
         self.root = root
-        if root._is_root is False:
-            raise WrapError(
-                "flatview.wrap was given a nested FSDP unit; wrap the outermost FSDP model"
-            )
+        # Before lazy initialisation every unit has `_is_root` None; a unit constructed
+        # before another FSDP around it is marked by that one's constructor (for Dynamo;
+        # in the unit's own __dict__: FSDP forwards missing attributes to the wrapped
+        # module, which its own constructor marks). A unit that an auto-wrap policy
+        # created is not marked (see docs/limitations.md).
+        if root._is_root is False or vars(root).get("_is_fsdp_managed_module", False):
+            raise WrapError(nested_unit_message(root, fsdp, clean_name))
         self.units: list[tuple[str, Any]] = [
             (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
         ]

@@ -116,9 +116,13 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
                     # parameter already, registered where they belong.
                     leaves = spec.wrapper_views
                 else:
-                    views = ViewSet(
-                        spec.flat, spec.flat_owner, spec.layout, 0, spec.local_shard(), spec.owners
-                    )
+                    # The model computes on the views, so autograd saves them. torch
+                    # writes the local shard in place (summon_full_params copies it onto
+                    # itself), which bumps the version counter of every tensor aliasing it
+                    # as a view; `.data` is an alias with a counter of its own, so a write
+                    # autograd must not see stays unseen, as for plain FSDP's tensors.
+                    shard = spec.local_shard().data
+                    views = ViewSet(spec.flat, spec.flat_owner, spec.layout, 0, shard, spec.owners)
                     self._view_sets.append(views)
                     self._view_names.append([names[0] for names in spec.names])
                     leaves = views.views

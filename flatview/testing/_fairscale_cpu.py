@@ -99,6 +99,7 @@ class _ThreadDepth(threading.local):
 
     lazy_init = 0
     clip_grad_norm = 0
+    init_param_attributes = 0
 
 
 _depth = _ThreadDepth()
@@ -144,6 +145,9 @@ def _import_fairscale() -> tuple[ModuleType, ModuleType]:
             bucketer_mod, "enable_nccl_base_collectives"
         ),
         "FullyShardedDataParallel._lazy_init": hasattr(fsdp_cls, "_lazy_init"),
+        "FullyShardedDataParallel._init_param_attributes": hasattr(
+            fsdp_cls, "_init_param_attributes"
+        ),
         "FullyShardedDataParallel.clip_grad_norm_": hasattr(fsdp_cls, "clip_grad_norm_"),
     }
     missing = [name for name, ok in needed.items() if not ok]
@@ -169,6 +173,7 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
     real_pin_memory = torch.Tensor.pin_memory
     real_record_stream = torch.Tensor.record_stream
     real_lazy_init = fsdp_cls._lazy_init
+    real_init_param_attributes = fsdp_cls._init_param_attributes
     real_clip_grad_norm = fsdp_cls.clip_grad_norm_
 
     def is_available() -> bool:
@@ -202,9 +207,11 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
 
     def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # CPU offload (move_params_to_cpu / move_grads_to_cpu) pins host buffers in
-        # _lazy_init for fast host-to-device copies. Without an accelerator torch refuses to
-        # pin, and there is no device copy to speed up.
-        if _depth.lazy_init > 0 and not real_is_available():
+        # _lazy_init (through _init_param_attributes, which flatview also calls for units a
+        # step skipped) for fast host-to-device copies. Without an accelerator torch
+        # refuses to pin, and there is no device copy to speed up.
+        pinning = _depth.lazy_init > 0 or _depth.init_param_attributes > 0
+        if pinning and not real_is_available():
             return self
         return real_pin_memory(self, *args, **kwargs)
 
@@ -214,6 +221,13 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
             real_lazy_init(self)
         finally:
             _depth.lazy_init -= 1
+
+    def init_param_attributes(self: Any, p: torch.nn.Parameter) -> None:
+        _depth.init_param_attributes += 1
+        try:
+            real_init_param_attributes(self, p)
+        finally:
+            _depth.init_param_attributes -= 1
 
     def clip_grad_norm_(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         _depth.clip_grad_norm += 1
@@ -229,6 +243,7 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
 
     # Keep the wrappers recognisable in tracebacks and for functools.wraps-style introspection.
     lazy_init.__wrapped__ = real_lazy_init  # type: ignore[attr-defined]
+    init_param_attributes.__wrapped__ = real_init_param_attributes  # type: ignore[attr-defined]
     clip_grad_norm_.__wrapped__ = real_clip_grad_norm  # type: ignore[attr-defined]
 
     # Measured with torch 2.13 (CPU build): dropping any one of these breaks FSDP on CPU,
@@ -245,6 +260,7 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
         (torch.Tensor, "cuda", tensor_cuda),
         (torch.Tensor, "pin_memory", pin_memory),
         (fsdp_cls, "_lazy_init", lazy_init),
+        (fsdp_cls, "_init_param_attributes", init_param_attributes),
         (fsdp_cls, "clip_grad_norm_", clip_grad_norm_),
         (fsdp_mod, "_get_default_cuda_device", default_device),
         # gloo rejects the 2-D bucket fairscale hands to _reduce_scatter_base ("Check
@@ -302,8 +318,9 @@ def fairscale_on_cpu() -> Iterator[None]:
       ``FullyShardedDataParallel._lazy_init`` runs (wrapped to track that), so FSDP sets up
       its streams; everywhere else it gives the real answer.
     * ``torch.Tensor.cuda`` by the identity while ``clip_grad_norm_`` runs (wrapped), and
-      ``torch.Tensor.pin_memory`` by the identity while ``_lazy_init`` runs (CPU offload);
-      elsewhere both behave as before.
+      ``torch.Tensor.pin_memory`` by the identity while ``_lazy_init`` or
+      ``_init_param_attributes`` (wrapped to track that) runs (CPU offload); elsewhere both
+      behave as before.
     * fairscale's ``_get_default_cuda_device`` by one returning ``cpu``, so FSDP computes
       on CPU without an explicit ``compute_device``.
     * ``enable_nccl_base_collectives`` in fairscale's FSDP and reduce-scatter bucketer

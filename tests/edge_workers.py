@@ -1,0 +1,222 @@
+"""Worker functions for tests/test_backend_edges.py: wrapper configurations at the edges
+of what the backends describe (units without parameters of their own, parameters shared
+across units, nested units given to ``wrap``, fairscale's gradient clipping and CPU
+offload, summoning on torch ``NO_SHARD`` computed on views).
+
+Each returns plain data (or raises) for the test process to assert on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatview
+from tests.scenarios import (
+    Scenario,
+    _original_tree,
+    backend_context,
+    full_state,
+    local_batch,
+    loss_of,
+    make_net,
+    skip_names,
+    wrap_fsdp,
+)
+
+STEPS = 3
+
+
+class Chain(nn.Module):
+    """Four small layers, any of which a step may leave out by name (``l0`` .. ``l3``)."""
+
+    def __init__(self, tie: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0 = nn.Linear(3, 4)
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+        self.l3 = nn.Linear(4, 2)
+        if tie:
+            # fairscale's shared-weight test shares a weight between l1 and l3 (square).
+            self.l3 = nn.Linear(4, 4)
+            self.l1.weight = self.l3.weight
+
+    def forward(self, x: torch.Tensor, skip: Collection[str] = ()) -> torch.Tensor:
+        for name in ("l0", "l1", "l2", "l3"):
+            if name not in skip:
+                x = torch.tanh(getattr(self, name)(x))
+        return x
+
+
+def _batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(2 * world, 3, generator=g), torch.randn(2 * world, 1, generator=g)
+
+
+def _local(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch(step, dist.get_world_size())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.sum(dim=1, keepdim=True) - y) ** 2).mean()
+
+
+def _fairscale_chain(kind: str) -> nn.Module:
+    """``all_wrapped``: every layer its own unit, the root holds nothing;
+    ``shared``: fairscale's own shared-weight model (unflattened siblings l1 and l3 share
+    a weight, registered with ``append_shared_param``; l0 stays in the root)."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    if kind == "all_wrapped":
+        net = Chain()
+        for name in ("l0", "l1", "l2", "l3"):
+            setattr(net, name, FSDP(getattr(net, name)))
+        return FSDP(net)
+    assert kind == "shared", kind
+    net = Chain(tie=True)
+    net.l1 = FSDP(net.l1, flatten_parameters=False)
+    net.l2 = FSDP(net.l2)
+    net.l3 = FSDP(net.l3, flatten_parameters=False)
+    net.l3.append_shared_param(net.l1.module.weight)
+    return FSDP(net)
+
+
+def _train(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    fv: flatview.FlatView | None,
+    skips: list[tuple[str, ...]],
+    local: bool,
+) -> list[float]:
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    losses = []
+    for step, skip in enumerate(skips):
+        x, y = _local(step) if local else _batch(step, dist.get_world_size())
+        declared = fv.step(skip=list(skip)) if fv is not None else contextlib.nullcontext()
+        with declared:
+            loss = _loss(model(x, skip), y)
+            loss.backward()
+        losses.append(float(loss))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _state(model: nn.Module, names: Collection[str]) -> dict[str, np.ndarray]:
+    state = model.state_dict()
+    return {k: v.detach().clone().numpy() for k, v in state.items() if k in names}
+
+
+def fairscale_units_edge(kind: str, skips: list[tuple[str, ...]]) -> dict[str, Any]:
+    """Train ``kind`` (see :func:`_fairscale_chain`) three ways: plain fairscale (no
+    skips: it cannot skip a nested unit), fairscale + flatview with the same steps, and
+    fairscale + flatview with ``skips`` (one tuple of layer names per step); in one process
+    the same steps on the unwrapped model. Rank 0 returns every final state."""
+    reference: dict[str, dict[str, np.ndarray]] = {}
+    for skipping in (False, True):
+        net = Chain(tie=kind == "shared")
+        _train(net, list(net.parameters()), None, skips if skipping else [()] * STEPS, False)
+        reference[str(skipping)] = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+    names = set(reference["False"])
+    out: dict[str, Any] = {"reference": reference}
+    with backend_context("fairscale"):
+        plain = _fairscale_chain(kind)
+        _train(plain, list(plain.parameters()), None, [()] * STEPS, local=True)
+        out["plain"] = _state(plain, names)
+        for skipping in (False, True):
+            model = _fairscale_chain(kind)
+            fv = flatview.wrap(model)
+            out[f"names-{skipping}"] = [n for n, _ in fv.named_parameters()]
+            _train(model, list(fv.parameters()), fv, skips if skipping else [()] * STEPS, True)
+            out[f"flatview-{skipping}"] = _state(model, names)
+    return out if dist.get_rank() == 0 else {}
+
+
+def fairscale_clip(scenario: Scenario, norm_type: float, max_norm: float) -> dict[str, Any]:
+    """Train ``scenario`` (one fairscale unit, so that plain fairscale can leave blocks
+    out too) with ``clip_grad_norm_`` before every step, plain and with flatview. Plain
+    SGD: a zero gradient (plain) and ``None`` (flatview, skipped) step alike. Returns
+    both runs' norms, and on rank 0 both final states."""
+    out: dict[str, Any] = {}
+    for use_flatview in (False, True):
+        with backend_context("fairscale"):
+            model = wrap_fsdp(scenario, make_net(scenario))
+            fv = flatview.wrap(model) if use_flatview else None
+            params = list(fv.parameters() if fv is not None else model.parameters())
+            opt = torch.optim.SGD(params, lr=0.1)
+            norms = []
+            for micro in range(len(scenario.skips)):
+                x, y = local_batch(scenario, micro)
+                skip = skip_names(scenario, micro)
+                declared = fv.step(skip=list(skip)) if fv is not None else contextlib.nullcontext()
+                with declared:
+                    loss_of(model(x, skip), y).backward()
+                norms.append(float(model.clip_grad_norm_(max_norm, norm_type=norm_type)))
+                opt.step()
+                opt.zero_grad()
+            key = "flatview" if use_flatview else "plain"
+            out[f"{key}-norms"] = norms
+            out[f"{key}-state"] = full_state(model, scenario)
+            if fv is not None:
+                out["empty"] = sorted(n for n, p in fv.named_parameters() if p.numel() == 0)
+    return out
+
+
+def no_shard_summon_mid_iteration(scenario: Scenario) -> dict[str, Any]:
+    """torch ``NO_SHARD``: per step a forward, ``summon_full_params`` (which writes the
+    local shard back onto itself), a second forward, then one backward through both;
+    plain FSDP and FSDP + flatview (computed on views). Rank 0 returns both final
+    states and the adapter flatview took."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    out: dict[str, Any] = {}
+    for use_flatview in (False, True):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        fv = flatview.wrap(model) if use_flatview else None
+        params = list(fv.parameters() if fv is not None else model.parameters())
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        for micro in range(len(scenario.skips)):
+            x, y = local_batch(scenario, micro)
+            declared = fv.step() if fv is not None else contextlib.nullcontext()
+            with declared:
+                first = loss_of(model(x), y)
+                with TorchFSDP.summon_full_params(model):
+                    pass
+                second = loss_of(model(2 * x), y)
+                (first + second).backward()
+            opt.step()
+            opt.zero_grad()
+        key = "flatview" if use_flatview else "plain"
+        out[key] = full_state(model, scenario)
+        if fv is not None:
+            out["adapter"] = type(fv.adapter).__name__
+    return out
+
+
+def wrap_nested_before_forward(scenario: Scenario) -> str:
+    """Give ``wrap`` a nested unit (``body.0``) of a model that has not run a forward
+    yet, then train the real root one step: returns where flatview refused ("wrap" or
+    "forward") and its message. Raises if nothing refused it."""
+    with backend_context(scenario.backend):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        inner = _original_tree(model).body[0]
+        try:
+            fv = flatview.wrap(inner)
+        except flatview.WrapError as err:
+            return f"wrap: {err}"
+        x, y = local_batch(scenario, 0)
+        try:
+            with fv.step():
+                loss_of(model(x), y).backward()
+        except flatview.WrapError as err:
+            return f"forward: {err}"
+    raise AssertionError("a nested unit was wrapped and trained")

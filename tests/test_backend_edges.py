@@ -1,0 +1,118 @@
+"""Wrapper configurations at the edges of what the backends describe (issue 15): a nested
+unit given to ``wrap``, fairscale units without parameters of their own or with
+parameters shared across units, fairscale's ``clip_grad_norm_`` and CPU offload after
+wrapping, and ``summon_full_params`` inside an iteration of torch ``NO_SHARD`` computed
+on views. Each is checked against plain FSDP or the single-process reference."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+from tests import edge_workers as ew
+from tests.scenarios import (
+    FAIRSCALE,
+    BackendConfig,
+    backend_param,
+    check_equivalent,
+    compare,
+)
+
+if TYPE_CHECKING:
+    from tests.conftest import PoolFactory
+
+TIMEOUT = 90.0
+NO_SHARD = BackendConfig("torch", "NO_SHARD")
+
+
+def _needs_fairscale() -> None:
+    pytest.importorskip("fairscale")
+
+
+@pytest.mark.parametrize(
+    "backend", [backend_param(FAIRSCALE), backend_param(BackendConfig("torch", "FULL_SHARD"))]
+)
+def test_nested_unit_refused_before_first_forward(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """Before the first forward no unit knows it is nested (``_is_root`` is None on all).
+    torch marks a unit that another FSDP was built around: refused at wrap. fairscale
+    marks nothing until the root's lazy initialisation: refused at the unit's first
+    forward, before it computes anything (it used to train 0.021 away from plain FSDP).
+    Either way the message names where the unit sits in the outer model."""
+    if backend.backend == "fairscale":
+        _needs_fairscale()
+    for message in dist_pool(2).run(
+        ew.wrap_nested_before_forward, backend.scenario(), timeout=TIMEOUT
+    ):
+        where = "forward" if backend.backend == "fairscale" else "wrap"
+        assert message.startswith(f"{where}: "), message
+        assert "nested FSDP unit" in message and "'body.0'" in message, message
+        assert "around a Net" in message, message
+
+
+@pytest.mark.parametrize(
+    ("kind", "skips"),
+    [
+        ("all_wrapped", [(), ("l2",), ("l1", "l3")]),
+        ("shared", [(), ("l2",), ()]),
+    ],
+)
+def test_fairscale_units_without_own_or_with_shared_parameters(
+    dist_pool: PoolFactory, kind: str, skips: list[tuple[str, ...]]
+) -> None:
+    """``all_wrapped``: every layer its own unit, the root without parameters of its own
+    (its name group is empty); ``shared``: a weight shared by sibling units through
+    fairscale's ``append_shared_param`` (listed in the second unit's parameters without
+    a name). ``wrap`` used to fail in ``describe`` (zip of names and parameters). Both
+    train like plain fairscale and, with nested units skipped, like the reference."""
+    _needs_fairscale()
+    out = dist_pool(2).run(ew.fairscale_units_edge, kind, skips, timeout=TIMEOUT)[0]
+    reference = out["reference"]
+    compare(out["plain"], reference["False"])
+    compare(out["flatview-False"], out["plain"], tolerance=1e-6)
+    compare(out["flatview-True"], reference["True"])
+    assert out["names-True"] == list(reference["True"])
+
+
+@pytest.mark.parametrize("norm_type", [math.inf, 2.0], ids=["inf", "2"])
+def test_fairscale_clip_grad_norm_after_wrap(dist_pool: PoolFactory, norm_type: float) -> None:
+    """fairscale's ``clip_grad_norm_`` takes the norm over ``self.parameters()``: after
+    wrapping those were the views, some empty on each rank, and ``max()`` over an empty
+    gradient failed for ``inf``. The views now step aside for it: the same norms (with
+    steps that skip blocks) and the same training as without flatview."""
+    _needs_fairscale()
+    scenario = FAIRSCALE.scenario(nested=False, skips=((), (1,), (0,)))
+    results = dist_pool(2).run(ew.fairscale_clip, scenario, norm_type, 0.05, timeout=TIMEOUT)
+    assert all(r["empty"] for r in results), "some view must be empty on each rank"
+    for r in results:
+        np.testing.assert_allclose(r["flatview-norms"], r["plain-norms"], rtol=1e-6)
+        assert max(r["plain-norms"]) > 0.05  # the clipping scaled the gradients
+    compare(results[0]["flatview-state"], results[0]["plain-state"], tolerance=1e-6)
+
+
+@pytest.mark.parametrize("options", [{}, {"use_orig_params": True}], ids=["flat", "orig-params"])
+def test_no_shard_summon_between_forwards(dist_pool: PoolFactory, options: dict[str, bool]) -> None:
+    """torch ``NO_SHARD`` computed on views: ``summon_full_params`` writes the local shard
+    back onto itself in place. The views aliased it with its version counter, so a
+    backward through a forward taken before the summoning failed ("modified by an
+    inplace operation"); plain FSDP runs it. Same training as plain FSDP."""
+    scenario = NO_SHARD.scenario(skips=((), (), ()), options=options)
+    out = dist_pool(2).run(ew.no_shard_summon_mid_iteration, scenario, timeout=TIMEOUT)[0]
+    assert out["adapter"] == "TorchReplicatedAdapter"
+    compare(out["flatview"], out["plain"], tolerance=1e-6)
+
+
+def test_fairscale_cpu_offload_with_skip_sets(dist_pool: PoolFactory) -> None:
+    """``move_params_to_cpu=True`` with nested units skipped from the first step: flatview
+    initialises a skipped unit's attributes, which pins the CPU shard; the CPU harness
+    stood in for pinning during fairscale's lazy init only ("Cannot access accelerator
+    device"). Trains like the reference."""
+    _needs_fairscale()
+    scenario = FAIRSCALE.scenario(
+        skips=((1,), (0,), (), (0, 1)), options={"move_params_to_cpu": True}
+    )
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
