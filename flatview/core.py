@@ -240,6 +240,8 @@ class FlatView:
         self._resolver = self._build_resolver()
         # Optimizers whose groups were looked at for shape-decided grouping (once each).
         self._shape_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._by_name: set[int] = set()
+        """Matrices grouped apart by name on purpose (:meth:`exempt_by_name`)."""
         self._view_owners = _owners_by_module(
             [o for flat in self._flats for owners in flat.spec.owners for o in owners]
             + list(adapter.view_owners())
@@ -663,9 +665,16 @@ class FlatView:
                 sig.matrices.add(key)
                 if tuple(tensor.shape) == shape:
                     sig.whole.add(key)
-                elif tensor.numel():
+                elif tensor.numel() and index not in self._by_name:
                     sig.pieces.append((self._params[index].name, key))
         return sig
+
+    def exempt_by_name(self, param: torch.Tensor | str) -> None:
+        """Record that ``param`` (a matrix) is grouped apart by name on purpose (as
+        :func:`flatview.optim.param_groups` does for ``no_decay`` and embeddings), so that
+        its 1-D pieces in a group with the biases are not taken for grouping by
+        ``p.ndim``."""
+        self._by_name.add(self._lookup(param, "exempt_by_name"))
 
     def _warn_shape_grouping(self, optimizer: torch.optim.Optimizer) -> None:
         """At an optimizer's first step: warn if its groups look decided by view shape.

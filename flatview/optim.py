@@ -74,8 +74,12 @@ def param_groups(
             name == pattern or name.startswith(pattern + ".") or fnmatch.fnmatchcase(name, pattern)
             for pattern in patterns
         )
-        if len(fv.shape_of(param)) <= 1 or name.endswith(".bias") or named or id(param) in embedded:
+        low = len(fv.shape_of(param)) <= 1
+        if low or name.endswith(".bias") or named or id(param) in embedded:
             exempt.append(param)
+            if not low:
+                # Set apart by name, not by its piece's shape: nothing to warn about.
+                fv.exempt_by_name(param)
         else:
             decay.append(param)
     return [

@@ -103,7 +103,7 @@ def test_shape_based_param_groups(dist_pool: PoolFactory, scenario: Scenario) ->
         assert len(warned) == (1 if got["pieces"] else 0), (rank, warned)
         if warned:
             assert repr(got["pieces"][0]) in warned[0]
-        assert got["fixed_warnings"] == [], rank
+        assert got["fixed_warnings"] == [] and got["by_name_warnings"] == [], rank
         no_decay, decay = got["groups"]
         assert "head.weight" in decay and "head.bias" in no_decay
         assert "body.0.norm.weight" in no_decay

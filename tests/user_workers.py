@@ -164,6 +164,14 @@ def groups_task(scenario: Scenario) -> dict[str, Any]:
             fv.check_param_groups(timm)
         except flatview.ParamGroupError as error:
             out["timm_check"] = str(error)
+        # The helper exempting exactly the matrices cut here, by name: intended, no warning.
+        by_name = torch.optim.AdamW(
+            fv_optim.param_groups(fv, weight_decay=0.1, no_decay=out["pieces"]), lr=0.05
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            by_name.step()
+        out["by_name_warnings"] = [str(w.message) for w in caught if "shape_of" in str(w.message)]
         timm.zero_grad()
 
     # The fix, trained from the start against timm's rule on the unwrapped model.
