@@ -774,11 +774,7 @@ class FlatView:
         reach the flat parameters. Inner units start again during backward when
         activation checkpointing recomputes them, and must not touch gradients then.
         """
-        if self.phase is Phase.LENT:
-            raise StateError(
-                "a forward pass started inside a wrapper operation (state_dict, "
-                "summon_full_params, ...): finish that first"
-            )
+        self.check_not_lent()
         if self.phase is Phase.IDLE:
             self._check_parametrizations()
             self._push_grads()
@@ -790,6 +786,17 @@ class FlatView:
             self._push_grads()
             if self._iteration is None or self._iteration.step != self._step_count:
                 self._bind_iteration()
+
+    def check_not_lent(self) -> None:
+        """Refuse a unit's forward inside a wrapper operation that does not cover the
+        unit (summoned units run on the summoned parameters instead)."""
+        if self.phase is Phase.LENT:
+            raise StateError(
+                "a forward pass started inside a wrapper operation (state_dict, "
+                "summon_full_params, ...) through an FSDP unit that operation does not "
+                "cover: finish that first, or summon the whole model (summon_full_params "
+                "with recurse=True), inside which forwards run on the summoned parameters"
+            )
 
     def _check_parametrizations(self) -> None:
         """Refuse a parametrization (``torch.nn.utils.parametrize``, ``weight_norm``,

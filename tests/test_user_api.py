@@ -74,6 +74,7 @@ def test_forward_inside_summon_full_params(dist_pool: PoolFactory, scenario: Sce
         # The backward of a forward inside the summoning is refused, every step.
         assert len(got["errors"]) == 3, rank
         assert all("summon_full_params" in e for e in got["errors"]), rank
+        assert "recurse=True" in got["not_summoned"], rank
     compare(results[0]["params"], results[0]["reference"])
 
 

@@ -63,15 +63,15 @@ def timm_param_groups(
 
 
 @contextlib.contextmanager
-def summoned(model: nn.Module, scenario: Scenario) -> Iterator[None]:
+def summoned(model: nn.Module, scenario: Scenario, recurse: bool = True) -> Iterator[None]:
     """The wrapper's ``summon_full_params`` (torch's static method, fairscale's method)."""
     if scenario.backend == "torch":
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
-        with TorchFSDP.summon_full_params(model):
+        with TorchFSDP.summon_full_params(model, recurse=recurse):
             yield
     else:
-        with model.summon_full_params():
+        with model.summon_full_params(recurse=recurse):
             yield
 
 
@@ -110,6 +110,13 @@ def summon_forward_task(scenario: Scenario) -> dict[str, Any]:
                     model(x).sum().backward()
                 except flatview.StateError as error:
                     out["errors"].append(str(error))
+            if step == 1:
+                # Only the root summoned: its nested units' forwards are refused.
+                try:
+                    with summoned(model, scenario, recurse=False), torch.no_grad():
+                        model(x)
+                except flatview.StateError as error:
+                    out["not_summoned"] = str(error)
             torch.testing.assert_close(inner, want, msg=f"rank {rank} step {step}: module")
             torch.testing.assert_close(outer.detach(), want, msg=f"rank {rank} step {step}: root")
             for opt in [*opts, *ref_opts]:

@@ -204,6 +204,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.units[index][1].training_state is self._summoning_unit:
                 return forward_in_summon(wrapped, *args, **kwargs)
+            self.core.check_not_lent()
             if not in_backward():
                 self.core.check_unit_forward(index)
             return wrapped(*args, **kwargs)
