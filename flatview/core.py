@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
+import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -45,7 +48,10 @@ from flatview.comm.reduce import MaskedReducer, Strategy
 from flatview.errors import (
     DoubleCountError,
     FlatViewError,
+    NormError,
     OptimStateError,
+    ParameterError,
+    ParamGroupError,
     SkippedParameterUsedError,
     StateError,
     WrapError,
@@ -243,6 +249,14 @@ class FlatView:
         # Per plain parameter index: its guard hook, kept from step to step.
         self._plain_guards: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._resolver = self._build_resolver()
+        # Optimizers whose groups were looked at for shape-decided grouping (once each).
+        self._shape_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._by_name: set[int] = set()
+        """Matrices grouped apart by name on purpose (:meth:`exempt_by_name`)."""
+        self._view_owners = _owners_by_module(
+            [o for flat in self._flats for owners in flat.spec.owners for o in owners]
+            + list(adapter.view_owners())
+        )
 
         for flat in self._flats:
             flat.views.show()
@@ -457,6 +471,259 @@ class FlatView:
         """
         return _norms.tensor_norms(self, tensors, norm_type)
 
+    # ------------------------------------------------ whole parameters (shapes, clipping)
+
+    def _lookup(self, param: torch.Tensor | str, method: str) -> int:
+        try:
+            (index,) = _norms.indices_of(self, [param], "param")
+        except NormError as error:
+            raise ParameterError(f"FlatView.{method}(): {error}") from None
+        return index
+
+    def shape_of(self, param: torch.Tensor | str) -> torch.Size:
+        """The original shape of a view or plain parameter (or of a name, as in
+        :meth:`named_parameters`), the same on every rank.
+
+        A partial view is 1-D and an empty one has no element, so ``view.shape`` and
+        ``view.ndim`` describe this rank's piece; decide anything that depends on the
+        parameter (weight decay for matrices, whole-matrix optimizers) by this instead.
+
+        Raises:
+            flatview.ParameterError: ``param`` is not an original parameter of the model.
+        """
+        return torch.Size(self._params[self._lookup(param, "shape_of")].placement.shape)
+
+    def numel(
+        self,
+        params: torch.Tensor | str | Iterable[torch.Tensor | str] | None = None,
+        *,
+        trainable: bool | None = None,
+    ) -> int:
+        """The number of elements of whole original parameters, the same on every rank
+        (``view.numel()`` counts this rank's piece): of one parameter, of several, or of
+        the whole model (``None``), each parameter once.
+
+        ``trainable=True`` counts only those with ``requires_grad``, ``False`` only the
+        frozen ones: ``fv.numel(trainable=True), fv.numel()`` is what PEFT's
+        ``get_nb_trainable_parameters`` reports for the unwrapped model.
+
+        Raises:
+            flatview.ParameterError: something in ``params`` is not an original parameter.
+        """
+        if params is None:
+            indices: Iterable[int] = self._order
+        elif isinstance(params, (torch.Tensor, str)):
+            indices = [self._lookup(params, "numel")]
+        else:
+            indices = {self._lookup(p, "numel") for p in params}
+        total = 0
+        for index in indices:
+            param = self._params[index]
+            if trainable is None or param.tensor.requires_grad is trainable:
+                total += param.placement.numel
+        return total
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        params: _norms.ParamSelection = None,
+        *,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip gradients by their global norm over whole parameters, in place, as
+        ``torch.nn.utils.clip_grad_norm_`` does on the unwrapped model.
+
+        ``torch.nn.utils.clip_grad_norm_(fv.parameters(), ...)`` takes the norm of this
+        rank's pieces only (as it does on plain FSDP): each rank would clip by a different,
+        too small norm. This takes the norm of every whole gradient in ``params`` with
+        one all-reduce (:meth:`grad_norms`), combines them into the total norm, and
+        scales every gradient in ``params`` by ``min(1, max_norm / (total + 1e-6))``.
+        Parameters without a gradient (skipped, frozen) count as zeros and stay ``None``.
+
+        A collective: every rank calls it with the same arguments, between the backward
+        and the optimizer step. Works on every backend, for any subset of parameters.
+
+        Args:
+            max_norm: the largest total norm allowed.
+            norm_type: ``p`` of the p-norm, or ``inf``.
+            params: as for :meth:`param_norms` (default: every original parameter).
+            error_if_nonfinite: raise if the total norm is ``nan`` or ``inf`` (on every
+                rank: the total is the same everywhere).
+
+        Returns:
+            The total norm of the gradients before clipping (a 0-dim tensor, the same on
+            every rank).
+
+        Raises:
+            flatview.NormError: as for :meth:`grad_norms` (before the all-reduce);
+                ``max_norm`` is not a non-negative number (``inf`` is: it measures without
+                clipping); the total norm is not finite and ``error_if_nonfinite`` is set.
+            StateError: as for :meth:`grad_norms`.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise NormError(f"max_norm must be a number, got {type(max_norm).__name__}")
+        if not max_norm >= 0:
+            # inf is fine (measure without clipping); nan would scale by nan.
+            raise NormError(f"max_norm must be non-negative, got {max_norm}")
+        p = _norms.check_norm_type(norm_type)
+        indices = _norms.select(self, params)
+        norms = [n for n in _norms.grad_norms(self, params, p).values() if n is not None]
+        if not norms:
+            return torch.zeros((), device=self.adapter.device)
+        stacked = torch.stack(norms)
+        total = stacked.max() if math.isinf(p) else torch.linalg.vector_norm(stacked, p)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise NormError(
+                f"the total {p}-norm of the gradients is {total.item()}: not finite "
+                "(error_if_nonfinite=True)"
+            )
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for index in indices:
+            grad = self._params[index].tensor.grad
+            if grad is not None:
+                grad.mul_(scale.to(grad.device, grad.dtype))
+        return total
+
+    def check_param_groups(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check that every rank gives each original parameter in ``optimizer`` the same
+        hyperparameters: the pieces of one parameter must train alike.
+
+        Groups decided by the view's shape break this silently: a partial view is 1-D
+        (an ``ndim <= 1`` rule puts it with the biases) where another rank's full view of
+        the same matrix is 2-D. Build groups from :meth:`shape_of` and names instead
+        (:func:`flatview.optim.param_groups`). At an optimizer's first step flatview warns
+        when this rank alone can see the symptom; this check is exact.
+
+        A collective (one ``all_gather_object`` of each parameter's hyperparameters):
+        every rank calls it with its counterpart of the same optimizer.
+
+        Raises:
+            flatview.ParamGroupError: on every rank alike, naming the parameters whose
+                hyperparameters differ between ranks, or that some ranks' optimizer
+                holds and others' do not.
+        """
+        signature = self._shape_signature(optimizer)
+        local = (self._group_keys(optimizer), signature.suspicious(), bool(signature.whole))
+        everyone: list[Any] = [None] * self.adapter.world_size
+        if self.adapter.world_size > 1:
+            dist.all_gather_object(everyone, local, group=self.adapter.group)
+        else:
+            everyone = [local]
+        gathered = [keys for keys, _, _ in everyone]
+        names = sorted(set().union(*gathered), key=lambda n: self._index_of_name[n])
+        split, partly = [], []
+        for name in names:
+            keys = [g.get(name) for g in gathered]
+            if any(k is None for k in keys):
+                held = [r for r, k in enumerate(keys) if k is not None]
+                partly.append(f"{name} (ranks {held})")
+            elif len(set(keys)) > 1:
+                dicts = [dict(key) for key in keys]
+                differ = sorted(
+                    {k for d in dicts for k in d if any(o.get(k) != d[k] for o in dicts)}
+                )
+                values = "; ".join(
+                    f"rank {r}: " + ", ".join(f"{k}={d.get(k)}" for k in differ)
+                    for r, d in enumerate(dicts)
+                )
+                split.append(f"{name} ({values})")
+        # No split, but no rank holds a matrix in its own shape (torch's 1-D pieces with
+        # use_orig_params=True): a rule by view shape then groups every matrix like the
+        # biases on every rank, consistently; nothing whole contradicts it.
+        misled = []
+        if not split and not any(whole for _, _, whole in everyone):
+            misled = sorted({n for _, names_, _ in everyone for n in names_})
+        if misled:
+            raise ParamGroupError(
+                f"optimizer {type(optimizer).__name__} groups every matrix like the biases "
+                f"and norms although it has other groups: {_list(misled)} are 1-D pieces "
+                "on every rank here, so a rule by p.ndim (timm's param_groups_weight_decay) "
+                "exempts them all, unlike on the unwrapped model. Decide by "
+                "FlatView.shape_of(p) and names, e.g. flatview.optim.param_groups(fv, "
+                "weight_decay=...)."
+            )
+        if split or partly:
+            found = []
+            if split:
+                found.append(f"different hyperparameters on different ranks for {_list(split)}")
+            if partly:
+                found.append(f"held on some ranks only: {_list(partly)}")
+            raise ParamGroupError(
+                f"optimizer {type(optimizer).__name__}'s parameter groups split original "
+                f"parameters across ranks: {'; '.join(found)}. The usual cause is groups "
+                "decided by the view's shape: p.ndim <= 1 is true of the empty and partial "
+                "views of a matrix, so such a rule also exempts every matrix cut between "
+                "ranks, on each of them. Decide by FlatView.shape_of(p) and names, e.g. "
+                "flatview.optim.param_groups(fv, weight_decay=...)."
+            )
+
+    def _group_keys(self, optimizer: torch.optim.Optimizer) -> dict[str, tuple[Any, ...]]:
+        """Per original parameter ``optimizer`` holds, its group's hyperparameters."""
+        keys = {}
+        for group in optimizer.param_groups:
+            key = tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+            for tensor in group["params"]:
+                index = self._index_of_tensor.get(id(tensor))
+                if index is not None:
+                    keys[self._params[index].name] = key
+        return keys
+
+    def _shape_signature(self, optimizer: torch.optim.Optimizer) -> _Signature:
+        """How ``optimizer``'s groups on this rank treat matrices and their pieces."""
+        sig = _Signature(groups=len({_hyperparameters(g) for g in optimizer.param_groups}))
+        for group in optimizer.param_groups:
+            key = _hyperparameters(group)
+            for tensor in group["params"]:
+                index = self._index_of_tensor.get(id(tensor))
+                if index is None:
+                    continue
+                shape = self._params[index].placement.shape
+                if len(shape) <= 1:
+                    sig.low.add(key)
+                    continue
+                sig.matrices.add(key)
+                if tuple(tensor.shape) == shape:
+                    sig.whole.add(key)
+                elif tensor.numel() and index not in self._by_name:
+                    sig.pieces.append((self._params[index].name, key))
+        return sig
+
+    def exempt_by_name(self, param: torch.Tensor | str) -> None:
+        """Record that ``param`` (a matrix) is grouped apart by name on purpose (as
+        :func:`flatview.optim.param_groups` does for ``no_decay`` and embeddings), so that
+        its 1-D pieces in a group with the biases are not taken for grouping by
+        ``p.ndim``."""
+        self._by_name.add(self._lookup(param, "exempt_by_name"))
+
+    def _warn_shape_grouping(self, optimizer: torch.optim.Optimizer) -> None:
+        """At an optimizer's first step: warn if its groups look decided by view shape.
+
+        What this rank alone can see: a matrix's piece whose local tensor has lost the
+        matrix's shape (partial views are 1-D) sits in a group like those of ``ndim <= 1``
+        parameters, while the whole matrices this rank holds get other hyperparameters;
+        or, where no local tensor keeps a matrix's shape (torch ``use_orig_params=True``
+        shards into 1-D pieces), every matrix is grouped like the biases although other
+        groups exist. A rule by name or original shape treats pieces and whole matrices
+        alike, so it does neither (unless it sets apart by name exactly the matrices cut
+        here: :meth:`check_param_groups` tells)."""
+        if optimizer in self._shape_checked:
+            return
+        self._shape_checked.add(optimizer)
+        suspicious = self._shape_signature(optimizer).suspicious()
+        if suspicious:
+            warnings.warn(
+                f"optimizer {type(optimizer).__name__} puts this rank's pieces of the "
+                f"matrices {_norms._listing(suspicious)} (1-D views) in a parameter group "
+                "like the biases and norms, not like whole matrices: groups decided by "
+                "p.ndim (timm's param_groups_weight_decay, create_optimizer_v2) see the "
+                "piece, not the parameter, and train it unlike the unwrapped model. Decide "
+                "by FlatView.shape_of(p) and names: flatview.optim.param_groups(fv, "
+                "weight_decay=...). If this grouping by name is intended, "
+                "FlatView.check_param_groups(optimizer) confirms it.",
+                stacklevel=4,
+            )
+
     def resolve(self, skip: SkipSet) -> list[str]:
         """The original names of the parameters a skip set stands for, in model order."""
         indices = self._resolver.resolve(skip)
@@ -582,12 +849,9 @@ class FlatView:
         reach the flat parameters. Inner units start again during backward when
         activation checkpointing recomputes them, and must not touch gradients then.
         """
-        if self.phase is Phase.LENT:
-            raise StateError(
-                "a forward pass started inside a wrapper operation (state_dict, "
-                "summon_full_params, ...): finish that first"
-            )
+        self.check_not_lent()
         if self.phase is Phase.IDLE:
+            self._check_parametrizations()
             self._write_back()
             self._detach_grads()
             for flat in self._flats:
@@ -634,6 +898,41 @@ class FlatView:
         self._tensor_items.pop(id(old.tensor), None)
         self._tensor_items[id(param)] = [index]
         _checked.clear()
+
+    def check_not_lent(self) -> None:
+        """Refuse a unit's forward inside a wrapper operation that does not cover the
+        unit (summoned units run on the summoned parameters instead)."""
+        if self.phase is Phase.LENT:
+            raise StateError(
+                "a forward pass started inside a wrapper operation (state_dict, "
+                "summon_full_params, ...) through an FSDP unit that operation does not "
+                "cover: finish that first, or summon the whole model (summon_full_params "
+                "with recurse=True), inside which forwards run on the summoned parameters"
+            )
+
+    def _check_parametrizations(self) -> None:
+        """Refuse a parametrization (``torch.nn.utils.parametrize``, ``weight_norm``,
+        ``spectral_norm``, ...) registered on a view after wrapping: it would compute on
+        this rank's piece (a per-piece norm, or a failure on an empty view) and train a
+        copy the shard never sees."""
+        for module, attrs in self._view_owners:
+            found = module._modules.get("parametrizations")
+            if found is None:
+                continue
+            hit = [a for a in attrs if a in found._modules]
+            if hit:
+                where = next(
+                    self.adapter.clean_name(n) for n, m in self.model.named_modules() if m is module
+                )
+                raise WrapError(
+                    f"a parametrization was registered on {', '.join(hit)} of "
+                    f"{where or '<root>'!r} ({type(module).__name__}) after flatview.wrap: "
+                    "there it acts on this rank's piece of the parameter (a view), not on "
+                    "the parameter, and trains a copy the wrapper never sees. Register it "
+                    "on the unwrapped model, before FSDP wraps it (torch.nn.utils."
+                    "parametrize / parametrizations.weight_norm first, then FSDP, then "
+                    "flatview.wrap)."
+                )
 
     def _push_grads(self) -> None:
         """Make the flat gradients say what the view gradients say (before a wrapper
@@ -1009,8 +1308,8 @@ class FlatView:
     def __repr__(self) -> str:
         return (
             f"FlatView(backend={self.adapter.backend}, units={len(self._units)}, "
-            f"params={len(self._params)}, rank={self.adapter.rank}/{self.adapter.world_size}, "
-            f"phase={self.phase.name})"
+            f"params={len(self._params)}, numel={self.numel()}, "
+            f"rank={self.adapter.rank}/{self.adapter.world_size}, phase={self.phase.name})"
         )
 
     # --------------------------------------------------------- optimizer state
@@ -1087,6 +1386,45 @@ class FlatView:
         optim_state.load(self, optimizer, state_dict)
 
 
+@dataclass
+class _Signature:
+    """One rank's view of an optimizer's groups: the hyperparameters (keys) of groups
+    holding ``ndim <= 1`` originals, matrices, matrices in their own shape, and the
+    matrices of which this rank holds a piece that lost the shape."""
+
+    groups: int
+    low: set[str] = field(default_factory=set)
+    matrices: set[str] = field(default_factory=set)
+    whole: set[str] = field(default_factory=set)
+    pieces: list[tuple[str, str]] = field(default_factory=list)
+
+    def suspicious(self) -> list[str]:
+        """Pieces grouped as a rule by the view's ndim would group them."""
+        if self.whole:
+            return [n for n, k in self.pieces if k in self.low and k not in self.whole]
+        if self.groups > 1 and self.matrices <= self.low:
+            return [n for n, _ in self.pieces]
+        return []
+
+
+def _hyperparameters(group: dict[str, Any]) -> str:
+    """A parameter group's hyperparameters (all but its parameters), comparable across
+    groups and ranks."""
+    return repr(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+
+
+def _list(items: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _owners_by_module(owners: Iterable[Any]) -> tuple[tuple[nn.Module, tuple[str, ...]], ...]:
+    attrs: dict[int, tuple[nn.Module, list[str]]] = {}
+    for owner in owners:
+        attrs.setdefault(id(owner.module), (owner.module, []))[1].append(owner.attr)
+    return tuple((module, tuple(names)) for module, names in attrs.values())
+
+
 def check_not_wrapped(modules: Sequence[nn.Module]) -> None:
     for module in modules:
         if module in _wrapped:
@@ -1145,6 +1483,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     _check_stale(optimizer)
     for view in list(_live):
         view._check_optimizer(optimizer)
+        view._warn_shape_grouping(optimizer)
     _checked[optimizer] = signature
 
 

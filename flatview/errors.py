@@ -47,3 +47,12 @@ class NormError(FlatViewError, ValueError):
 
 class OptimStateError(FlatViewError, ValueError):
     """An optimizer, or an optimizer state dict, does not fit the wrapped model."""
+
+
+class ParameterError(FlatViewError, ValueError):
+    """Something given as an original parameter of the wrapped model is not one."""
+
+
+class ParamGroupError(FlatViewError, ValueError):
+    """An optimizer's parameter groups treat the pieces of one original parameter
+    differently on different ranks (e.g. groups decided by the view's shape)."""

@@ -6,19 +6,86 @@ NVIDIA apex's ``LARC`` does, but takes the norms of whole parameters from
 :meth:`flatview.FlatView.param_norms` and :meth:`~flatview.FlatView.grad_norms`: one
 all-reduce per step for all of them. :func:`trust_ratios` gives the same local learning
 rates for your own optimizer code.
+
+:func:`param_groups` builds the usual weight-decay groups (no decay for biases, norms and
+other ``ndim <= 1`` parameters) by each parameter's original shape: rules that look at
+``p.ndim`` see a partial view, which is 1-D.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import fnmatch
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from flatview import norms
 
 if TYPE_CHECKING:
     from flatview.core import FlatView
+
+
+def param_groups(
+    fv: FlatView,
+    weight_decay: float,
+    *,
+    no_decay: Iterable[str] = (),
+    embeddings: bool = False,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Optimizer parameter groups with and without weight decay, decided by each
+    parameter's original shape and name, so that every rank decides alike.
+
+    The rule of timm's ``param_groups_weight_decay`` (what ``create_optimizer_v2`` uses):
+    no decay for parameters of at most one dimension, names ending in ``.bias`` and names
+    in ``no_decay``; decay for the rest. Frozen parameters are left out, as timm does.
+    Applied to views, timm's rule reads ``p.ndim``, which is 1 for every partial view, so
+    it would exempt the pieces of matrices from decay on some ranks and not on others;
+    here the dimension is :meth:`FlatView.shape_of`'s.
+
+    Args:
+        fv: the wrapped model.
+        weight_decay: the decay of the second group.
+        no_decay: more parameters without decay: original names (as in
+            :meth:`FlatView.named_parameters`), module paths (every parameter under
+            them) or ``fnmatch`` patterns (``"*.pos_embed"``); timm's
+            ``model.no_weight_decay()`` names fit as they are.
+        embeddings: also exempt the weights of ``nn.Embedding`` modules.
+        **options: further hyperparameters for both groups (``lr``, ...).
+
+    Returns:
+        ``[{"params": no-decay views, "weight_decay": 0.0, ...}, {"params": decay views,
+        "weight_decay": weight_decay, ...}]``, for any torch optimizer.
+    """
+    patterns = tuple(no_decay)
+    embedded: set[int] = set()
+    if embeddings:
+        for module in fv.model.modules():
+            if isinstance(module, nn.Embedding):
+                embedded.update(id(p) for p in module._parameters.values() if p is not None)
+    exempt: list[nn.Parameter] = []
+    decay: list[nn.Parameter] = []
+    for name, param in fv.named_parameters():
+        if not param.requires_grad:
+            continue
+        named = any(
+            name == pattern or name.startswith(pattern + ".") or fnmatch.fnmatchcase(name, pattern)
+            for pattern in patterns
+        )
+        low = len(fv.shape_of(param)) <= 1
+        if low or name.endswith(".bias") or named or id(param) in embedded:
+            exempt.append(param)
+            if not low:
+                # Set apart by name, not by its piece's shape: nothing to warn about.
+                fv.exempt_by_name(param)
+        else:
+            decay.append(param)
+    return [
+        {**options, "params": exempt, "weight_decay": 0.0},
+        {**options, "params": decay, "weight_decay": weight_decay},
+    ]
 
 
 def param_and_grad_norms(

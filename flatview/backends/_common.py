@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from flatview.errors import StateError
 from flatview.views import Owner
 
 if TYPE_CHECKING:
@@ -158,6 +160,11 @@ class AdapterBase:
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer this backend cannot serve (checked at its first step)."""
 
+    def view_owners(self) -> list[Owner]:
+        """Where views are shown that the core does not know as views (an adapter that
+        describes its views as plain parameters lists their places here)."""
+        return []
+
     def describe_flat(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
         """(unit name, original names) of a flat parameter the core does not know (its
         views described as plain parameters), else ``None``."""
@@ -184,6 +191,32 @@ class AdapterBase:
         self.core.settle_agreement()
         if not torch.is_grad_enabled():
             self.core.end_forward_only()
+
+
+def _refuse_summoned_backward(grad: torch.Tensor) -> None:
+    raise StateError(
+        "backward of a forward that ran inside summon_full_params: the summoned full "
+        "parameters are temporary, so their gradients would be lost (FSDP does not "
+        "support a backward started inside summon_full_params either). Run forwards that "
+        "train outside the summoning; inside it, evaluate or generate (torch.no_grad())."
+    )
+
+
+def forward_in_summon(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run ``module`` (a unit's wrapped module) on the full parameters a summoning put on
+    the submodules, without the wrapper's forward logic or flatview's.
+
+    Inside ``summon_full_params`` every summoned unit's original attributes already hold
+    its full parameters, so evaluation and generation need nothing from the wrapper; its
+    forward would unshard and reshard again, which breaks the summoning (torch FSDP1 and
+    fairscale fail at its exit, or with ``use_orig_params=True`` train on from stale
+    shards). A backward of such a forward is refused when it starts."""
+    output = module(*args, **kwargs)
+    if torch.is_grad_enabled():
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(_refuse_summoned_backward)
+    return output
 
 
 def optional_class(module: str, name: str) -> type[nn.Module] | None:

@@ -112,6 +112,9 @@ class Adapter(Protocol):
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise if ``optimizer`` holds parameters this backend cannot serve."""
 
+    def view_owners(self) -> list[Owner]:
+        """Where views are shown that :meth:`describe` reports as plain parameters."""
+
     def describe_flat(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
         """(unit name, original names) of a flat parameter whose views the adapter
         describes as plain parameters, else ``None``."""

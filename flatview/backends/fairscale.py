@@ -36,6 +36,7 @@ from torch import nn
 
 from flatview.backends._common import (
     AdapterBase,
+    forward_in_summon,
     join,
     nested_unit_message,
     optional_class,
@@ -100,6 +101,7 @@ class FairscaleAdapter(AdapterBase):
         self._idle = TrainingState.IDLE
         self._pre = TrainingState.BACKWARD_PRE
         self._post = TrainingState.BACKWARD_POST
+        self._summoning = TrainingState.SUMMON_FULL_PARAMS
         # fairscale is untyped: its attributes are reached through ``Any``.
         root: Any = model
         self.root = root
@@ -225,6 +227,7 @@ class FairscaleAdapter(AdapterBase):
             for method in methods:
                 self._patch(unit, method, self._lending(getattr(unit, method)))
             self._patch(unit, "summon_full_params", self._lending_context(unit.summon_full_params))
+            self._patch(unit, "forward", self._summonable(unit, unit.forward))
             fpw = unit._fsdp_wrapped_module
             self._patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
             self._patch(unit, "_rebuild_full_params", self._masking_gather(unit))
@@ -244,11 +247,28 @@ class FairscaleAdapter(AdapterBase):
 
     # -------------------------------------------------------------- lifecycle
 
+    def _summonable(self, unit: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``unit.forward``, except inside ``summon_full_params`` of the unit, where the
+        original module holds the full parameters and runs on them directly (see
+        :func:`~flatview.backends._common.forward_in_summon`)."""
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if unit.training_state is not self._summoning:
+                return original(*args, **kwargs)
+            # The flattening wrapper's own forward would lay views of the (sharded) flat
+            # parameters over the summoned ones: run what it wraps.
+            return forward_in_summon(unit._fsdp_wrapped_module.module, *args, **kwargs)
+
+        return forward
+
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
         if self.root._is_root is False and module is self.root:
             # An outer FSDP's forward is running (its lazy initialisation marked this
             # one nested): wrap was given a nested unit before the first forward.
             raise WrapError(nested_unit_message(self.root, self._fsdp, clean_name))
+        if self.units[unit_index][1].training_state is self._summoning:
+            return  # a forward inside summon_full_params: not an iteration
         self.core.begin_compute(outermost=module is self.root)
         self.core.check_unit_forward(unit_index)
 

@@ -76,9 +76,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.utils import _to_kwargs
 
 from flatview.backends._common import (
     AdapterBase,
+    forward_in_summon,
     join,
     nested_unit_message,
     optional_class,
@@ -280,6 +282,7 @@ class TorchFSDPAdapter(AdapterBase):
         self._backward_pre = HandleTrainingState.BACKWARD_PRE
         self._backward_post = HandleTrainingState.BACKWARD_POST
         self._summoning_state = HandleTrainingState.SUMMON_FULL_PARAMS
+        self._summoning_unit = TrainingState.SUMMON_FULL_PARAMS
         # torch's FSDP internals are untyped: they are reached through ``Any``.
         root: Any = model
         self.root = root
@@ -495,6 +498,7 @@ class TorchFSDPAdapter(AdapterBase):
                     functools.partial(self._guard_skipped, index)
                 )
             )
+            self._patch(unit, "forward", self._summonable(unit, unit.forward))
             methods = _LENDING_METHODS + (_ROOT_LENDING_METHODS if unit is self.root else ())
             for method in methods:
                 self._patch(unit, method, self._lending(getattr(unit, method)))
@@ -520,7 +524,26 @@ class TorchFSDPAdapter(AdapterBase):
 
     # -------------------------------------------------------------- lifecycle
 
+    def _summonable(self, unit: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``unit.forward``, except inside ``summon_full_params`` of the unit, where its
+        submodules hold the full parameters and the wrapped module runs on them directly
+        (see :func:`~flatview.backends._common.forward_in_summon`)."""
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if unit.training_state is not self._summoning_unit:
+                return original(*args, **kwargs)
+            if unit is self.root and self.device.type != "cpu":
+                moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
+                args = moved_args[0] if moved_args else ()
+                kwargs = moved_kwargs[0] if moved_kwargs else {}
+            return forward_in_summon(unit._fsdp_wrapped_module, *args, **kwargs)
+
+        return forward
+
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
+        if self.units[unit_index][1].training_state is self._summoning_unit:
+            return  # a forward inside summon_full_params: not an iteration
         outermost = module is self.root
         if outermost and self._backward_aborted():
             self._abandon_backward()

@@ -47,11 +47,12 @@ import torch
 from torch import nn
 from torch.distributed.utils import _to_kwargs
 
+from flatview.backends._common import forward_in_summon
 from flatview.backends.base import PlainSpec, UnitSpec
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
 from flatview.backends.torch_fsdp import SummonLending, TorchFSDPAdapter, clean_name
 from flatview.errors import DoubleCountError, OptimStateError
-from flatview.views import ViewSet
+from flatview.views import Owner, ViewSet
 
 if TYPE_CHECKING:
     from flatview.core import FlatView
@@ -108,9 +109,12 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         self._specs: list[UnitSpec] = []
         params: list[tuple[str, nn.Parameter]] = []
         reduced: set[int] = set()
+        self._view_owners: list[Owner] = []
+        """Where flatview's views (or torch's own) are shown."""
         for unit in fsdp.describe():
             plain: list[PlainSpec] = []
             for spec in unit.flats:
+                self._view_owners.extend(o for owners in spec.owners for o in owners)
                 if spec.wrapper_views is not None:
                     # use_orig_params=True: torch's own parameters alias the flat
                     # parameter already, registered where they belong.
@@ -147,6 +151,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         self.bucket_numel = _DDP_BUCKET_BYTES // element
         self._lent_depth = 0
         self._summon = SummonLending(fsdp._summoning_state, self._lend)
+        self._summoning_unit = fsdp._summoning_unit
         self._init_reduction(params, reduced, _DDP_BUCKET_BYTES)
         # Shown from the start: the core finds plain parameters where they are registered.
         for views in self._view_sets:
@@ -158,6 +163,9 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
 
     def describe(self) -> list[UnitSpec]:
         return self._specs
+
+    def view_owners(self) -> list[Owner]:
+        return self._view_owners
 
     # ---------------------------------------------------------------- install
 
@@ -195,6 +203,8 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         wrapped = self.root._fsdp_wrapped_module
         if in_backward():
             return wrapped(*args, **kwargs)  # a recomputation (checkpointing)
+        if self.root.training_state is self._summoning_unit:
+            return forward_in_summon(wrapped, *args, **kwargs)
         self._write_back()
         self._begin_forward(bool(self.root._sync_gradients))
         if self.device.type != "cpu":
@@ -209,6 +219,9 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         wrapped = self.units[index][1]._fsdp_wrapped_module
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.units[index][1].training_state is self._summoning_unit:
+                return forward_in_summon(wrapped, *args, **kwargs)
+            self.core.check_not_lent()
             if not in_backward():
                 self.core.check_unit_forward(index)
             return wrapped(*args, **kwargs)
