@@ -50,6 +50,7 @@ from torch.distributed.utils import _to_kwargs
 from flatview.backends.base import PlainSpec, UnitSpec
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
 from flatview.backends.torch_fsdp import SummonLending, TorchFSDPAdapter, clean_name
+from flatview.checkpoint import guard_torch_checkpoint
 from flatview.errors import DoubleCountError, OptimStateError
 from flatview.views import ViewSet
 
@@ -166,6 +167,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
             if handle is not None:
                 self._summon.patch(handle, self._patch)
         self._install_reduction()
+        guard_torch_checkpoint(self)
 
     def uninstall(self) -> None:
         super().uninstall()
