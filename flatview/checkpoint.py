@@ -38,11 +38,15 @@ range of the flattened parameter), aliasing the optimizer's own state tensors: n
 is gathered, and DCP reads and writes the optimizer state in place. Scalars (``step``)
 are plain values, identical on every rank. DCP reshards either form on load.
 
-The model state is torch's (``get_model_state_dict`` / ``set_model_state_dict``) on torch
-FSDP1 and DDP. On fairscale, which torch's functions do not know: the full form is
-fairscale's own full ``state_dict()``; the sharded form has a ``ShardedTensor`` per
-sharded parameter, built from the views, and plain tensors for every other parameter and
-persistent buffer.
+The model state: on DDP torch's (``get_model_state_dict`` / ``set_model_state_dict``, as
+without flatview). Full form: torch's on torch FSDP1, fairscale's own full
+``state_dict()`` on fairscale (torch's functions do not know fairscale). Sharded form on
+torch FSDP1 and fairscale: a ``ShardedTensor`` per sharded parameter, built from the views
+as for the optimizer state, plain tensors for every other parameter and persistent
+buffer. (torch FSDP1's own sharded model state gives a rank that holds no element of a
+parameter a ``ShardedTensor`` without local shards, which DCP's load planner leaves out
+of the keys it expects; next to an optimizer's ``param_groups`` that makes the load fail.
+flatview's blocks give such a rank an empty block.)
 
 Options flatview refuses (:class:`flatview.FlatViewError`, before any collective):
 ``broadcast_from_rank0`` (load the same full dict on every rank, or use the sharded
@@ -388,9 +392,7 @@ def _model_state_dict(fv: FlatView, model: nn.Module, info: Any) -> dict[str, An
         if home.layout is None:
             out[home.name] = _offload(value.reshape(home.shape), info.cpu_offload)
         else:
-            out[home.name] = _sharded_value(
-                home, value, value.dtype, fv.adapter, info.cpu_offload
-            )
+            out[home.name] = _sharded_value(home, value, value.dtype, fv.adapter, info.cpu_offload)
     for name, buffer in _persistent_buffers(fv, model):
         out[name] = _offload(buffer.detach(), info.cpu_offload)
     return out
@@ -548,7 +550,9 @@ def _sharded_value(
     if end <= start:
         placement = f"rank:{_group_rank(adapter, home.rank)}/{device}"
         empty = torch.empty(nothing[1], dtype=dtype, device=device)
-        local_shards.append(Shard(empty, ShardMetadata(list(nothing[0]), list(nothing[1]), placement)))
+        local_shards.append(
+            Shard(empty, ShardMetadata(list(nothing[0]), list(nothing[1]), placement))
+        )
     else:
         assert local is not None, home.name
         lo, _ = home.local_interval
@@ -581,9 +585,7 @@ def is_sharded(value: Any) -> bool:
     return isinstance(value, ShardedTensor)
 
 
-def local_of_sharded(
-    home: Placement, value: Any, like: torch.Tensor | None = None
-) -> torch.Tensor:
+def local_of_sharded(home: Placement, value: Any, like: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's part of a ``ShardedTensor`` made by :func:`get_state_dict` on this
     model (and filled by ``torch.distributed.checkpoint.load``), shaped as
     :func:`flatview.optim_state.local_part` shapes it. A copy."""

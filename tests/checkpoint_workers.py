@@ -81,16 +81,7 @@ def torch_api_refused(scenario: Scenario) -> dict[str, Any]:
             pass
         before = consolidated(fv, opts)
         for full in (False, True):
-            options = _options(full)
-            calls = [
-                lambda: dsd.get_state_dict(model, opts, options=options),
-                lambda: dsd.get_optimizer_state_dict(model, opts[0], options=options),
-                lambda: dsd.set_state_dict(
-                    model, opts, model_state_dict={}, optim_state_dict={}, options=options
-                ),
-                lambda: dsd.set_optimizer_state_dict(model, opts, {}, options=options),
-            ]
-            for call in calls:
+            for call in _torch_calls(model, opts, _options(full)):
                 start = _sequence()
                 try:
                     call()
@@ -99,13 +90,42 @@ def torch_api_refused(scenario: Scenario) -> dict[str, Any]:
                 else:
                     out["messages"].append(None)
                 out["collectives"].append(_sequence() - start)
+        refused = (
+            StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            StateDictOptions(flatten_optimizer_state_dict=True),
+        )
+        for options in refused:
+            start = _sequence()
+            try:
+                fcp.get_state_dict(fv, model, opts, options=options)
+            except FlatViewError as err:
+                out["messages"].append(str(err))
+            else:
+                out["messages"].append(None)
+            out["collectives"].append(_sequence() - start)
         if scenario.backend == "torch":
             model_sd = dsd.get_model_state_dict(model, options=_options(True))
             out["model_keys"] = sorted(model_sd)
         out["unchanged"] = _same(consolidated(fv, opts), before)
         fcp.get_state_dict(fv, model, opts, options=_options(False))
         out["flatview_ok"] = _same(consolidated(fv, opts), before)
+        fv.unwrap()
+        out["guard_removed"] = "_fqn_modifiers" not in vars(model)
     return out
+
+
+def _torch_calls(model: Any, opts: list[Any], options: StateDictOptions) -> list[Any]:
+    """torch's four state-dict functions, each called with optimizers over views."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    return [
+        lambda: dsd.get_state_dict(model, opts, options=options),
+        lambda: dsd.get_optimizer_state_dict(model, opts[0], options=options),
+        lambda: dsd.set_state_dict(
+            model, opts, model_state_dict={}, optim_state_dict={}, options=options
+        ),
+        lambda: dsd.set_optimizer_state_dict(model, opts, {}, options=options),
+    ]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -149,7 +169,12 @@ def resume(scenario: Scenario, path: str, split: int, full: bool) -> dict[str, A
     model_sd, optim_sd = fcp.get_state_dict(fv, model, opts, options=_options(full))
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     fcp.set_state_dict(
-        fv, model, opts, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_options(full)
+        fv,
+        model,
+        opts,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=_options(full),
     )
     loaded = consolidated(fv, opts)
     for _ in distributed_training(scenario, model, fv, opts, optimizer_steps(scenario)[split:]):
