@@ -390,9 +390,12 @@ def _model_state_dict(fv: FlatView, model: nn.Module, info: Any) -> dict[str, An
         home = param.placement
         value = param.tensor.detach()
         if home.layout is None:
-            out[home.name] = _offload(value.reshape(home.shape), info.cpu_offload)
+            entry = _offload(value.reshape(home.shape), info.cpu_offload)
         else:
-            out[home.name] = _sharded_value(home, value, value.dtype, fv.adapter, info.cpu_offload)
+            entry = _sharded_value(home, value, value.dtype, fv.adapter, info.cpu_offload)
+        # Under every name, as the unwrapped model's state_dict() lists tied parameters.
+        for name in param.names:
+            out[name] = entry
     for name, buffer in _persistent_buffers(fv, model):
         out[name] = _offload(buffer.detach(), info.cpu_offload)
     return out
@@ -430,8 +433,9 @@ def _load_model_state_dict(
     for param in fv._params:
         if info.ignore_frozen_params and not param.tensor.requires_grad:
             continue
-        expected[param.name] = param.tensor
-        homes[param.name] = param.placement
+        for name in param.names:
+            expected[name] = param.tensor
+            homes[name] = param.placement
     for name, buffer in _persistent_buffers(fv, model):
         expected[name] = buffer
     missing = [k for k in expected if k not in state_dict]
