@@ -126,9 +126,10 @@ def _check_run(out: dict[str, Any], scenario: Scenario) -> None:
 def test_checkpoint_resumes_at_other_world_sizes_and_unwrapped(
     dist_pool: PoolFactory, backend: BackendConfig, tmp_path: Path
 ) -> None:
-    """Saved at world size 2 (sharded and full), resumed at 2 and 3 and into the plain
-    model with torch's own functions: every run ends where the uninterrupted one does,
-    and every load gives back the consolidated state that was saved."""
+    """Saved at world size 2 (sharded and full), resumed at 2 and 3 (fairscale's also on
+    torch FSDP1) and into the plain model with torch's own functions: every run ends
+    where the uninterrupted one does, and every load gives back the consolidated state
+    that was saved."""
     scenario = backend.scenario(BASE)
     paths = {False: str(tmp_path / "sharded"), True: str(tmp_path / "full")}
     results = dist_pool(2).run(cw.save_and_resume, scenario, paths, SPLIT, timeout=TIMEOUT)
@@ -138,11 +139,14 @@ def test_checkpoint_resumes_at_other_world_sizes_and_unwrapped(
     saved = out["saved"]
 
     wider = replace(scenario, world_size=3)
-    elsewhere = dist_pool(3).run(cw.resume_elsewhere, wider, paths, SPLIT, timeout=TIMEOUT)[0]
     want = reference_resumed(scenario, wider, SPLIT)
-    for full in (False, True):
-        assert_same_state(elsewhere[full]["loaded"], saved, ("world 3", full))
-        compare(elsewhere[full]["params"], want)
+    # fairscale's checkpoint also resumes on torch FSDP1 (names and forms are the same).
+    targets = [wider] + ([replace(wider, backend="torch")] if backend == FAIRSCALE else [])
+    for target in targets:
+        elsewhere = dist_pool(3).run(cw.resume_elsewhere, target, paths, SPLIT, timeout=TIMEOUT)[0]
+        for full in (False, True):
+            assert_same_state(elsewhere[full]["loaded"], saved, (target.backend, full))
+            compare(elsewhere[full]["params"], want)
 
     # The unwrapped model, one process, torch's own functions.
     for full, path in paths.items():
