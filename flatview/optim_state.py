@@ -88,6 +88,11 @@ def local_part(
 ) -> torch.Tensor:
     """This rank's part of a full per-element tensor, shaped like ``like`` (the
     optimizer's parameter) where it holds as many elements, 1-D otherwise. A copy."""
+    from flatview import checkpoint
+
+    if checkpoint.is_sharded(full):
+        # The sharded form of flatview.checkpoint: this rank's elements are its own.
+        return checkpoint.local_of_sharded(home, full, like)
     full = full.detach()
     if home.layout is None:
         return full.clone()

@@ -44,6 +44,7 @@ from flatview.backends._common import (
     without_segments,
 )
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
+from flatview.checkpoint import guard_torch_checkpoint
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan
 from flatview.views import Owner
@@ -238,6 +239,7 @@ class FairscaleAdapter(AdapterBase):
         self._patch(self.root, "_setup_streams", self._streams_then_shim(self.root._setup_streams))
         if self.root._reducer is not None:
             self._install_shim()
+        guard_torch_checkpoint(self)
 
     def uninstall(self) -> None:
         super().uninstall()

@@ -88,6 +88,7 @@ from flatview.backends._common import (
     without_segments,
 )
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
+from flatview.checkpoint import guard_torch_checkpoint
 from flatview.core import check_not_wrapped
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan, Segment
@@ -513,6 +514,7 @@ class TorchFSDPAdapter(AdapterBase):
         self._patch(order, "next_iter", self._finishing(order.next_iter))
         self._patch(order, "get_handle_to_forward_prefetch", self._forward_prefetch_target)
         self._patch(order, "get_handle_to_backward_prefetch", self._backward_prefetch_target)
+        guard_torch_checkpoint(self)
 
     def uninstall(self) -> None:
         super().uninstall()

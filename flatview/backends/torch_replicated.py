@@ -51,6 +51,7 @@ from flatview.backends._common import forward_in_summon
 from flatview.backends.base import PlainSpec, UnitSpec
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
 from flatview.backends.torch_fsdp import SummonLending, TorchFSDPAdapter, clean_name
+from flatview.checkpoint import guard_torch_checkpoint
 from flatview.errors import DoubleCountError, OptimStateError
 from flatview.views import Owner, ViewSet
 
@@ -180,6 +181,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
             if handle is not None:
                 self._summon.patch(handle, self._patch)
         self._install_reduction()
+        guard_torch_checkpoint(self)
 
     def uninstall(self) -> None:
         super().uninstall()

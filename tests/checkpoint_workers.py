@@ -1,0 +1,226 @@
+"""Worker tasks of tests/test_checkpoint_api.py: checkpoints through
+``torch.distributed.checkpoint`` (DCP) with optimizers over views.
+
+A run trains the first ``split`` optimizer steps of a scenario, saves model and
+optimizers with DCP, trains on to the end (the uninterrupted run), then builds a fresh
+model, flatview and optimizers, loads the checkpoint and trains the remaining steps
+(the resumed run). Both runs' final parameters come back, with the consolidated
+optimizer state (``fv.optim_state_dict``) at the save and right after the load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+import flatview.checkpoint as fcp
+from flatview import FlatView, FlatViewError
+from tests.scenarios import (
+    Scenario,
+    backend_context,
+    distributed_model,
+    distributed_training,
+    full_state,
+    optimizer_steps,
+)
+
+State = dict[str, Any]
+"""A consolidated optimizer state with numpy arrays for tensors (picklable, comparable)."""
+
+
+def as_numpy(state: dict[str, Any]) -> State:
+    """Tensors of a (nested) state dict as numpy arrays, 0-dim ones as python numbers."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = as_numpy(value)
+        elif isinstance(value, list):
+            out[key] = [as_numpy(v) if isinstance(v, dict) else v for v in value]
+        elif isinstance(value, torch.Tensor):
+            array = value.detach().cpu().numpy().copy()
+            out[key] = array.item() if array.ndim == 0 else array
+        else:
+            out[key] = value
+    return out
+
+
+def consolidated(fv: FlatView, opts: list[torch.optim.Optimizer]) -> State:
+    """Every optimizer's ``fv.optim_state_dict``, merged as flatview.checkpoint merges them."""
+    merged: dict[str, Any] = {"state": {}, "param_groups": []}
+    for opt in opts:
+        part = fv.optim_state_dict(opt)
+        merged["state"].update(part["state"])
+        merged["param_groups"].extend(part["param_groups"])
+    return as_numpy(merged)
+
+
+def _options(full: bool) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=full)
+
+
+def _sequence() -> int:
+    group: Any = dist.distributed_c10d._get_default_group()
+    return int(group._get_sequence_number_for_group())
+
+
+def torch_api_refused(scenario: Scenario) -> dict[str, Any]:
+    """torch's four functions, full and sharded, each raise FlatViewError with optimizers
+    over views, before any collective; a model-only call still works; so does flatview's
+    own pair, afterwards (nothing was left half done)."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    out: dict[str, Any] = {"messages": [], "collectives": []}
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for _ in distributed_training(scenario, model, fv, opts, optimizer_steps(scenario)[:1]):
+            pass
+        before = consolidated(fv, opts)
+        for full in (False, True):
+            for call in _torch_calls(model, opts, _options(full)):
+                start = _sequence()
+                try:
+                    call()
+                except FlatViewError as err:
+                    out["messages"].append(str(err))
+                else:
+                    out["messages"].append(None)
+                out["collectives"].append(_sequence() - start)
+        refused = (
+            StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            StateDictOptions(flatten_optimizer_state_dict=True),
+        )
+        for options in refused:
+            start = _sequence()
+            try:
+                fcp.get_state_dict(fv, model, opts, options=options)
+            except FlatViewError as err:
+                out["messages"].append(str(err))
+            else:
+                out["messages"].append(None)
+            out["collectives"].append(_sequence() - start)
+        if scenario.backend == "torch":
+            model_sd = dsd.get_model_state_dict(model, options=_options(True))
+            out["model_keys"] = sorted(model_sd)
+        out["unchanged"] = _same(consolidated(fv, opts), before)
+        fcp.get_state_dict(fv, model, opts, options=_options(False))
+        out["flatview_ok"] = _same(consolidated(fv, opts), before)
+        fv.unwrap()
+        out["guard_removed"] = "_fqn_modifiers" not in vars(model)
+    return out
+
+
+def _torch_calls(model: Any, opts: list[Any], options: StateDictOptions) -> list[Any]:
+    """torch's four state-dict functions, each called with optimizers over views."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    return [
+        lambda: dsd.get_state_dict(model, opts, options=options),
+        lambda: dsd.get_optimizer_state_dict(model, opts[0], options=options),
+        lambda: dsd.set_state_dict(
+            model, opts, model_state_dict={}, optim_state_dict={}, options=options
+        ),
+        lambda: dsd.set_optimizer_state_dict(model, opts, {}, options=options),
+    ]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.shape == b.shape and bool(np.array_equal(a, b))
+    return bool(a == b)
+
+
+def save_and_resume(scenario: Scenario, paths: dict[bool, str], split: int) -> dict[str, Any]:
+    """Train ``split`` steps, save with flatview.checkpoint + DCP (sharded to
+    ``paths[False]``, full to ``paths[True]``), train on; then resume a fresh model from
+    each checkpoint and train the same remaining steps."""
+    steps = optimizer_steps(scenario)
+    out: dict[str, Any] = {}
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for _ in distributed_training(scenario, model, fv, opts, steps[:split]):
+            pass
+        out["saved"] = consolidated(fv, opts)
+        for full, path in paths.items():
+            model_sd, optim_sd = fcp.get_state_dict(fv, model, opts, options=_options(full))
+            if full:
+                out["full_equal"] = _same(as_numpy(optim_sd), out["saved"])
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+            pass
+        out["uninterrupted"] = full_state(model, scenario)
+        for full, path in paths.items():
+            out[full] = resume(scenario, path, split, full)
+    return out
+
+
+def resume(scenario: Scenario, path: str, split: int, full: bool) -> dict[str, Any]:
+    """A fresh model, flatview and optimizers loaded from ``path``, then trained from
+    step ``split`` on: the consolidated state after the load, the final parameters."""
+    model, fv, opts = distributed_model(scenario)
+    model_sd, optim_sd = fcp.get_state_dict(fv, model, opts, options=_options(full))
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    fcp.set_state_dict(
+        fv,
+        model,
+        opts,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=_options(full),
+    )
+    loaded = consolidated(fv, opts)
+    for _ in distributed_training(scenario, model, fv, opts, optimizer_steps(scenario)[split:]):
+        pass
+    return {"loaded": loaded, "params": full_state(model, scenario)}
+
+
+def resume_elsewhere(scenario: Scenario, paths: dict[bool, str], split: int) -> dict[str, Any]:
+    """:func:`resume` from each checkpoint (saved at another world size or backend)."""
+    with backend_context(scenario.backend):
+        return {full: resume(scenario, path, split, full) for full, path in paths.items()}
+
+
+def torch_api_resume(scenario: Scenario, path: str, split: int) -> dict[str, Any]:
+    """DDP + flatview: torch's own get_state_dict / set_state_dict and DCP, saved after
+    ``split`` steps, resumed in a fresh model: final parameters of both runs."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    steps = optimizer_steps(scenario)
+    model, fv, opts = distributed_model(scenario)
+    for _ in distributed_training(scenario, model, fv, opts, steps[:split]):
+        pass
+    saved = consolidated(fv, opts)
+    model_sd, optim_sd = dsd.get_state_dict(model, opts)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+        pass
+    uninterrupted = full_state(model, scenario)
+    model, fv, opts = distributed_model(scenario)
+    model_sd, optim_sd = dsd.get_state_dict(model, opts)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    # strict=False: torch's strict load wants state for every parameter; plain SGD
+    # (stem's optimizer) keeps none.
+    dsd.set_state_dict(
+        model,
+        opts,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=StateDictOptions(strict=False),
+    )
+    loaded = consolidated(fv, opts)
+    for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+        pass
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "uninterrupted": uninterrupted,
+        "resumed": full_state(model, scenario),
+    }
