@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flatview import norms
+from flatview.whole import Whole
 
 if TYPE_CHECKING:
     from flatview.core import FlatView
+
+__all__ = ["LARC", "Whole", "param_and_grad_norms", "trust_ratios"]
 
 
 def param_and_grad_norms(
