@@ -333,7 +333,9 @@ class Whole(torch.optim.Optimizer):
             for position, m in enumerate(self._split):
                 flags[2 * position] = m.tensor.grad is not None
                 piece = m.local(m.tensor)
-                flags[2 * position + 1] = piece is not None and m.checksum != _checksum(piece)
+                # A rank holding nothing of it has nothing that could have changed.
+                changed = piece is not None and piece.numel() > 0
+                flags[2 * position + 1] = changed and m.checksum != _checksum(piece)
             self.ledger.record("all_reduce", flags)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
             found = flags.tolist()

@@ -80,6 +80,17 @@ def test_skips_cost_nothing_and_replicas_communicate_nothing(
         assert min(owned) > 0, owned
 
 
+def test_a_rank_holding_nothing_of_a_matrix_costs_nothing(dist_pool: PoolFactory) -> None:
+    """Tiny matrices on 3 ranks: some rank holds no element of a split matrix; it must
+    not take that for a change (which would resend every value each step)."""
+    scenario = FAIRSCALE.scenario(
+        Scenario(world_size=3, in_dim=1, width=3, inner=(1, 2), classes=2), skips=((), ())
+    )
+    run = ww.MuonRun(scenario)
+    results = dist_pool(3).run(ww.distributed, run, timeout=TIMEOUT)
+    _check(results, ww.reference(run), 3)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_writes_outside_the_optimizer_reach_the_owners(
     dist_pool: PoolFactory, world_size: int
