@@ -84,7 +84,8 @@ def test_a_rank_holding_nothing_of_a_matrix_costs_nothing(dist_pool: PoolFactory
     """Tiny matrices on 3 ranks: some rank holds no element of a split matrix; it must
     not take that for a change (which would resend every value each step)."""
     scenario = FAIRSCALE.scenario(
-        Scenario(world_size=3, in_dim=1, width=3, inner=(1, 2), classes=2), skips=((), ())
+        Scenario(world_size=3, in_dim=1, width=3, inner=(1, 2), norms=(False, False), classes=2),
+        skips=((), ()),
     )
     run = ww.MuonRun(scenario)
     results = dist_pool(3).run(ww.distributed, run, timeout=TIMEOUT)
