@@ -73,6 +73,13 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_whole(session: nox.Session) -> None:
+    """Run benchmarks/bench_whole.py: Muon over shards, flatview.optim.Whole against
+    all-gathering every gradient (posargs go to the script)."""
+    _run_script(session, "benchmarks/bench_whole.py")
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check + ruff format --check (skips paths that do not exist yet)."""
     paths = [p for p in LINT_PATHS if (ROOT / p).exists()]

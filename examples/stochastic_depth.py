@@ -13,6 +13,7 @@ Run it:
     python examples/stochastic_depth.py                 # spawns 2 CPU processes (gloo)
     python examples/stochastic_depth.py --backend torch # torch's FSDP instead of fairscale
     python examples/stochastic_depth.py --backend ddp   # DDP: skip sets, no sharding
+    python examples/stochastic_depth.py --optimizer muon  # Muon on the blocks' matrices
     torchrun --nproc-per-node 8 examples/stochastic_depth.py   # GPUs, NCCL
 
 It prints train and held-out accuracy and the gradient bytes flatview reduced against
@@ -44,6 +45,7 @@ from _common import (
 from torch import nn
 
 import flatview
+import flatview.optim
 
 # ----------------------------------------------------------------------------- model
 
@@ -238,13 +240,33 @@ def train(env: DistEnv, args: argparse.Namespace) -> None:
 
     # Views are ordinary parameters of the original submodules, under their original
     # names: parameter groups work exactly as they would without FSDP.
-    groups = parameter_groups(fv.named_parameters(), args.lr, args.head_lr, args.weight_decay)
-    optimizer = torch.optim.AdamW(groups)
+    named = list(fv.named_parameters())
+    optimizers: list[torch.optim.Optimizer] = []
+    if args.optimizer == "muon":
+        # Muon orthogonalises whole matrices: the blocks' weights, chosen by original shape
+        # (a view is a 1-D piece where it straddles a shard boundary), stepped whole by
+        # one owner rank each (flatview.optim.Whole). AdamW keeps the rest.
+        matrices = [
+            p for n, p in named if n.startswith("blocks.") and len(fv.placement(p).shape) == 2
+        ]
+        chosen = {id(p) for p in matrices}
+        named = [(n, p) for n, p in named if id(p) not in chosen]
+        optimizers.append(
+            flatview.optim.Whole(
+                torch.optim.Muon, fv, matrices, lr=args.muon_lr, momentum=0.95, weight_decay=0.0
+            )
+        )
+    groups = parameter_groups(named, args.lr, args.head_lr, args.weight_decay)
+    optimizers.append(torch.optim.AdamW(groups))
+    optimizer = optimizers[-1]
     warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps)),
-    )
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(
+            opt,
+            lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps)),
+        )
+        for opt in optimizers
+    ]
     if env.is_main:
         print(
             f"{fv}\n{env.world_size} ranks ({env.launcher}, {env.device.type}), "
@@ -253,6 +275,8 @@ def train(env: DistEnv, args: argparse.Namespace) -> None:
             f"drop probabilities {[round(p, 2) for p in net.drop_probs]}",
             flush=True,
         )
+        if args.optimizer == "muon":
+            print(f"  {optimizers[0]!r}: the blocks' matrices, lr {args.muon_lr}")
         for group in optimizer.param_groups:
             print(
                 f"  param group: {len(group['params']):2d} views, peak lr "
@@ -277,9 +301,11 @@ def train(env: DistEnv, args: argparse.Namespace) -> None:
             logits = model(x, skip=skip)
             loss = F.cross_entropy(logits, y)
             loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for schedule in schedules:
+            schedule.step()
 
         stats = fv.stats
         assert stats is not None
@@ -352,7 +378,7 @@ def report(
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"stochastic_depth_{args.backend}"
+    stem = f"stochastic_depth_{args.backend}" + ("_muon" if args.optimizer == "muon" else "")
     plot(history, out / f"{stem}.png", args)
     summary = {
         "backend": args.backend,
@@ -429,6 +455,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=4e-3)
     parser.add_argument("--head-lr", type=float, default=1e-2)
     parser.add_argument("--weight-decay", type=float, default=0.05)
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: torch.optim.Muon on the blocks' matrices (flatview.optim.Whole), AdamW on "
+        "the rest",
+    )
+    parser.add_argument("--muon-lr", type=float, default=0.02)
     return parser.parse_args(argv)
 
 

@@ -1069,6 +1069,18 @@ class FlatView:
         """The index of the original parameter ``tensor`` is (view or plain), if any."""
         return self._index_of_tensor.get(id(tensor))
 
+    def placement(self, tensor: torch.Tensor) -> Placement:
+        """Where the elements of original parameter ``tensor`` (a view or plain
+        parameter) live across ranks; :class:`~flatview.errors.OptimStateError` if it is
+        not one."""
+        index = self.index_of(tensor)
+        if index is None:
+            raise OptimStateError(
+                f"a {type(tensor).__name__} of shape {tuple(tensor.shape)} is not an original "
+                f"parameter of {self!r}"
+            )
+        return self._params[index].placement
+
     def tensor(self, index: int) -> nn.Parameter:
         """Original parameter ``index``: its view, or the plain parameter itself."""
         return self._params[index].tensor
@@ -1357,6 +1369,11 @@ class FlatView:
                 the rank), after the exchange of descriptions and before any state
                 tensor moves.
         """
+        whole = getattr(optimizer, "consolidated_state_dict", None)
+        if whole is not None:
+            # flatview.optim.Whole keeps whole tensors on owner ranks: it consolidates itself.
+            consolidated: dict[str, Any] = whole(rank0_only=rank0_only)
+            return consolidated
         return optim_state.consolidate(self, optimizer, rank0_only=rank0_only)
 
     def load_optim_state_dict(
@@ -1383,6 +1400,10 @@ class FlatView:
                 of parameter groups; or a per-element tensor does not have its
                 parameter's shape. Nothing is loaded then.
         """
+        whole = getattr(optimizer, "load_consolidated_state_dict", None)
+        if whole is not None:
+            whole(state_dict)
+            return
         optim_state.load(self, optimizer, state_dict)
 
 

@@ -22,9 +22,12 @@ import torch
 from torch import nn
 
 from flatview import norms
+from flatview.whole import Whole
 
 if TYPE_CHECKING:
     from flatview.core import FlatView
+
+__all__ = ["LARC", "Whole", "param_and_grad_norms", "trust_ratios"]
 
 
 def param_groups(

@@ -1,0 +1,567 @@
+"""Whole-parameter optimizers over sharded views: :class:`Whole`.
+
+An elementwise optimizer (SGD, Adam) is exact on a piece of a parameter; an
+orthogonalising one is not. ``torch.optim.Muon`` runs a Newton-Schulz iteration on each
+weight matrix, Shampoo-style preconditioners factor it: they need the whole matrix,
+and a partial view holds a 1-D slice of one rank's shard. :class:`Whole` runs an
+unmodified torch optimizer on whole parameters over the shards:
+
+* Every parameter has one *owner* rank. A parameter whose elements all live on one rank
+  (a FULL view, or a replicated one: DDP, ``NO_SHARD``) is stepped where it lives, on the
+  view itself: nothing is communicated. A parameter split over several ranks goes to
+  the rank with the least owned elements so far (largest parameters first), which keeps
+  a *whole copy* of it, and the inner optimizer's state for it: memory stays sharded,
+  each rank holding the state of about ``1/world`` of the elements.
+* A step sends each holder's piece of every split parameter's gradient to its owner
+  (one ``all_to_all_single`` per dtype for all of them), the owner steps the inner
+  optimizer on its whole copies, and sends every holder its piece of the updated values
+  (a second ``all_to_all_single``). The owner's own piece never travels, so each
+  gradient and update element crosses the network at most once each way. A tiny
+  all-reduce first tells every rank which split parameters have a gradient anywhere
+  (skipped and frozen ones have none: no communication, the inner optimizer leaves them
+  alone, as torch's would) and whether any holder's piece changed outside this
+  optimizer since its last step (a model ``load_state_dict``, a write through
+  ``.data``): the owner then refreshes its whole copy from the pieces in the same
+  exchange, instead of training on stale values.
+
+Tensor roles (beside those of :mod:`flatview.views`)
+----------------------------------------------------
+whole copy
+    The owner's full-shape tensor of a split parameter: what the inner optimizer steps.
+whole gradient
+    Its gradient for one step, assembled from every holder's piece, freed after the step.
+piece
+    One rank's elements of the parameter, as its view (or torch's) holds them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatview.comm.ledger import Ledger
+from flatview.errors import OptimStateError
+from flatview.layout import Interval, Placement
+
+if TYPE_CHECKING:
+    from flatview.core import FlatView
+
+EVERY_RANK = -1
+"""The owner of a replicated parameter: every rank steps its own copy alike."""
+
+
+@dataclass
+class _Member:
+    """One parameter of a :class:`Whole` optimizer."""
+
+    name: str
+    tensor: nn.Parameter
+    """The user's view (or plain parameter), as in ``param_groups``."""
+    placement: Placement
+    group: int
+    owner: int
+    """The rank that steps it; :data:`EVERY_RANK` for a replicated parameter."""
+    pieces: tuple[Interval, ...]
+    """Per rank, its elements in the flattened parameter (empty where it holds none)."""
+    split: bool
+    """Several ranks hold elements of it: its owner keeps a whole copy."""
+    whole: nn.Parameter | None = None
+    """The whole copy, on the owner of a split parameter only."""
+    checksum: float | None = None
+    """The sum of this rank's piece when this optimizer last wrote or read it."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.placement.shape)
+
+    def local(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's elements of ``tensor`` (the parameter or its gradient), 1-D, a
+        view that writes through; ``None`` where the tensor has no such elements."""
+        if tensor is None:
+            return None
+        placement = self.placement
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() == placement.local_numel:
+            start, end = placement.local_interval
+        elif placement.sharded and flat.numel() == placement.numel:
+            start, end = placement.param_interval
+        else:
+            return None
+        return flat[start:end]
+
+
+def _requires_closure(optimizer_cls: type) -> bool:
+    step = getattr(optimizer_cls, "step", None)
+    if step is None:
+        return False
+    parameter = inspect.signature(step).parameters.get("closure")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _probe(
+    optimizer_cls: type[torch.optim.Optimizer],
+    groups: Sequence[Sequence[tuple[str, torch.Size, torch.dtype]]],
+    hyper: Sequence[Mapping[str, Any]],
+    kwargs: Mapping[str, Any],
+) -> None:
+    """Build the inner optimizer over meta tensors of the original shapes, on every rank
+    alike: what it refuses (Muon a parameter that is not 2-D) is refused on every rank,
+    before any collective, naming the parameter."""
+
+    def meta(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+
+    try:
+        optimizer_cls(
+            [
+                {"params": [meta(s, d) for _, s, d in members], **h}
+                for members, h in zip(groups, hyper, strict=True)
+            ],
+            **kwargs,
+        )
+    except Exception as err:
+        for members, h in zip(groups, hyper, strict=True):
+            for name, shape, dtype in members:
+                try:
+                    optimizer_cls([{"params": [meta(shape, dtype)], **h}], **kwargs)
+                except Exception as alone:
+                    raise OptimStateError(
+                        f"{optimizer_cls.__name__} refuses parameter {name!r} (original "
+                        f"shape {tuple(shape)}): {alone}"
+                    ) from alone
+        raise OptimStateError(
+            f"{optimizer_cls.__name__} could not be built over these parameters: {err}"
+        ) from err
+
+
+class Whole(torch.optim.Optimizer):
+    """A torch optimizer run on whole original parameters over flat shards.
+
+    ``Whole(torch.optim.Muon, fv, matrices, lr=0.02, momentum=0.95)`` behaves like
+    ``torch.optim.Muon(matrices, lr=0.02, momentum=0.95)`` on the unwrapped model:
+    each parameter is stepped whole by one owner rank (see the module docstring), and
+    every rank's view is updated in place. Any optimizer whose state is per parameter
+    works (Muon, Adafactor, AdamW, SGD, ...); one that needs a closure (LBFGS) is
+    refused.
+
+    Construction, :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict` are
+    collectives where the model is sharded: every rank calls them, with the same
+    parameters in the same groups. On DDP, ``NO_SHARD`` and one rank (every view
+    full) it is the inner optimizer itself, with no communication.
+
+    Args:
+        optimizer_cls: the torch optimizer class (``torch.optim.Muon``).
+        fv: the wrapped model the parameters belong to.
+        params: views or parameters of ``fv`` (``fv.parameters()``,
+            ``submodule.parameters()``), or parameter groups (dicts with ``"params"``).
+        **optimizer_kwargs: the inner optimizer's arguments.
+
+    Raises:
+        flatview.OptimStateError: a tensor that is not an original parameter of ``fv``
+            (a parameter of another model or FlatView, a flat parameter), a parameter
+            given twice, a parameter the inner optimizer refuses (Muon: not 2-D; named),
+            an optimizer that needs a closure, or ranks that passed different
+            parameters.
+    """
+
+    def __init__(
+        self,
+        optimizer_cls: type[torch.optim.Optimizer],
+        fv: FlatView,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if _requires_closure(optimizer_cls):
+            raise OptimStateError(
+                f"{optimizer_cls.__name__} needs a closure and keeps state across "
+                "parameters; flatview.optim.Whole runs optimizers whose state is per "
+                "parameter"
+            )
+        self.fv = fv
+        self.optimizer_cls = optimizer_cls
+        self.ledger = Ledger()
+        """Bytes and calls of the last :meth:`step`'s collectives."""
+        adapter = fv.adapter
+        self._group = adapter.group
+        self._rank = adapter.rank
+        self._world = adapter.world_size
+        self._device = adapter.device
+        user_groups: list[dict[str, Any]] = []
+        self._members: list[_Member] = []
+        raw = list(params)
+        groups = raw if raw and isinstance(raw[0], dict) else [{"params": raw}]
+        seen: set[int] = set()
+        for number, group in enumerate(groups):
+            if not isinstance(group, dict):
+                raise OptimStateError("parameter groups must all be dicts, or none of them")
+            tensors = group["params"]
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            for tensor in tensors:
+                self._members.append(self._member(tensor, number, seen))
+            user_groups.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": tensors}
+            )
+        if not self._members:
+            raise OptimStateError("flatview.optim.Whole got an empty parameter list")
+        by_group: list[list[tuple[str, torch.Size, torch.dtype]]] = [[] for _ in groups]
+        for m in self._members:
+            by_group[m.group].append((m.name, m.shape, m.tensor.dtype))
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
+        _probe(optimizer_cls, by_group, hyper, optimizer_kwargs)
+        self._assign_owners()
+        # Sharded models exchange with every step; the same on every rank (the layouts
+        # are), so every rank takes part in the check of the parameter lists below.
+        self._sharded = self._world > 1 and any(
+            fv.placement(p).sharded for _, p in fv.named_parameters()
+        )
+        if self._sharded:
+            self._check_same_everywhere()
+        self._split = [m for m in self._members if m.split]
+        for m in self._split:
+            if m.owner == self._rank:
+                m.whole = nn.Parameter(
+                    torch.zeros(m.shape, dtype=m.tensor.dtype, device=m.tensor.device)
+                )
+        # The inner optimizer over what this rank steps: whole copies of the split
+        # parameters it owns, and the views of those wholly on this rank.
+        inner_groups = [
+            {**h, "params": [t for m in self._members if m.group == i for t in self._run(m)]}
+            for i, h in enumerate(hyper)
+        ]
+        self.inner = optimizer_cls(inner_groups, **optimizer_kwargs)
+        """The torch optimizer this rank steps (over whole copies and whole views)."""
+        # param_groups over the views, with the inner optimizer's defaults filled in (LR
+        # schedulers change them there; every step copies them to the inner groups).
+        super().__init__(user_groups, self.inner.defaults)
+        if self._split:
+            self._exchange(resync=list(self._split), grads=[], update=False)
+
+    # ---------------------------------------------------------------- building
+
+    def _member(self, tensor: object, group: int, seen: set[int]) -> _Member:
+        fv = self.fv
+        if not isinstance(tensor, torch.Tensor):
+            raise OptimStateError(
+                f"flatview.optim.Whole takes tensors, got {type(tensor).__name__}: {tensor!r}"
+            )
+        index = fv.index_of(tensor)
+        if index is None:
+            raise OptimStateError(
+                f"flatview.optim.Whole was given a {type(tensor).__name__} of shape "
+                f"{tuple(tensor.shape)} that is not an original parameter of {fv!r} (a "
+                "parameter of another model or FlatView, or a flat parameter); give it "
+                "views from that FlatView's parameters()"
+            )
+        if id(tensor) in seen:
+            raise OptimStateError(
+                f"parameter {fv.name(index)!r} is given to flatview.optim.Whole twice"
+            )
+        seen.add(id(tensor))
+        placement = fv.placement(tensor)
+        if placement.sharded:
+            pieces = tuple(placement.piece(r).param_interval for r in range(self._world))
+        else:
+            pieces = ((0, placement.numel),) * self._world
+        split = placement.sharded and sum(1 for s, e in pieces if e > s) > 1
+        assert isinstance(tensor, nn.Parameter)
+        return _Member(fv.name(index), tensor, placement, group, EVERY_RANK, pieces, split)
+
+    def _assign_owners(self) -> None:
+        """A parameter wholly on one rank is owned there; split ones go, largest first,
+        to the rank owning the fewest elements so far (the same on every rank)."""
+        load = [0] * self._world
+        split = []
+        for m in self._members:
+            holders = [r for r, (s, e) in enumerate(m.pieces) if e > s]
+            if not m.placement.sharded:
+                m.owner = EVERY_RANK
+            elif len(holders) <= 1:
+                m.owner = holders[0] if holders else 0
+                load[m.owner] += m.placement.numel
+            else:
+                split.append(m)
+        for m in sorted(split, key=lambda m: (-m.placement.numel, m.name)):
+            m.owner = min(range(self._world), key=lambda r: (load[r], r))
+            load[m.owner] += m.placement.numel
+
+    def _check_same_everywhere(self) -> None:
+        description = repr(
+            [(m.name, tuple(m.shape), m.group, str(m.tensor.dtype)) for m in self._members]
+        )
+        digest = hashlib.blake2b(description.encode(), digest_size=8).hexdigest()
+        everyone: list[Any] = [None] * self._world
+        dist.all_gather_object(everyone, digest, group=self._group)
+        if len(set(everyone)) > 1:
+            differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+            raise OptimStateError(
+                f"ranks built flatview.optim.Whole over different parameters (rank(s) "
+                f"{differ} differ from rank 0); every rank must pass the same parameters "
+                "in the same groups"
+            )
+
+    def _run(self, m: _Member) -> list[nn.Parameter]:
+        """What this rank's inner optimizer steps for ``m``."""
+        if m.whole is not None:
+            return [m.whole]
+        if m.owner in (EVERY_RANK, self._rank) and not m.split:
+            return [m.tensor]
+        return []
+
+    # ---------------------------------------------------------------- stepping
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One step of the inner optimizer on every whole parameter (a collective where
+        the model is sharded)."""
+        if closure is not None:
+            raise OptimStateError("flatview.optim.Whole.step takes no closure")
+        self.ledger.reset()
+        for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
+            for key, value in group.items():
+                if key != "params":
+                    inner[key] = value
+        grads: list[_Member] = []
+        if self._split:
+            flags = torch.zeros(2 * len(self._split), dtype=torch.int32, device=self._device)
+            for position, m in enumerate(self._split):
+                flags[2 * position] = m.tensor.grad is not None
+                piece = m.local(m.tensor)
+                # A rank holding nothing of it has nothing that could have changed.
+                changed = piece is not None and piece.numel() > 0
+                flags[2 * position + 1] = changed and m.checksum != _checksum(piece)
+            self.ledger.record("all_reduce", flags)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            found = flags.tolist()
+            grads = [m for i, m in enumerate(self._split) if found[2 * i]]
+            stale = [m for i, m in enumerate(self._split) if found[2 * i + 1]]
+            self._exchange(resync=stale, grads=grads, update=False)
+        self.inner.step()
+        if self._split:
+            self._exchange(resync=[], grads=grads, update=True)
+            for m in grads:
+                if m.whole is not None:
+                    m.whole.grad = None
+
+    def _exchange(self, resync: list[_Member], grads: list[_Member], update: bool) -> None:
+        """One ``all_to_all_single`` per dtype. Inbound (``update=False``): every holder
+        sends each owner its pieces of the values of ``resync`` and of the gradients of
+        ``grads``. Outbound: each owner sends every holder its piece of the updated
+        values of ``grads``. A rank's pieces of what it owns are copied, not sent."""
+        moves: list[tuple[_Member, str]] = [(m, "value") for m in resync]
+        moves += [(m, "update" if update else "grad") for m in grads]
+        for dtype in sorted({str(m.tensor.dtype) for m, _ in moves}):
+            self._exchange_dtype([(m, k) for m, k in moves if str(m.tensor.dtype) == dtype])
+
+    def _exchange_dtype(self, moves: list[tuple[_Member, str]]) -> None:
+        rank, world = self._rank, self._world
+        send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        receive: list[list[tuple[_Member, str, int, Interval]]] = [[] for _ in range(world)]
+        for m, kind in moves:
+            if kind == "update":
+                # Owner -> holders.
+                if m.owner == rank:
+                    assert m.whole is not None
+                    values = m.whole.detach().reshape(-1)
+                    for r, (start, end) in enumerate(m.pieces):
+                        if end > start and r != rank:
+                            send[r].append(values[start:end])
+                    self._write_own(m)
+                else:
+                    start, end = m.pieces[rank]
+                    if end > start:
+                        receive[m.owner].append((m, kind, end - start, (start, end)))
+                continue
+            # Holders -> owner.
+            start, end = m.pieces[rank]
+            if m.owner != rank:
+                if end > start:
+                    send[m.owner].append(self._outgoing(m, kind))
+                continue
+            for r, (lo, hi) in enumerate(m.pieces):
+                if hi > lo and r != rank:
+                    receive[r].append((m, kind, hi - lo, (lo, hi)))
+            if end > start:
+                self._place(m, kind, (start, end), self._outgoing(m, kind))
+        template = moves[0][0].tensor
+        in_splits = [sum(t.numel() for t in chunk) for chunk in send]
+        out_splits = [sum(n for _, _, n, _ in chunk) for chunk in receive]
+        # Every rank joins, also one with nothing to send or receive: which parameters
+        # move is the same everywhere, what each rank holds of them is not.
+        outgoing = torch.cat([t.reshape(-1) for chunk in send for t in chunk] or [template[:0]])
+        incoming = outgoing.new_empty(sum(out_splits))
+        self.ledger.record("all_to_all", outgoing)
+        dist.all_to_all_single(incoming, outgoing, out_splits, in_splits, group=self._group)
+        offset = 0
+        for chunk in receive:
+            for m, kind, numel, interval in chunk:
+                self._place(m, kind, interval, incoming[offset : offset + numel])
+                offset += numel
+
+    def _outgoing(self, m: _Member, kind: str) -> torch.Tensor:
+        """This rank's piece of ``m``'s value or gradient, 1-D."""
+        source = m.tensor if kind == "value" else m.tensor.grad
+        piece = m.local(source)
+        if piece is None:
+            # A holder without a gradient where another rank has one (torch's views
+            # outside the shard): its part counts as zeros.
+            start, end = m.pieces[self._rank]
+            return torch.zeros(end - start, dtype=m.tensor.dtype, device=m.tensor.device)
+        if kind == "value":
+            m.checksum = _checksum(piece)
+        return piece
+
+    def _place(self, m: _Member, kind: str, interval: Interval, values: torch.Tensor) -> None:
+        start, end = interval
+        if kind == "update":
+            piece = m.local(m.tensor)
+            assert piece is not None
+            piece.copy_(values)
+            m.checksum = _checksum(piece)
+            return
+        assert m.whole is not None
+        if kind == "value":
+            m.whole.detach().reshape(-1)[start:end].copy_(values)
+            return
+        if m.whole.grad is None:
+            m.whole.grad = torch.zeros_like(m.whole)
+        m.whole.grad.reshape(-1)[start:end].copy_(values)
+
+    def _write_own(self, m: _Member) -> None:
+        """The owner's own piece of an updated whole copy, written into its view."""
+        assert m.whole is not None
+        start, end = m.pieces[self._rank]
+        piece = m.local(m.tensor)
+        if end > start and piece is not None:
+            piece.copy_(m.whole.detach().reshape(-1)[start:end])
+            m.checksum = _checksum(piece)
+
+    # ---------------------------------------------------------------- state
+
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """The state by original name, whole tensors, as
+        :meth:`flatview.FlatView.optim_state_dict` gives for any optimizer over views
+        (loadable at any world size and backend, into a :class:`Whole` or a plain
+        optimizer). A collective where the model is sharded."""
+        inner = self.inner.state
+        mine: dict[str, dict[Any, Any]] = {}
+        for m in self._members:
+            if m.owner not in (self._rank, EVERY_RANK) or (
+                m.owner == EVERY_RANK and self._sharded and self._rank != 0
+            ):
+                continue
+            tensors = self._run(m)
+            state = inner.get(tensors[0]) if tensors else None
+            if state:
+                mine[m.name] = {k: _snapshot(v) for k, v in state.items()}
+        everything = mine
+        if self._sharded:
+            gathered: list[Any] = [None] * self._world
+            dist.all_gather_object(gathered, mine, group=self._group)
+            everything = {k: v for part in gathered for k, v in part.items()}
+        if rank0_only and self._rank != 0:
+            everything = {}
+        names = {id(m.tensor): m.name for m in self._members}
+        groups = [
+            {
+                **{k: v for k, v in inner_group.items() if k != "params"},
+                "params": [names[id(t)] for t in group["params"]],
+            }
+            for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True)
+        ]
+        order = [m.name for m in self._members]
+        return {
+            "state": {n: everything[n] for n in order if n in everything},
+            "param_groups": groups,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` or :meth:`flatview.FlatView.optim_state_dict`
+        (any world size or backend): each owner takes the whole state of what it steps.
+        Every rank needs the full dict; nothing is communicated."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise OptimStateError(
+                f"the state dict has {len(groups) if isinstance(groups, list) else 'no'} "
+                f"parameter groups, this optimizer {len(self.param_groups)}"
+            )
+        names = {id(m.tensor): m.name for m in self._members}
+        for number, (saved, group) in enumerate(zip(groups, self.param_groups, strict=True)):
+            want = [names[id(t)] for t in group["params"]]
+            if list(saved.get("params", ())) != want:
+                raise OptimStateError(
+                    f"parameter group {number} of the state dict holds {saved.get('params')}, "
+                    f"this optimizer's {want}"
+                )
+        states: Mapping[str, Mapping[Any, Any]] = state_dict.get("state", {})
+        unknown = sorted(set(states) - set(names.values()))
+        if unknown:
+            raise OptimStateError(f"the state dict has state for unknown parameters {unknown}")
+        inner_state: dict[int, dict[Any, Any]] = {}
+        position = 0
+        for m in self._members:
+            for tensor in self._run(m):
+                state = states.get(m.name)
+                if state is not None:
+                    inner_state[position] = {
+                        k: _whole_shaped(v, tensor, m.name, k) for k, v in state.items()
+                    }
+                position += 1
+        inner_groups = []
+        position = 0
+        for saved, inner_group in zip(groups, self.inner.param_groups, strict=True):
+            count = len(inner_group["params"])
+            inner_groups.append(
+                {
+                    **{k: v for k, v in saved.items() if k != "params"},
+                    "params": list(range(position, position + count)),
+                }
+            )
+            position += count
+        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        for saved, group in zip(groups, self.param_groups, strict=True):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+
+    def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """What :meth:`flatview.FlatView.optim_state_dict` returns for this optimizer."""
+        return self.state_dict(rank0_only=rank0_only)
+
+    def load_consolidated_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """What :meth:`flatview.FlatView.load_optim_state_dict` does for this optimizer."""
+        self.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        owned = sum(m.placement.numel for m in self._members if m.owner == self._rank)
+        return (
+            f"Whole({self.optimizer_cls.__name__}, params={len(self._members)}, "
+            f"split={len(self._split)}, owned_elements={owned}, rank={self._rank})"
+        )
+
+
+def _checksum(piece: torch.Tensor) -> float:
+    # A sum in double precision changes with any write to the piece (short of one that
+    # keeps the sum to the last bit); read back with the step's flags, it costs one pass.
+    return float(piece.double().sum()) if piece.numel() else 0.0
+
+
+def _snapshot(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _whole_shaped(value: Any, like: torch.Tensor, name: str, key: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if value.numel() != like.numel():
+        raise OptimStateError(
+            f"state {key!r} of parameter {name!r} has {value.numel()} elements, the "
+            f"parameter {like.numel()} (shape {tuple(like.shape)})"
+        )
+    return value.reshape(like.shape)
