@@ -334,8 +334,10 @@ class Whole(torch.optim.Optimizer):
                 flags[2 * position] = m.tensor.grad is not None
                 piece = m.local(m.tensor)
                 # A rank holding nothing of it has nothing that could have changed.
-                changed = piece is not None and piece.numel() > 0
-                flags[2 * position + 1] = changed and m.checksum != _checksum(piece)
+                changed = (
+                    piece is not None and piece.numel() > 0 and m.checksum != _checksum(piece)
+                )
+                flags[2 * position + 1] = changed
             self.ledger.record("all_reduce", flags)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
             found = flags.tolist()
