@@ -74,6 +74,10 @@ class _Member:
     """Several ranks hold elements of it: its owner keeps a whole copy."""
     whole: nn.Parameter | None = None
     """The whole copy, on the owner of a split parameter only."""
+    alias: torch.Tensor | None = None
+    """Where this rank holds all of a parameter in another shape (torch's own views are
+    1-D): a leaf of the original shape over the same storage, which the inner optimizer
+    steps in place (its gradient is the view's, reshaped, at every step)."""
     checksum: float | None = None
     """The sum of this rank's piece when this optimizer last wrote or read it."""
 
@@ -216,13 +220,6 @@ class Whole(torch.optim.Optimizer):
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
         _probe(optimizer_cls, by_group, hyper, optimizer_kwargs)
         self._assign_owners()
-        # Sharded models exchange with every step; the same on every rank (the layouts
-        # are), so every rank takes part in the check of the parameter lists below.
-        self._sharded = self._world > 1 and any(
-            fv.placement(p).sharded for _, p in fv.named_parameters()
-        )
-        if self._sharded:
-            self._check_same_everywhere()
         self._split = [m for m in self._members if m.split]
         for m in self._split:
             if m.owner == self._rank:
@@ -235,8 +232,24 @@ class Whole(torch.optim.Optimizer):
             {**h, "params": [t for m in self._members if m.group == i for t in self._run(m)]}
             for i, h in enumerate(hyper)
         ]
-        self.inner = optimizer_cls(inner_groups, **optimizer_kwargs)
-        """The torch optimizer this rank steps (over whole copies and whole views)."""
+        failure: Exception | None = None
+        try:
+            self.inner = optimizer_cls(inner_groups, **optimizer_kwargs)
+            """The torch optimizer this rank steps (over whole copies and whole views)."""
+        except Exception as err:  # raised below, on every rank
+            failure = err
+        # Sharded models exchange with every step; the same on every rank (the layouts
+        # are), so every rank takes part in the check of the parameter lists, which also
+        # carries what failed on one rank only.
+        self._sharded = self._world > 1 and any(
+            fv.placement(p).sharded for _, p in fv.named_parameters()
+        )
+        if self._sharded:
+            self._check_same_everywhere(failure)
+        if failure is not None:
+            raise OptimStateError(
+                f"{optimizer_cls.__name__} could not be built over this rank's part: {failure}"
+            ) from failure
         # param_groups over the views, with the inner optimizer's defaults filled in (LR
         # schedulers change them there; every step copies them to the inner groups).
         super().__init__(user_groups, self.inner.defaults)
@@ -291,28 +304,49 @@ class Whole(torch.optim.Optimizer):
             m.owner = min(range(self._world), key=lambda r: (load[r], r))
             load[m.owner] += m.placement.numel
 
-    def _check_same_everywhere(self) -> None:
+    def _check_same_everywhere(self, failure: Exception | None) -> None:
         description = repr(
             [(m.name, tuple(m.shape), m.group, str(m.tensor.dtype)) for m in self._members]
         )
         digest = hashlib.blake2b(description.encode(), digest_size=8).hexdigest()
+        mine = (digest, None if failure is None else f"{type(failure).__name__}: {failure}")
         everyone: list[Any] = [None] * self._world
-        dist.all_gather_object(everyone, digest, group=self._group)
-        if len(set(everyone)) > 1:
-            differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        dist.all_gather_object(everyone, mine, group=self._group)
+        failed = [(r, message) for r, (_, message) in enumerate(everyone) if message]
+        if failed:
+            rank, message = failed[0]
+            raise OptimStateError(
+                f"{self.optimizer_cls.__name__} could not be built on rank {rank}: {message}"
+            ) from failure
+        digests = [d for d, _ in everyone]
+        if len(set(digests)) > 1:
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
             raise OptimStateError(
                 f"ranks built flatview.optim.Whole over different parameters (rank(s) "
                 f"{differ} differ from rank 0); every rank must pass the same parameters "
                 "in the same groups"
             )
 
-    def _run(self, m: _Member) -> list[nn.Parameter]:
+    def _run(self, m: _Member) -> list[torch.Tensor]:
         """What this rank's inner optimizer steps for ``m``."""
         if m.whole is not None:
             return [m.whole]
-        if m.owner in (EVERY_RANK, self._rank) and not m.split:
+        if m.owner not in (EVERY_RANK, self._rank) or m.split:
+            return []
+        if m.tensor.shape == m.shape:
             return [m.tensor]
-        return []
+        if m.alias is None:
+            m.alias = m.tensor.detach().view(m.shape)
+        return [m.alias]
+
+    def _bind_aliases(self) -> None:
+        """Point each alias at its view's current storage and gradient (the storage can
+        move, as on ``.to()``)."""
+        for m in self._members:
+            if m.alias is not None:
+                m.alias.data = m.tensor.detach().view(m.shape)
+                grad = m.tensor.grad
+                m.alias.grad = None if grad is None else grad.detach().view(m.shape)
 
     # ---------------------------------------------------------------- stepping
 
@@ -334,9 +368,7 @@ class Whole(torch.optim.Optimizer):
                 flags[2 * position] = m.tensor.grad is not None
                 piece = m.local(m.tensor)
                 # A rank holding nothing of it has nothing that could have changed.
-                changed = (
-                    piece is not None and piece.numel() > 0 and m.checksum != _checksum(piece)
-                )
+                changed = piece is not None and piece.numel() > 0 and m.checksum != _checksum(piece)
                 flags[2 * position + 1] = changed
             self.ledger.record("all_reduce", flags)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
@@ -344,6 +376,7 @@ class Whole(torch.optim.Optimizer):
             grads = [m for i, m in enumerate(self._split) if found[2 * i]]
             stale = [m for i, m in enumerate(self._split) if found[2 * i + 1]]
             self._exchange(resync=stale, grads=grads, update=False)
+        self._bind_aliases()
         self.inner.step()
         if self._split:
             self._exchange(resync=[], grads=grads, update=True)

@@ -80,6 +80,21 @@ def test_skips_cost_nothing_and_replicas_communicate_nothing(
         assert min(owned) > 0, owned
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torch_own_views_are_stepped_in_their_original_shape(
+    dist_pool: PoolFactory, world_size: int
+) -> None:
+    """With ``use_orig_params=True`` torch's views are 1-D even where a rank holds all of
+    a matrix: Muon must see the matrix (found by hypothesis: it refused a 1-D view on the
+    ranks holding one, while the others went on)."""
+    scenario = BackendConfig("torch").scenario(
+        GATED, world_size=world_size, options={"use_orig_params": True}
+    )
+    run = ww.MuonRun(scenario)
+    results = dist_pool(world_size).run(ww.distributed, run, timeout=TIMEOUT)
+    _check(results, ww.reference(run), world_size)
+
+
 def test_a_rank_holding_nothing_of_a_matrix_costs_nothing(dist_pool: PoolFactory) -> None:
     """Tiny matrices on 3 ranks: some rank holds no element of a split matrix; it must
     not take that for a change (which would resend every value each step)."""
