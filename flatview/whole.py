@@ -49,6 +49,7 @@ from torch import nn
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
 from flatview.layout import Interval, Placement
+from flatview.norms import local_elements
 
 if TYPE_CHECKING:
     from flatview.core import FlatView
@@ -88,17 +89,7 @@ class _Member:
     def local(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's elements of ``tensor`` (the parameter or its gradient), 1-D, a
         view that writes through; ``None`` where the tensor has no such elements."""
-        if tensor is None:
-            return None
-        placement = self.placement
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() == placement.local_numel:
-            start, end = placement.local_interval
-        elif placement.sharded and flat.numel() == placement.numel:
-            start, end = placement.param_interval
-        else:
-            return None
-        return flat[start:end]
+        return None if tensor is None else local_elements(self.placement, tensor)
 
 
 def _requires_closure(optimizer_cls: type) -> bool:
