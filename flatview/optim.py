@@ -59,8 +59,9 @@ def param_groups(
         **options: further hyperparameters for both groups (``lr``, ...).
 
     Returns:
-        ``[{"params": no-decay views, "weight_decay": 0.0, ...}, {"params": decay views,
-        "weight_decay": weight_decay, ...}]``, for any torch optimizer.
+        Two groups for any torch optimizer: the views without decay
+        (``"weight_decay": 0.0``) first, then those with ``weight_decay``; ``options`` in
+        both.
     """
     patterns = tuple(no_decay)
     embedded: set[int] = set()
