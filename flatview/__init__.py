@@ -76,7 +76,11 @@ def wrap(
             ``DistributedDataParallel`` module.
         check_skip_agreement: in every :meth:`FlatView.step`, check with one tiny
             all-gather that all ranks passed the same skip set (turn off once you trust
-            your sampler; the check can also be chosen per step).
+            your sampler; the check can also be chosen per step). Iterations outside any
+            step take part too, as steps skipping nothing (one such all-gather per root
+            forward with autograd on that starts an iteration), so that a rank inside a
+            checked step while another runs outside any step raises on every rank
+            instead of hanging; off, they exchange nothing.
         reduce_strategy: how partly skipped gradients are reduced: ``"auto"`` (even
             reduce-scatter unless skipped spans fall so unevenly across shards that its
             padding costs more than 5%, then an exact all-to-all), ``"reduce_scatter"``

@@ -756,6 +756,13 @@ class FlatView:
         failing rank raises alone and the others wait for it in their next collective
         (a hang, or the wrapper's timeout).
 
+        With ``wrap(check_skip_agreement=True)`` an iteration outside any step (its root
+        forward, with autograd on) exchanges as a checked step skipping nothing: the two
+        agree, and a rank inside a checked step that skips something while another runs
+        outside any step raises :class:`~flatview.errors.SkipSetMismatchError` on every
+        rank, naming the ranks outside. A step with ``check=False`` exchanges nothing, so
+        pairing it with an outside-step iteration still hangs.
+
         A backward that runs inside a step must be that of a forward that ran inside the
         same step: the skip set binds to the forward (a backward inside
         ``step(skip=...)`` whose forward ran before it raises
@@ -781,6 +788,8 @@ class FlatView:
         if failure is None:
             self.ledger.reset()
         if checked:
+            # One left by an outside-step forward that raised: heard before this one.
+            self.settle_agreement()
             params = self._params
             frozen = frozenset(p.index for p in params if not p.tensor.requires_grad)
             agreement = Agreement(
@@ -835,8 +844,16 @@ class FlatView:
         raising :class:`~flatview.errors.SkipSetMismatchError` on every rank if ranks
         disagree."""
         agreement, self._agreement = self._agreement, None
-        if agreement is not None:
+        if agreement is None:
+            return
+        try:
             agreement.settle()
+        except BaseException:
+            if agreement.outside:
+                # Nothing abandons an iteration outside a step: forget it, so that the
+                # next root forward starts (and checks) a new one on every rank alike.
+                self._iteration = None
+            raise
 
     # --------------------------------------------------------- adapter calls
 
@@ -850,6 +867,7 @@ class FlatView:
         activation checkpointing recomputes them, and must not touch gradients then.
         """
         self.check_not_lent()
+        agreed = self._agree_outside_step(outermost)
         if self.phase is Phase.IDLE:
             self._check_parametrizations()
             self._write_back()
@@ -857,7 +875,7 @@ class FlatView:
             for flat in self._flats:
                 flat.views.hide()
             self.phase = Phase.COMPUTING
-            self._bind_iteration()
+            self._bind_iteration(reset_ledger=not agreed)
         elif outermost:
             fresh = not _in_backward()
             if fresh:
@@ -871,7 +889,50 @@ class FlatView:
                 or iteration.step != self._step_count
                 or (fresh and iteration.declared != (self._step_skip is not None))
             ):
-                self._bind_iteration()
+                self._bind_iteration(reset_ledger=not agreed)
+
+    def _agree_outside_step(self, outermost: bool) -> bool:
+        """An iteration starts outside any step (a root forward with autograd on, not a
+        recomputation inside a backward, after a backward or a step): with the check on,
+        it takes part in the same all-gather as a checked step, as one skipping nothing,
+        so that a rank inside a checked step pairs its check with this one instead of
+        with a collective of the wrapper's; every rank raises if they differ. Returns
+        whether it was exchanged (its bytes are in the fresh ledger).
+
+        Forwards without autograd (evaluation) exchange nothing: on DDP and ``NO_SHARD``
+        they communicate nothing, and a rank may evaluate alone."""
+        if (
+            not outermost
+            or not self.check_skip_agreement
+            or self._step_skip is not None
+            or not torch.is_grad_enabled()
+            or _in_backward()
+        ):
+            return False
+        iteration = self._iteration
+        if self.phase is not Phase.IDLE and not (
+            iteration is None or iteration.step != self._step_count or iteration.declared
+        ):
+            return False  # a second forward of the same iteration (no backward between)
+        # A check left unsettled by a forward that raised: hear it before the next.
+        self.settle_agreement()
+        self.ledger.reset()
+        params = self._params
+        frozen = frozenset(p.index for p in params if not p.tensor.requires_grad)
+        agreement = Agreement(
+            fingerprint((), frozen),
+            list,
+            self.adapter.group,
+            self.adapter.device,
+            self.ledger,
+            frozen=lambda: [params[i].name for i in sorted(frozen)],
+            outside=True,
+        )
+        if self.adapter.overlaps_agreement:
+            self._agreement = agreement
+        else:
+            agreement.settle()
+        return True
 
     def _detach_grads(self) -> None:
         # The wrapper computes a fresh gradient; the views keep theirs until the synced
@@ -941,9 +1002,9 @@ class FlatView:
             for flat in self._flats:
                 flat.views.push_grads()
 
-    def _bind_iteration(self) -> None:
+    def _bind_iteration(self, *, reset_ledger: bool = True) -> None:
         skipped = self._step_skip or frozenset()
-        if self._step_skip is None:
+        if self._step_skip is None and reset_ledger:
             self.ledger.reset()
         # A frozen view (requires_grad False) is not trained: like a skipped one, its
         # gradient is neither communicated nor handed out. Unlike a skipped one, the

@@ -18,6 +18,13 @@ A rank that fails on its own inside ``step()`` (a skip set that does not resolve
 sends :data:`FAILED` in its slot and settles at once: every rank raises, none waits in a
 collective for it. With the check off nothing is exchanged, and such a rank raises
 alone while the others wait for it in their next collective.
+
+With the check on (``wrap(check_skip_agreement=True)``), an iteration that runs outside
+any ``step()`` takes part too, as one skipping nothing (``outside``): a rank inside a
+checked step then pairs its all-gather with this one, not with a collective of the
+wrapper's (a hang). Skipping nothing inside a step and running outside one do the same,
+so they agree; a step that skips something raises on every rank, naming the ranks that
+ran outside a step.
 """
 
 from __future__ import annotations
@@ -72,6 +79,9 @@ class Agreement:
     it sends :data:`FAILED` instead of a fingerprint. :meth:`settle` then raises on every
     rank: this one its own error, the others an error of the same class naming the
     failing rank(s) and their messages (one ``all_gather_object``, in that case only).
+
+    ``outside``: this rank's iteration runs outside any ``FlatView.step()`` (its
+    fingerprint is that of an empty skip set); named as such if the check fails.
     """
 
     def __init__(
@@ -84,8 +94,10 @@ class Agreement:
         *,
         frozen: Callable[[], Sequence[str]] = tuple,
         failure: BaseException | None = None,
+        outside: bool = False,
     ) -> None:
         self._describe = describe
+        self.outside = outside
         self._frozen = frozen
         self._failure = failure
         if failure is not None:
@@ -128,11 +140,12 @@ class Agreement:
         if all(p == prints[0] for p in prints):
             return
         world = len(prints)
-        gathered: list[tuple[list[str], list[str]] | None] = [None] * world
-        mine = (list(self._describe()), list(self._frozen()))
+        gathered: list[tuple[list[str], list[str], bool] | None] = [None] * world
+        mine = (list(self._describe()), list(self._frozen()), self.outside)
         dist.all_gather_object(gathered, mine, group=self._group)
         sets = [set(g[0]) if g else set() for g in gathered]
         frozen = [set(g[1]) if g else set() for g in gathered]
+        outside = [r for r, g in enumerate(gathered) if g and g[2]]
         common = set.intersection(*sets)
         if all(s == sets[0] for s in sets):
             everywhere = set.intersection(*frozen)
@@ -148,8 +161,19 @@ class Agreement:
                 f"{len(everywhere)} parameters all ranks freeze: " + "; ".join(lines)
             )
         lines = [
-            f"rank {r} skips {sorted(s - common) or 'nothing more'}" for r, s in enumerate(sets)
+            f"rank {r} runs outside any FlatView.step() (skips nothing)"
+            if r in outside
+            else f"rank {r} skips {sorted(s - common) or 'nothing more'}"
+            for r, s in enumerate(sets)
         ]
+        if outside:
+            raise SkipSetMismatchError(
+                f"rank(s) {outside} ran this iteration's forward outside any "
+                "FlatView.step() while other ranks ran it inside a step that skips "
+                "parameters: every rank must run the same iteration, inside a step with "
+                "the same skip set or outside any step on all ranks. Beyond the "
+                f"{len(common)} parameters all ranks skip: " + "; ".join(lines)
+            )
         raise SkipSetMismatchError(
             "ranks passed different skip sets to FlatView.step(); every rank must skip the "
             "same parameters in the same step (draw them from a seed shared by all ranks). "
