@@ -1,8 +1,8 @@
 """Muon over flat shards: ``flatview.optim.Whole`` against gathering every gradient.
 
-The model and skip sequence are ``bench_skip.py``'s (a residual MLP of ``--blocks`` blocks
-of ``--width`` x ``--width``, 256 by default, each skipped with probability ``--skip-prob``), each block
-its own fairscale FSDP unit, ``--world-size`` CPU processes over gloo. Its matrices (the
+The model and skip sequence are ``bench_skip.py``'s (a residual MLP of ``--blocks``
+blocks of ``--width`` x ``--width``, 256 by default, each skipped with probability
+``--skip-prob``), each block its own fairscale FSDP unit, ``--world-size`` CPU processes over gloo. Its matrices (the
 blocks' weights and the head's) are trained by ``torch.optim.Muon``, the biases by AdamW,
 in two ways built side by side in the same processes, their steps interleaved:
 
