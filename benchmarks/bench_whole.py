@@ -4,7 +4,8 @@ The model and skip sequence are ``bench_skip.py``'s (a residual MLP of ``--block
 blocks of ``--width`` x ``--width``, 256 by default, each skipped with probability
 ``--skip-prob``), each block its own fairscale FSDP unit, ``--world-size`` CPU processes
 over gloo. Its matrices (the blocks' weights and the head's) are trained by
-``torch.optim.Muon``, the biases by AdamW, in two ways built side by side in the same processes, their steps interleaved:
+``torch.optim.Muon``, the biases by AdamW, in two ways built side by side in the same
+processes, their steps interleaved:
 
 * ``whole``: ``flatview.optim.Whole(torch.optim.Muon, fv, matrices)``: each matrix has
   one owner rank, which receives the pieces of its gradient (one all-to-all for all
