@@ -376,14 +376,17 @@ class ViewSet:
             else:
                 new.add_(before)
         else:
-            for piece, grad in zip(self.pieces, grads, strict=True):
-                if grad is None or piece.numel == 0:
-                    continue
-                if new is None:
-                    new = torch.zeros(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
-                    flat.grad = new
-                start, end = piece.shard_interval
-                new[start:end].add_(grad.reshape(-1))
+            held = [(p, g) for p, g in zip(self.pieces, grads, strict=True) if g is not None]
+            if held and new is None:
+                # A view holding a gradient keeps one, also where this rank holds none of
+                # its elements (an empty gradient, as on the unwrapped model a zeroed one).
+                new = torch.zeros(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
+                flat.grad = new
+            for piece, grad in held:
+                if piece.numel:
+                    assert new is not None
+                    start, end = piece.shard_interval
+                    new[start:end].add_(grad.reshape(-1))
         self.pull_grads(used=used)
 
     def reattach_grads(self) -> None:

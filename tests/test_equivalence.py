@@ -25,6 +25,7 @@ from tests.scenarios import (
     GATED,
     WRAPPER_OPTIONS,
     BackendConfig,
+    Scenario,
     backend_param,
     check_equivalent,
     draws_per_backend,
@@ -47,6 +48,44 @@ def test_matches_single_process_reference(
     scenario = data.draw(scenarios(configs=(backend,), unwrap=True), label="scenario")
     # Shown by --hypothesis-show-statistics: how the draws spread over world sizes.
     event(f"{scenario.world_size} rank(s)")
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+# Draws the thorough profile found: a unit used in one step and skipped in the next, with
+# gradients zeroed to zero tensors (set_to_none=False), on a rank that holds none of its
+# elements: its views must keep their (empty) gradients, as the unwrapped model keeps its
+# zeroed ones, not fall back to None.
+FOUND = [
+    Scenario(
+        world_size=3,
+        in_dim=1,
+        width=1,
+        inner=(1,),
+        norms=(False,),
+        classes=2,
+        skips=((), ("body.0",)),
+        set_to_none=False,
+        batch_per_rank=1,
+        frozen=("body.0.up",),
+    ),
+    Scenario(
+        world_size=2,
+        in_dim=1,
+        width=2,
+        inner=(1, 1, 1, 1),
+        norms=(False,) * 4,
+        gates=(True, False, False, False),
+        classes=2,
+        skips=(("body.0.gate",), ("body.0",)),
+        set_to_none=False,
+        batch_per_rank=1,
+        backend="torch",
+    ),
+]
+
+
+@pytest.mark.parametrize("scenario", FOUND, ids=["fairscale-3", "torch-full-shard-2"])
+def test_found_by_the_thorough_profile(dist_pool: PoolFactory, scenario: Scenario) -> None:
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
