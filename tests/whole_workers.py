@@ -3,6 +3,7 @@ the unmodified ``torch.optim.Muon`` on the unwrapped model in one process."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,9 @@ class MuonRun:
     weight_decay: float = 0.1
     lr: float = 0.02
     momentum: float = 0.95
+    float32: bool = False
+    """Orthogonalise in float32 instead of Muon's bfloat16, in both runs (see
+    :func:`float32_newton_schulz`)."""
     halve_after: int | None = None
     """After this many optimizer steps, halve every matrix through ``.data`` (a write
     outside the optimizer, which its owners must notice)."""
@@ -56,6 +60,42 @@ class MuonRun:
         }
 
 
+def float32_newton_schulz(
+    grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> torch.Tensor:
+    """torch's Newton-Schulz iteration for Muon, in float32. Muon's own casts the update to
+    bfloat16: gradients averaged over ranks differ from one process's in their last
+    float32 bits, which now and then moves one bfloat16 rounding and, through the
+    iteration, every element of the matrix by ~1e-4. Randomised comparisons use this to
+    see Whole's own arithmetic, which must match to 1e-5; fixed ones keep Muon's."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.T if tall else x).to(grad.dtype)
+
+
+@contextlib.contextmanager
+def newton_schulz(run: MuonRun) -> Iterator[None]:
+    """Muon's own iteration, or the float32 one for the duration."""
+    if not run.float32:
+        yield
+        return
+    from torch.optim import _muon
+
+    original = _muon._zeropower_via_newtonschulz
+    _muon._zeropower_via_newtonschulz = float32_newton_schulz
+    try:
+        yield
+    finally:
+        _muon._zeropower_via_newtonschulz = original
+
+
 def _split(named: Iterator[tuple[str, nn.Parameter]], ndim: Any) -> tuple[list[Any], list[Any]]:
     matrices, rest = [], []
     for name, param in named:
@@ -65,6 +105,11 @@ def _split(named: Iterator[tuple[str, nn.Parameter]], ndim: Any) -> tuple[list[A
 
 def reference(run: MuonRun, start: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """The unwrapped model in one process with ``torch.optim.Muon`` and AdamW."""
+    with newton_schulz(run):
+        return _reference(run, start)
+
+
+def _reference(run: MuonRun, start: dict[str, np.ndarray] | None) -> dict[str, Any]:
     sc = run.scenario
     net = make_net(sc)
     if start is not None:
@@ -101,7 +146,7 @@ def distributed(
     """The same with FSDP + flatview: ``Whole(torch.optim.Muon, ...)`` on the matrices.
     ``start``/``load``: parameters and the Muon state to resume from."""
     sc = run.scenario
-    with backend_context(sc.backend):
+    with backend_context(sc.backend), newton_schulz(run):
         net = make_net(sc)
         if start is not None:
             net.load_state_dict({k: torch.from_numpy(v) for k, v in start.items()}, strict=False)
