@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -313,6 +314,48 @@ def time_ddp(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, f
     return times
 
 
+def check_whole_muon(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
+    """``flatview.optim.Whole(torch.optim.Muon, ...)`` over torch FSDP1 per block against
+    ``torch.optim.Muon`` on the unwrapped model (world size 1: every view full, so Whole
+    steps them in place and communicates nothing; what runs is its CUDA path)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import flatview.optim
+
+    if device.type != "cuda":
+        # Muon's bfloat16 matrix products are slow on CPUs: a small model there.
+        cfg = dataclasses.replace(cfg, width=min(cfg.width, 64))
+    masks = bench.skip_masks(cfg, steps)
+    batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, steps, 0)]
+    try:
+        reference = bench.make_net(cfg).to(device)
+        matrices = [p for p in reference.parameters() if p.ndim == 2]
+        ref_opt = torch.optim.Muon(matrices, lr=0.02, momentum=0.95)
+        for (x, y), skip in zip(batches, masks, strict=True):
+            _step(reference, None, ref_opt, x, y, skip)
+        model = TorchFSDP(
+            bench.make_net(cfg).to(device),
+            auto_wrap_policy=ModuleWrapPolicy({bench.Block}),
+            device_id=device,
+        )
+        fv = flatview.wrap(model)
+        views = [p for p in fv.parameters() if fv.shape_of(p).ndim == 2]
+        opt = flatview.optim.Whole(torch.optim.Muon, fv, views, lr=0.02, momentum=0.95)
+        for (x, y), skip in zip(batches, masks, strict=True):
+            _step(model, fv, opt, x, y, skip)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        got = dict(fv.named_parameters())
+        worst = max(
+            float((got[n].detach().reshape(-1) - p.detach().reshape(-1)).abs().max())
+            for n, p in reference.named_parameters()
+        )
+        return {"ok": worst < 1e-4, "max_abs_diff": worst, "moved": dict(opt.ledger.bytes)}
+    except Exception as exc:  # reported, not raised
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=8)
@@ -334,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         report["equivalence"]["torch_fsdp1_bf16_vs_plain"] = check_mixed_precision(
             cfg, device, args.steps
         )
+        report["equivalence"]["whole_muon_torch_fsdp1"] = check_whole_muon(cfg, device, args.steps)
         report["agreement_readback"] = check_agreement_readback(device)
         report["timing_ms"] = time_ddp(cfg, device, args.timed_steps)
     finally:

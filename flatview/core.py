@@ -56,7 +56,7 @@ from flatview.errors import (
     StateError,
     WrapError,
 )
-from flatview.layout import MaskPlan, Placement
+from flatview.layout import MaskPlan, Placement, Shape
 from flatview.skip import SkipResolver, SkipSet
 from flatview.stats import StepStats
 from flatview.views import ViewSet, WrapperViews
@@ -480,9 +480,11 @@ class FlatView:
             raise ParameterError(f"FlatView.{method}(): {error}") from None
         return index
 
-    def shape_of(self, param: torch.Tensor | str) -> torch.Size:
+    def shape_of(self, param: torch.Tensor | str) -> Shape:
         """The original shape of a view or plain parameter (or of a name, as in
-        :meth:`named_parameters`), the same on every rank.
+        :meth:`named_parameters`), the same on every rank: a tuple equal to the
+        original ``torch.Size``, with ``ndim`` and ``numel()`` as a tensor has them
+        (``fv.shape_of(p).ndim == 2`` picks matrices).
 
         A partial view is 1-D and an empty one has no element, so ``view.shape`` and
         ``view.ndim`` describe this rank's piece; decide anything that depends on the
@@ -491,7 +493,7 @@ class FlatView:
         Raises:
             flatview.ParameterError: ``param`` is not an original parameter of the model.
         """
-        return torch.Size(self._params[self._lookup(param, "shape_of")].placement.shape)
+        return Shape(self._params[self._lookup(param, "shape_of")].placement.shape)
 
     def numel(
         self,

@@ -44,6 +44,20 @@ class PieceKind(enum.Enum):
     EMPTY = "empty"
 
 
+class Shape(tuple[int, ...]):
+    """An original parameter's shape, as :meth:`flatview.FlatView.shape_of` gives it: a
+    tuple equal to its ``torch.Size`` (``shape == view_of_full.shape`` holds), with what
+    code that picks parameters by shape reads of a tensor: ``ndim`` and ``numel()``.
+    (``torch.Size`` itself cannot be extended.)"""
+
+    @property
+    def ndim(self) -> int:
+        return len(self)
+
+    def numel(self) -> int:
+        return math.prod(self)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One original parameter inside a flat parameter, in flat coordinates."""

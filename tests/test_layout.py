@@ -117,3 +117,16 @@ def test_bad_layouts_are_refused() -> None:
         Segment(0, 5, (2, 2))
     with pytest.raises(ValueError, match="used flags"):
         MaskPlan.build(FlatLayout.packed([(2,), (3,)], 2), [True])
+
+
+def test_original_shape_reads_like_a_tensor_shape() -> None:
+    """``FlatView.shape_of`` gives a :class:`Shape`: equal to the ``torch.Size``, with
+    ``ndim`` and ``numel()`` (the issue's recipe picks matrices by ``.ndim == 2``)."""
+    import torch
+
+    from flatview.layout import Shape
+
+    shape = Shape((3, 4))
+    assert shape == torch.Size([3, 4]) and shape.ndim == 2 and shape.numel() == 12
+    assert Shape(()).ndim == 0 and Shape(()).numel() == 1
+    assert torch.zeros(shape).shape == shape

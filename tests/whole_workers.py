@@ -151,7 +151,7 @@ def distributed(
         if start is not None:
             net.load_state_dict({k: torch.from_numpy(v) for k, v in start.items()}, strict=False)
         model, fv, _ = distributed_model(sc, net)
-        matrices, rest = _split(fv.named_parameters(), lambda n, p: len(fv.placement(p).shape))
+        matrices, rest = _split(fv.named_parameters(), lambda n, p: fv.shape_of(p).ndim)
         muon = Whole(torch.optim.Muon, fv, matrices, **run.muon_kwargs)
         adamw = torch.optim.AdamW(rest, lr=0.01)
         if load is not None:
