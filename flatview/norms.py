@@ -36,9 +36,10 @@ things.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import torch
@@ -267,6 +268,16 @@ def whole_norms(
     ]
 
 
+@contextlib.contextmanager
+def _refused_everywhere(fv: FlatView) -> Iterator[None]:
+    """Argument checks of a norm call: one that fails on this rank fails on every rank
+    (:func:`refuse_everywhere`)."""
+    try:
+        yield
+    except (NormError, StateError) as err:
+        refuse_everywhere(fv, err)
+
+
 def refuse_everywhere(fv: FlatView, error: FlatViewError) -> NoReturn:
     """This rank refused its own arguments: join the call's collective flagged as
     failed (the other ranks may be in it already), then raise ``error``."""
@@ -352,12 +363,10 @@ def grad_column(view: nn.Parameter) -> torch.Tensor | None:
 
 def param_norms(fv: FlatView, params: ParamSelection, norm_type: object) -> dict[str, torch.Tensor]:
     """See :meth:`flatview.FlatView.param_norms`."""
-    try:
+    with _refused_everywhere(fv):
         p = check_norm_type(norm_type)
         indices = select(fv, params)
         check_phase(fv, "param_norms", grads=False)
-    except (NormError, StateError) as err:
-        refuse_everywhere(fv, err)
     rows = whole_norms(fv, indices, [("param", param_column)], p)
     out = {}
     for index, (norm,) in zip(indices, rows, strict=True):
@@ -370,12 +379,10 @@ def grad_norms(
     fv: FlatView, params: ParamSelection, norm_type: object
 ) -> dict[str, torch.Tensor | None]:
     """See :meth:`flatview.FlatView.grad_norms`."""
-    try:
+    with _refused_everywhere(fv):
         p = check_norm_type(norm_type)
         indices = select(fv, params)
         check_phase(fv, "grad_norms", grads=True)
-    except (NormError, StateError) as err:
-        refuse_everywhere(fv, err)
     rows = whole_norms(fv, indices, [("grad", grad_column)], p)
     return {fv._params[i].name: norm for i, (norm,) in zip(indices, rows, strict=True)}
 
@@ -386,12 +393,10 @@ def tensor_norms(
     norm_type: object,
 ) -> dict[str, torch.Tensor | None]:
     """See :meth:`flatview.FlatView.tensor_norms`."""
-    try:
+    with _refused_everywhere(fv):
         p = check_norm_type(norm_type)
         given = _given_tensors(fv, tensors)
         check_phase(fv, "tensor_norms", grads=False)
-    except (NormError, StateError) as err:
-        refuse_everywhere(fv, err)
     indices = [i for i in fv._order if i in given]
     by_view = {id(fv._params[i].tensor): given[i] for i in indices}
     rows = whole_norms(fv, indices, [("tensor", lambda view: by_view[id(view)])], p)
