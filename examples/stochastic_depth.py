@@ -12,6 +12,7 @@ Run it:
 
     python examples/stochastic_depth.py                 # spawns 2 CPU processes (gloo)
     python examples/stochastic_depth.py --backend torch # torch's FSDP instead of fairscale
+    python examples/stochastic_depth.py --backend fsdp2 # torch FSDP2 (fully_shard)
     python examples/stochastic_depth.py --backend ddp   # DDP: skip sets, no sharding
     python examples/stochastic_depth.py --optimizer muon  # Muon on the blocks' matrices
     torchrun --nproc-per-node 8 examples/stochastic_depth.py   # GPUs, NCCL
@@ -133,7 +134,12 @@ def batches(n_samples: int, global_batch: int, env: DistEnv, seed: int) -> Itera
 
 # ------------------------------------------------------------------------------ FSDP
 
-WRAPPERS = {"fairscale": "fairscale FSDP", "torch": "torch FSDP", "ddp": "DDP"}
+WRAPPERS = {
+    "fairscale": "fairscale FSDP",
+    "torch": "torch FSDP",
+    "fsdp2": "torch FSDP2 (fully_shard)",
+    "ddp": "DDP",
+}
 
 
 def wrap_fsdp(net: Mixer, backend: str, env: DistEnv) -> nn.Module:
@@ -151,6 +157,16 @@ def wrap_fsdp(net: Mixer, backend: str, env: DistEnv) -> nn.Module:
         for index, block in enumerate(net.blocks):
             net.blocks[index] = FullyShardedDataParallel(block, flatten_parameters=True)
         return FullyShardedDataParallel(net, flatten_parameters=True)
+
+    if backend == "fsdp2":
+        # FSDP2 keeps the original parameters (DTensors): flatview adds no views there,
+        # only skip sets, the agreement check, norms and optimizer state.
+        from torch.distributed.fsdp import fully_shard
+
+        for block in net.blocks:
+            fully_shard(block)
+        fully_shard(net)
+        return net
 
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -443,7 +459,7 @@ def plot(history: History, path: Path, args: argparse.Namespace) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--backend", choices=("fairscale", "torch", "ddp"), default="fairscale")
+    parser.add_argument("--backend", choices=tuple(WRAPPERS), default="fairscale")
     parser.add_argument(
         "--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)"
     )
