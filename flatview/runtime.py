@@ -9,13 +9,8 @@ synchronising backward (gradient accumulation under ``no_sync()``), lending the 
 to a wrapper operation, carrying what was written through views back into the shards,
 and what :attr:`flatview.FlatView.stats` is computed from.
 
-Adapters call only its adapter-facing members (the ``Runtime`` protocol of
-:mod:`flatview.backends.base`): ``begin_compute``, ``check_unit_forward``,
-``check_backward_binding``, ``settle_agreement``, ``guard_skipped``,
-``guard_skipped_plain``, ``skipped_segments``, ``unit_skipped``, ``plain_used``,
-``flat_used_so_far``, ``reduction_plan``, ``gather_plan``, ``gather_masked``,
-``end_backward``, ``end_forward_only``, ``lend``, ``check_not_lent``, ``index_of``,
-``tensor``, ``name``, ``phase``, ``ledger``. The user's handle calls the rest.
+Adapters call only the members of the ``Runtime`` protocol of
+:mod:`flatview.backends.base`; the user's handle calls the rest.
 
 How a step's skip set flows: ``FlatView.step(skip)`` -> :meth:`Runtime.step` resolves it
 (:meth:`flatview.table.ParamTable.resolve`) and starts its agreement check -> the root
