@@ -82,7 +82,7 @@ def flat_parameters(model: nn.Module) -> list[nn.Parameter]:
 class CallTimer:
     """Accumulates the wall time spent inside chosen methods while installed.
 
-    Core methods are wrapped on the FlatView instance (the adapter reaches the core by
+    Core methods are wrapped on the FlatView's runtime (the adapter reaches the runtime by
     attribute lookup, so an instance attribute sees every call); ViewSet methods on the
     class (only the wrapped model in this process has view sets). Nested calls are
     counted in both: ``end_backward`` includes ``pull_grads`` and ``show``.
@@ -108,15 +108,16 @@ class CallTimer:
         from flatview.views import ViewSet
 
         originals = {name: getattr(ViewSet, name) for name in self.VIEWS}
+        runtime = fv.runtime
         for name in self.CORE:
-            setattr(fv, name, self._timed(f"core.{name}", getattr(fv, name)))
+            setattr(runtime, name, self._timed(f"core.{name}", getattr(runtime, name)))
         for name, method in originals.items():
             setattr(ViewSet, name, self._timed(f"views.{name}", method))
         try:
             yield
         finally:
             for name in self.CORE:
-                delattr(fv, name)
+                delattr(runtime, name)
             for name, method in originals.items():
                 setattr(ViewSet, name, method)
 

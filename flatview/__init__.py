@@ -13,7 +13,6 @@ from torch import nn
 from flatview.backends import detect
 from flatview.backends.replicated import ReplicatedAdapter
 from flatview.comm.reduce import Strategy
-from flatview.core import FlatView, Phase
 from flatview.errors import (
     DoubleCountError,
     FlatViewError,
@@ -29,6 +28,8 @@ from flatview.errors import (
     UndeclaredUnusedError,
     WrapError,
 )
+from flatview.handle import FlatView
+from flatview.phase import Phase
 from flatview.stats import StepStats
 
 __all__ = [

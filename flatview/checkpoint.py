@@ -55,26 +55,22 @@ form) and ``flatten_optimizer_state_dict``.
 
 from __future__ import annotations
 
-import math
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flatview import optim_state
 from flatview.comm.consolidate import exchange
 from flatview.errors import FlatViewError, OptimStateError
 from flatview.layout import Placement
+from flatview.sharded_tensors import as_full, is_sharded, sharded_value
 
 if TYPE_CHECKING:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from flatview.backends._common import AdapterBase
-    from flatview.core import FlatView
+    from flatview.handle import FlatView
 
 __all__ = [
     "get_optimizer_state_dict",
@@ -82,9 +78,6 @@ __all__ = [
     "set_optimizer_state_dict",
     "set_state_dict",
 ]
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-"""``(offsets, sizes)`` of a rectangular block of a tensor."""
 
 
 class IncompatibleKeys(NamedTuple):
@@ -278,21 +271,21 @@ def _sharded_optim_state(
     """The optimizer's state by name, per-element state of sharded parameters as
     ``ShardedTensor`` s over this rank's own state tensors: the ranks agree on what
     exists (one small exchange of descriptions, as consolidation does), no state moves."""
-    params, adapter = fv._params, fv.adapter
+    params, adapter = fv.table.params, fv.adapter
     homes = [param.placement for param in params]
     sharing = adapter.world_size > 1 and any(home.layout is not None for home in homes)
     try:
-        groups, saved, order, described = optim_state._local_facts(fv, optimizer, homes)
+        groups, saved, order, described = optim_state.local_facts(fv.table, optimizer, homes)
     except OptimStateError as err:
         if not sharing:
             raise
-        optim_state._raise_reported(exchange({"error": str(err)}, adapter.group), cause=err)
+        optim_state.raise_reported(exchange({"error": str(err)}, adapter.group), cause=err)
         raise
     states: dict[int, dict[Any, Any]] = saved["state"]
     plan: dict[int, dict[Any, Any]] = {}
     if sharing:
         descriptions = exchange({"params": tuple(order), "state": described}, adapter.group)
-        optim_state._raise_reported(descriptions)
+        optim_state.raise_reported(descriptions)
         plan = optim_state.merge(descriptions, order, homes, params)
 
     out_state: dict[str, dict[Any, Any]] = {}
@@ -304,7 +297,7 @@ def _sharded_optim_state(
                 out_state[home.name] = {
                     key: _offload(
                         value.reshape(home.shape)
-                        if optim_state._kind(home, key, value)[0] == "elem"
+                        if optim_state.kind_of(home, key, value)[0] == "elem"
                         else value,
                         cpu_offload,
                     )
@@ -316,9 +309,9 @@ def _sharded_optim_state(
         entry: dict[Any, Any] = {}
         for key, kind in plan[position].items():
             if kind[0] == "elem":
-                entry[key] = _sharded_value(home, local.get(key), kind[1], adapter, cpu_offload)
+                entry[key] = sharded_value(home, local.get(key), kind[1], adapter, cpu_offload)
             else:
-                entry[key] = optim_state._snapshot(kind[1])
+                entry[key] = optim_state.snapshot(kind[1])
         out_state[home.name] = entry
 
     out_groups = []
@@ -384,7 +377,7 @@ def _model_state_dict(fv: FlatView, model: nn.Module, info: Any) -> dict[str, An
             return {k: v.to("cpu") for k, v in full.items()} if fv.adapter.rank == 0 else {}
         return full
     out: dict[str, Any] = {}
-    for param in fv._params:
+    for param in fv.table.params:
         if info.ignore_frozen_params and not param.tensor.requires_grad:
             continue
         home = param.placement
@@ -392,7 +385,7 @@ def _model_state_dict(fv: FlatView, model: nn.Module, info: Any) -> dict[str, An
         if home.layout is None:
             entry = _offload(value.reshape(home.shape), info.cpu_offload)
         else:
-            entry = _sharded_value(home, value, value.dtype, fv.adapter, info.cpu_offload)
+            entry = sharded_value(home, value, value.dtype, fv.adapter, info.cpu_offload)
         # Under every name, as the unwrapped model's state_dict() lists tied parameters.
         for name in param.names:
             out[name] = entry
@@ -430,7 +423,7 @@ def _load_model_state_dict(
         return IncompatibleKeys(list(result.missing_keys), list(result.unexpected_keys))
     expected: dict[str, torch.Tensor] = {}
     homes: dict[str, Placement] = {}
-    for param in fv._params:
+    for param in fv.table.params:
         if info.ignore_frozen_params and not param.tensor.requires_grad:
             continue
         for name in param.names:
@@ -452,271 +445,8 @@ def _load_model_state_dict(
             home = homes.get(name)
             value = state_dict[name]
             if home is None or home.layout is None:
-                source = _as_full(value)
+                source = as_full(value)
                 target.copy_(source.reshape(target.shape))
             else:
                 target.copy_(optim_state.local_part(home, value, target).view(target.shape))
     return IncompatibleKeys(missing, unexpected)
-
-
-def _as_full(value: Any) -> torch.Tensor:
-    if is_sharded(value):
-        shards = value.local_shards()
-        if len(shards) != 1 or tuple(shards[0].tensor.shape) != tuple(value.shape):
-            raise FlatViewError("a replicated value came as a ShardedTensor of several shards")
-        result: torch.Tensor = shards[0].tensor
-        return result
-    tensor: torch.Tensor = value
-    return tensor
-
-
-# -------------------------------------------------------------------- sharded tensors
-
-
-def boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
-    """The elements ``[start, end)`` of a row-major tensor of ``shape``, flattened, as
-    rectangular blocks in element order; each block is contiguous, so a range of the
-    flattened local tensor viewed with the block's sizes holds exactly its elements."""
-    if end <= start:
-        return []
-    if len(shape) <= 1:
-        return [((start,), (end - start,))]
-    inner = math.prod(shape[1:])
-    first, first_col = divmod(start, inner)
-    last, last_col = divmod(end, inner)
-    rest = tuple(shape[1:])
-    if first == last:
-        return [((first, *o), (1, *s)) for o, s in boxes(rest, first_col, last_col)]
-    out: list[Box] = []
-    if first_col:
-        out += [((first, *o), (1, *s)) for o, s in boxes(rest, first_col, inner)]
-        first += 1
-    if last > first:
-        out.append(((first, *(0 for _ in rest)), (last - first, *rest)))
-    if last_col:
-        out += [((last, *o), (1, *s)) for o, s in boxes(rest, 0, last_col)]
-    return out
-
-
-def _group_rank(adapter: Any, rank: int) -> int:
-    """The global rank of ``rank`` in the adapter's group (ShardedTensor placements)."""
-    group = adapter.group
-    if group is None or group == dist.GroupMember.WORLD:
-        return rank
-    return int(dist.get_global_rank(group, rank))
-
-
-def _sharded_value(
-    home: Placement,
-    local: torch.Tensor | None,
-    dtype: torch.dtype,
-    adapter: Any,
-    cpu_offload: bool,
-) -> Any:
-    """The per-element tensor ``local`` (this rank's local tensor of ``home``, or
-    ``None`` where it holds none of it) as a tensor of the original shape that
-    torch.distributed.checkpoint saves once, whoever holds which elements."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (
-        ShardedTensorMetadata,
-        TensorProperties,
-    )
-
-    device = torch.device("cpu") if cpu_offload or local is None else local.device
-    if home.numel == 0:
-        return torch.zeros(home.shape, dtype=dtype, device=device)
-    if len(home.shape) == 0:
-        # One element, on one rank: sent to all (a ShardedTensor has no 0-dim form).
-        assert home.layout is not None
-        owner = next(r for r in range(home.layout.world_size) if home.piece(r).numel)
-        value = torch.zeros((), dtype=dtype, device=adapter.device)
-        if local is not None and home.piece(home.rank).numel:
-            lo, _ = home.local_interval
-            value.copy_(local.reshape(-1)[lo])
-        dist.broadcast(value, src=_group_rank(adapter, owner), group=adapter.group)
-        return value.to(device)
-    assert home.layout is not None
-    metadata = []
-    local_shards = []
-    # A rank holding none of the parameter gets an empty block: torch's load planner
-    # drops a ShardedTensor without local shards from the keys it expects. It sits past
-    # the end, where no real block starts: the save planner takes blocks with the same
-    # offsets for copies of one block.
-    end_row = (home.shape[0], *(0 for _ in home.shape[1:]))
-    nothing: Box = (end_row, (0,) * len(home.shape))
-    for rank in range(home.layout.world_size):
-        start, end = home.piece(rank).param_interval
-        placement = f"rank:{_group_rank(adapter, rank)}/{device}"
-        for offsets, sizes in boxes(home.shape, start, end) or [nothing]:
-            metadata.append(ShardMetadata(list(offsets), list(sizes), placement))
-    start, end = home.piece(home.rank).param_interval
-    if end <= start:
-        placement = f"rank:{_group_rank(adapter, home.rank)}/{device}"
-        empty = torch.empty(nothing[1], dtype=dtype, device=device)
-        local_shards.append(
-            Shard(empty, ShardMetadata(list(nothing[0]), list(nothing[1]), placement))
-        )
-    else:
-        assert local is not None, home.name
-        lo, _ = home.local_interval
-        flat = local.detach().reshape(-1)
-        if cpu_offload:
-            flat = flat.to("cpu")
-        cursor = lo
-        for offsets, sizes in boxes(home.shape, start, end):
-            numel = math.prod(sizes)
-            block = flat[cursor : cursor + numel].view(sizes)
-            cursor += numel
-            shard_meta = ShardMetadata(
-                list(offsets), list(sizes), f"rank:{_group_rank(adapter, home.rank)}/{device}"
-            )
-            local_shards.append(Shard(block, shard_meta))
-    properties = TensorProperties(dtype=dtype, requires_grad=False)
-    global_metadata = ShardedTensorMetadata(metadata, torch.Size(home.shape), properties)
-    sharded: ShardedTensor = ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards, global_metadata, process_group=adapter.group
-    )
-    return sharded
-
-
-def is_sharded(value: Any) -> bool:
-    """Whether ``value`` is a ``ShardedTensor`` (without importing torch's module)."""
-    if "torch.distributed._shard.sharded_tensor" not in sys.modules:
-        return False
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(value, ShardedTensor)
-
-
-def local_of_sharded(home: Placement, value: Any, like: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's part of a ``ShardedTensor`` made by :func:`get_state_dict` on this
-    model (and filled by ``torch.distributed.checkpoint.load``), shaped as
-    :func:`flatview.optim_state.local_part` shapes it. A copy."""
-    shards = value.local_shards()
-    if home.layout is None:
-        return _as_full(value).detach().clone()
-    start, end = home.piece(home.rank).param_interval
-    inner = [math.prod(home.shape[i + 1 :]) for i in range(len(home.shape))]
-    out = torch.zeros(home.local_numel, dtype=value.dtype, device=_shard_device(shards))
-    lo, _ = home.local_interval
-    covered = 0
-    for shard in shards:
-        offsets = shard.metadata.shard_offsets
-        first = sum(o * s for o, s in zip(offsets, inner, strict=True))
-        numel = shard.tensor.numel()
-        if numel == 0:
-            continue
-        if first < start or first + numel > end:
-            raise OptimStateError(
-                f"the ShardedTensor given for {home.name!r} holds elements "
-                f"[{first}, {first + numel}) on this rank, which holds [{start}, {end}): "
-                "load the sharded form into the dict flatview.checkpoint.get_state_dict "
-                "returned for this model (torch.distributed.checkpoint.load reshards it)"
-            )
-        out[lo + first - start : lo + first - start + numel] = shard.tensor.reshape(-1)
-        covered += numel
-    if covered != end - start:
-        raise OptimStateError(
-            f"the ShardedTensor given for {home.name!r} holds {covered} of this rank's "
-            f"{end - start} elements: load the sharded form into the dict "
-            "flatview.checkpoint.get_state_dict returned for this model"
-        )
-    if home.whole_shard:
-        return out
-    if like is not None and like.numel() == out.numel():
-        return out.view(like.shape)
-    return out
-
-
-def _shard_device(shards: Sequence[Any]) -> torch.device:
-    return shards[0].tensor.device if shards else torch.device("cpu")
-
-
-# ---------------------------------------------------------- torch's API, refused
-
-
-def guard_torch_checkpoint(adapter: AdapterBase) -> None:
-    """Make torch's ``torch.distributed.checkpoint.state_dict`` functions refuse, with a
-    :class:`flatview.FlatViewError` naming this module, optimizers over the views of the
-    adapter's model; model-only calls, and optimizers over parameters the wrapper does
-    not flatten, go on as before.
-
-    torch reads ``root._fqn_modifiers()`` (when present) while it checks its arguments,
-    before any collective: an instance attribute there (removed with the adapter's other
-    patches) looks at the calling torch function's optimizers. The decision is local and
-    the same on every rank whose optimizers are counterparts, so every rank raises.
-    """
-    root = adapter.root
-    previous = getattr(root, "_fqn_modifiers", None)
-    core = adapter.core
-
-    def _fqn_modifiers() -> dict[str, str]:
-        _refuse_view_optimizers(core)
-        found = previous() if callable(previous) else {}
-        return dict(found)
-
-    adapter._patch(root, "_fqn_modifiers", _fqn_modifiers)
-
-
-def _torch_entry_points() -> dict[Any, str]:
-    module = sys.modules.get("torch.distributed.checkpoint.state_dict")
-    if module is None:
-        return {}
-    entries = {}
-    for name in (
-        "get_state_dict",
-        "get_optimizer_state_dict",
-        "set_state_dict",
-        "set_optimizer_state_dict",
-    ):
-        fn = getattr(module, name, None)
-        fn = getattr(fn, "__wrapped__", fn)
-        code = getattr(fn, "__code__", None)
-        if code is not None:
-            entries[code] = name
-    return entries
-
-
-def _refuse_view_optimizers(core: FlatView) -> None:
-    entries = _torch_entry_points()
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code not in entries:
-        frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return
-    name = entries[frame.f_code]
-    optimizers = frame.f_locals.get("optimizers") or ()
-    if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers = (optimizers,)
-    for optimizer in optimizers:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            continue
-        held = _views_held(core, optimizer)
-        if held:
-            shown = ", ".join(repr(n) for n in held[:3]) + (", ..." if len(held) > 3 else "")
-            raise FlatViewError(
-                f"torch.distributed.checkpoint.state_dict.{name} cannot handle optimizer "
-                f"{type(optimizer).__name__}, which holds flatview's views ({shown}) of a "
-                f"{core.adapter.backend} model: torch would take each view's state for the "
-                "state of a whole flat parameter (or of a whole parameter). Use "
-                f"flatview.checkpoint.{name}(fv, model, ...) instead: the same arguments "
-                "and options after fv, a state dict keyed by original names that "
-                "torch.distributed.checkpoint.save / load handle and reshard"
-            )
-
-
-def _views_held(core: FlatView, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Names of the parameters of ``optimizer`` that torch's functions would misread:
-    flatview's own views, and parameters the wrapper shards one by one."""
-    names = []
-    for group in optimizer.param_groups:
-        for tensor in group["params"]:
-            index = core.index_of(tensor)
-            if index is None:
-                continue
-            param = core._params[index]
-            own_view = param.flat is not None and not core._flats[param.flat].spec.wrapper_views
-            if own_view or (param.flat is None and param.placement.whole_shard):
-                names.append(param.name)
-    return names

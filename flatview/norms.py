@@ -49,9 +49,11 @@ from torch import nn
 from flatview.comm.norms import COLUMNS, NormExchange, request_code
 from flatview.errors import FlatViewError, NormError, StateError
 from flatview.layout import Placement
+from flatview.phase import Phase
 
 if TYPE_CHECKING:
-    from flatview.core import FlatView
+    from flatview.runtime import Runtime
+    from flatview.table import ParamTable
 
 ParamSelection: TypeAlias = torch.Tensor | str | Iterable[torch.Tensor | str] | None
 """Original parameters: views or parameters of the model, or their names (e.g. an
@@ -96,11 +98,11 @@ def check_norm_type(norm_type: object) -> float:
     return p
 
 
-def select(fv: FlatView, params: ParamSelection) -> list[int]:
+def select(table: ParamTable, params: ParamSelection) -> list[int]:
     """Indices of the original parameters ``params`` stands for, in model order (each
     once); raises :class:`NormError` naming anything that is not one of them."""
     if params is None:
-        return list(fv._order)
+        return list(table.order)
     items: Iterable[object]
     items = (params,) if isinstance(params, (torch.Tensor, str)) else params
     if isinstance(items, Mapping):
@@ -113,29 +115,29 @@ def select(fv: FlatView, params: ParamSelection) -> list[int]:
             f"params must be parameters or names, not a module ({type(items).__name__}); "
             "pass module.parameters()"
         )
-    chosen = set(indices_of(fv, items))
-    return [i for i in fv._order if i in chosen]
+    chosen = set(indices_of(table, items))
+    return [i for i in table.order if i in chosen]
 
 
-def indices_of(fv: FlatView, items: Iterable[object], argument: str = "params") -> list[int]:
+def indices_of(table: ParamTable, items: Iterable[object], argument: str = "params") -> list[int]:
     """The original-parameter index of each item (a view, parameter or name), in order;
     raises :class:`NormError` naming the first that is none of them."""
-    by_tensor, by_name = fv._index_of_tensor, fv._index_of_name
     found = []
     for item in items:
         if isinstance(item, str):
-            if item not in by_name:
-                close = difflib.get_close_matches(item, list(by_name), n=3)
+            named = table.index_of_name(item)
+            if named is None:
+                close = difflib.get_close_matches(item, table.names(), n=3)
                 hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
                 raise NormError(
                     f"{argument} names {item!r}, which is not an original parameter name of the "
                     f"wrapped model (see FlatView.named_parameters()){hint}"
                 )
-            found.append(by_name[item])
+            found.append(named)
         elif isinstance(item, torch.Tensor):
-            index = by_tensor.get(id(item))
+            index = table.index_of(item)
             if index is None:
-                raise NormError(_unknown_tensor(item, fv, argument))
+                raise NormError(_unknown_tensor(item, table, argument))
             found.append(index)
         else:
             raise NormError(
@@ -145,14 +147,14 @@ def indices_of(fv: FlatView, items: Iterable[object], argument: str = "params") 
     return found
 
 
-def _unknown_tensor(tensor: torch.Tensor, fv: FlatView, argument: str) -> str:
+def _unknown_tensor(tensor: torch.Tensor, table: ParamTable, argument: str) -> str:
     what = f"{type(tensor).__name__} of shape {tuple(tensor.shape)}"
-    if fv.flat_parameter(tensor) is not None:
+    if table.flat_parameter(tensor) is not None:
         return (
             f"{argument} holds a flat parameter ({what}), whose elements differ from rank to "
             "rank; pass its views (the submodules' parameters) or their names"
         )
-    grads = {id(p.tensor.grad): p.name for p in fv._params if p.tensor.grad is not None}
+    grads = {id(p.tensor.grad): p.name for p in table.params if p.tensor.grad is not None}
     if id(tensor) in grads:
         return (
             f"{argument} holds the gradient of {grads[id(tensor)]!r}, not a parameter; pass the "
@@ -164,10 +166,9 @@ def _unknown_tensor(tensor: torch.Tensor, fv: FlatView, argument: str) -> str:
     )
 
 
-def check_phase(fv: FlatView, method: str, *, grads: bool) -> None:
-    from flatview.core import Phase
-
-    if fv.phase is not Phase.IDLE:
+def check_phase(rt: Runtime, method: str, *, grads: bool) -> None:
+    """Refuse a norm call outside ``IDLE`` (and, for gradients, inside ``no_sync()``)."""
+    if rt.phase is not Phase.IDLE:
         hint = {
             Phase.COMPUTING: (
                 "a forward pass is in flight, or a forward ran with autograd on and no "
@@ -176,11 +177,11 @@ def check_phase(fv: FlatView, method: str, *, grads: bool) -> None:
             ),
             Phase.LENT: "a wrapper operation (state_dict, summon_full_params, ...) runs",
             Phase.DETACHED: "flatview was unwrapped",
-        }[fv.phase]
+        }[rt.phase]
         raise StateError(
-            f"FlatView.{method}() needs phase IDLE, the model is {fv.phase.name}: {hint}"
+            f"FlatView.{method}() needs phase IDLE, the model is {rt.phase.name}: {hint}"
         )
-    if grads and fv._window is not None:
+    if grads and rt.accumulating:
         raise StateError(
             f"FlatView.{method}() inside a no_sync() window: gradients are not reduced yet "
             "(each rank holds its own unreduced ones); call it after the synchronising backward"
@@ -191,7 +192,7 @@ def check_phase(fv: FlatView, method: str, *, grads: bool) -> None:
 
 
 def whole_norms(
-    fv: FlatView,
+    rt: Runtime,
     indices: Sequence[int],
     columns: Sequence[tuple[str, Column]],
     norm_type: float,
@@ -210,10 +211,11 @@ def whole_norms(
         raise ValueError(f"1 to {COLUMNS} columns, got {len(columns)}")
     p = norm_type
     maximum = math.isinf(p)
-    device = fv.adapter.device
-    table = [param.placement for param in fv._params]
+    device = rt.adapter.device
+    params = rt.table.params
+    table = [param.placement for param in params]
     exchange = NormExchange(
-        len(fv._params), request_code(f"{p!r}:{','.join(k for k, _ in columns)}"), maximum
+        len(params), request_code(f"{p!r}:{','.join(k for k, _ in columns)}"), maximum
     )
     dtype = torch.float32
     # Per dtype and device, the entries (parameter, column) with elements here: their
@@ -224,7 +226,7 @@ def whole_norms(
     for index in indices:
         exchange.request(index)
         placement = table[index]
-        tensor = fv._params[index].tensor
+        tensor = params[index].tensor
         if tensor.dtype == torch.float64:
             dtype = torch.float64
         for column, (_, tensor_of) in enumerate(columns):
@@ -252,9 +254,9 @@ def whole_norms(
     sharded = torch.tensor([pl.sharded for pl in table for _ in range(COLUMNS)], device=device)
     share = local if maximum else local.pow(p)
     share = torch.where(sharded, share, torch.zeros_like(share))
-    reduced = exchange.all_reduce(share, fv.adapter.group, device, fv.ledger).reshape(-1)
+    reduced = exchange.all_reduce(share, rt.adapter.group, device, rt.ledger).reshape(-1)
 
-    _raise_failures(fv, exchange, None)
+    _raise_failures(rt, exchange, None)
     _raise_on_disagreement(exchange, table, columns, p)
     whole = reduced if maximum else reduced.pow(1.0 / p)
     norms = torch.where(sharded, whole, local).to(dtype).unbind()
@@ -269,28 +271,28 @@ def whole_norms(
 
 
 @contextlib.contextmanager
-def _refused_everywhere(fv: FlatView) -> Iterator[None]:
+def _refused_everywhere(rt: Runtime) -> Iterator[None]:
     """Argument checks of a norm call: one that fails on this rank fails on every rank
     (:func:`refuse_everywhere`)."""
     try:
         yield
     except (NormError, StateError) as err:
-        refuse_everywhere(fv, err)
+        refuse_everywhere(rt, err)
 
 
-def refuse_everywhere(fv: FlatView, error: FlatViewError) -> NoReturn:
+def refuse_everywhere(rt: Runtime, error: FlatViewError) -> NoReturn:
     """This rank refused its own arguments: join the call's collective flagged as
     failed (the other ranks may be in it already), then raise ``error``."""
-    exchange = NormExchange(len(fv._params), 0, maximum=False)
+    exchange = NormExchange(len(rt.table), 0, maximum=False)
     exchange.failed = True
-    device = fv.adapter.device
-    values = torch.zeros(len(fv._params) * COLUMNS, dtype=torch.float64, device=device)
-    exchange.all_reduce(values, fv.adapter.group, device, fv.ledger)
-    _raise_failures(fv, exchange, error)
+    device = rt.adapter.device
+    values = torch.zeros(len(rt.table) * COLUMNS, dtype=torch.float64, device=device)
+    exchange.all_reduce(values, rt.adapter.group, device, rt.ledger)
+    _raise_failures(rt, exchange, error)
     raise error
 
 
-def _raise_failures(fv: FlatView, exchange: NormExchange, error: FlatViewError | None) -> None:
+def _raise_failures(rt: Runtime, exchange: NormExchange, error: FlatViewError | None) -> None:
     """Raise on every rank if some rank refused its arguments: ``error`` where it is
     this rank's, else a :class:`NormError` naming the ranks that refused and why."""
     if not exchange.some_failed:
@@ -298,7 +300,7 @@ def _raise_failures(fv: FlatView, exchange: NormExchange, error: FlatViewError |
     reports: list[tuple[str, str] | None] = []
     if exchange.some_ok:
         # Some ranks do not know what went wrong: tell them (the only case that pays).
-        group = fv.adapter.group
+        group = rt.adapter.group
         reports = [None] * dist.get_world_size(group)
         mine = None if error is None else (type(error).__name__, str(error))
         dist.all_gather_object(reports, mine, group=group)
@@ -330,7 +332,7 @@ def _raise_on_disagreement(
     if agreement.disputed:
         names = [table[i].name for i in agreement.disputed]
         raise NormError(
-            f"ranks asked for the norms of different parameters: {_listing(names)} were "
+            f"ranks asked for the norms of different parameters: {listing(names)} were "
             "asked for on some ranks and not on others; every rank must pass the same "
             "params (e.g. all of an optimizer's group['params'], not only those with "
             "elements or a gradient on this rank)"
@@ -338,12 +340,13 @@ def _raise_on_disagreement(
     if agreement.bad:
         names = [table[i].name for i in agreement.bad]
         raise NormError(
-            f"on some rank the tensor given for {_listing(names)} is laid out like neither "
+            f"on some rank the tensor given for {listing(names)} is laid out like neither "
             "the view nor the whole parameter (its number of elements is neither)"
         )
 
 
-def _listing(names: Sequence[str], limit: int = 8) -> str:
+def listing(names: Sequence[str], limit: int = 8) -> str:
+    """The first ``limit`` names, quoted, and how many more."""
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
@@ -361,60 +364,95 @@ def grad_column(view: nn.Parameter) -> torch.Tensor | None:
     return view.grad
 
 
-def param_norms(fv: FlatView, params: ParamSelection, norm_type: object) -> dict[str, torch.Tensor]:
+def param_norms(rt: Runtime, params: ParamSelection, norm_type: object) -> dict[str, torch.Tensor]:
     """See :meth:`flatview.FlatView.param_norms`."""
-    with _refused_everywhere(fv):
+    with _refused_everywhere(rt):
         p = check_norm_type(norm_type)
-        indices = select(fv, params)
-        check_phase(fv, "param_norms", grads=False)
-    rows = whole_norms(fv, indices, [("param", param_column)], p)
+        indices = select(rt.table, params)
+        check_phase(rt, "param_norms", grads=False)
+    rows = whole_norms(rt, indices, [("param", param_column)], p)
     out = {}
     for index, (norm,) in zip(indices, rows, strict=True):
         assert norm is not None
-        out[fv._params[index].name] = norm
+        out[rt.table.name(index)] = norm
     return out
 
 
 def grad_norms(
-    fv: FlatView, params: ParamSelection, norm_type: object
+    rt: Runtime, params: ParamSelection, norm_type: object
 ) -> dict[str, torch.Tensor | None]:
     """See :meth:`flatview.FlatView.grad_norms`."""
-    with _refused_everywhere(fv):
+    with _refused_everywhere(rt):
         p = check_norm_type(norm_type)
-        indices = select(fv, params)
-        check_phase(fv, "grad_norms", grads=True)
-    rows = whole_norms(fv, indices, [("grad", grad_column)], p)
-    return {fv._params[i].name: norm for i, (norm,) in zip(indices, rows, strict=True)}
+        indices = select(rt.table, params)
+        check_phase(rt, "grad_norms", grads=True)
+    rows = whole_norms(rt, indices, [("grad", grad_column)], p)
+    return {rt.table.name(i): norm for i, (norm,) in zip(indices, rows, strict=True)}
 
 
 def tensor_norms(
-    fv: FlatView,
+    rt: Runtime,
     tensors: TensorsByParam,
     norm_type: object,
 ) -> dict[str, torch.Tensor | None]:
     """See :meth:`flatview.FlatView.tensor_norms`."""
-    with _refused_everywhere(fv):
+    table = rt.table
+    with _refused_everywhere(rt):
         p = check_norm_type(norm_type)
-        given = _given_tensors(fv, tensors)
-        check_phase(fv, "tensor_norms", grads=False)
-    indices = [i for i in fv._order if i in given]
-    by_view = {id(fv._params[i].tensor): given[i] for i in indices}
-    rows = whole_norms(fv, indices, [("tensor", lambda view: by_view[id(view)])], p)
-    return {fv._params[i].name: norm for i, (norm,) in zip(indices, rows, strict=True)}
+        given = _given_tensors(table, tensors)
+        check_phase(rt, "tensor_norms", grads=False)
+    indices = [i for i in table.order if i in given]
+    by_view = {id(table.tensor(i)): given[i] for i in indices}
+    rows = whole_norms(rt, indices, [("tensor", lambda view: by_view[id(view)])], p)
+    return {table.name(i): norm for i, (norm,) in zip(indices, rows, strict=True)}
 
 
-def _given_tensors(fv: FlatView, tensors: TensorsByParam) -> dict[int, torch.Tensor | None]:
+def _given_tensors(table: ParamTable, tensors: TensorsByParam) -> dict[int, torch.Tensor | None]:
     if not isinstance(tensors, Mapping):
         raise NormError(
             "tensors must map parameters (or names) to tensors laid out like their views, "
             f"got {type(tensors).__name__}"
         )
     given: dict[int, torch.Tensor | None] = {}
-    for index, value in zip(indices_of(fv, tensors, "tensors"), tensors.values(), strict=True):
+    for index, value in zip(indices_of(table, tensors, "tensors"), tensors.values(), strict=True):
         if value is not None and not isinstance(value, torch.Tensor):
             raise NormError(
-                f"tensors[{fv._params[index].name!r}] must be a tensor or None, got "
+                f"tensors[{table.name(index)!r}] must be a tensor or None, got "
                 f"{type(value).__name__}"
             )
         given[index] = value
     return given
+
+
+def clip_grad_norm(
+    rt: Runtime,
+    max_norm: float,
+    norm_type: float,
+    params: ParamSelection,
+    *,
+    error_if_nonfinite: bool,
+) -> torch.Tensor:
+    """See :meth:`flatview.FlatView.clip_grad_norm_`."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise NormError(f"max_norm must be a number, got {type(max_norm).__name__}")
+    if not max_norm >= 0:
+        # inf is fine (measure without clipping); nan would scale by nan.
+        raise NormError(f"max_norm must be non-negative, got {max_norm}")
+    p = check_norm_type(norm_type)
+    indices = select(rt.table, params)
+    norms = [n for n in grad_norms(rt, params, p).values() if n is not None]
+    if not norms:
+        return torch.zeros((), device=rt.adapter.device)
+    stacked = torch.stack(norms)
+    total = stacked.max() if math.isinf(p) else torch.linalg.vector_norm(stacked, p)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise NormError(
+            f"the total {p}-norm of the gradients is {total.item()}: not finite "
+            "(error_if_nonfinite=True)"
+        )
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for index in indices:
+        grad = rt.table.tensor(index).grad
+        if grad is not None:
+            grad.mul_(scale.to(grad.device, grad.dtype))
+    return total

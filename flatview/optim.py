@@ -25,7 +25,7 @@ from flatview import norms
 from flatview.whole import Whole
 
 if TYPE_CHECKING:
-    from flatview.core import FlatView
+    from flatview.handle import FlatView
 
 __all__ = ["LARC", "Whole", "param_and_grad_norms", "trust_ratios"]
 
@@ -99,14 +99,14 @@ def param_and_grad_norms(
     :meth:`~flatview.FlatView.param_norms` and :meth:`~flatview.FlatView.grad_norms` give,
     with one all-reduce for both. A collective, like them."""
     p = norms.check_norm_type(norm_type)
-    indices = norms.select(fv, params)
-    norms.check_phase(fv, "param_and_grad_norms", grads=True)
+    indices = norms.select(fv.table, params)
+    norms.check_phase(fv.runtime, "param_and_grad_norms", grads=True)
     columns = [("param", norms.param_column), ("grad", norms.grad_column)]
-    rows = norms.whole_norms(fv, indices, columns, p)
+    rows = norms.whole_norms(fv.runtime, indices, columns, p)
     out = {}
     for index, (weight, grad) in zip(indices, rows, strict=True):
         assert weight is not None
-        out[fv._params[index].name] = (weight, grad)
+        out[fv.table.name(index)] = (weight, grad)
     return out
 
 

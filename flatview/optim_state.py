@@ -57,27 +57,32 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from flatview.comm.consolidate import exchange, gather_packed
+from flatview.backends.base import Adapter
+from flatview.comm.consolidate import exchange
 from flatview.errors import OptimStateError
 from flatview.layout import Placement
-
-if TYPE_CHECKING:
-    from flatview.backends.base import Adapter
-    from flatview.core import FlatView, _Param
-
-BUCKET_NUMEL = 2**24
-"""Largest number of elements one gathering collective receives (all ranks together),
-unless a single state tensor is larger."""
+from flatview.sharded_tensors import is_sharded, local_of_sharded
+from flatview.state_gather import Kind, gather
+from flatview.table import ParamRecord, ParamTable
 
 _STEP = "step"
 
-Kind = tuple[Any, ...]
-"""How one rank holds one state value: ``("elem", dtype)``, ``("value", value)`` or
-``("other", shape)`` (a tensor that is neither)."""
+
+@runtime_checkable
+class ConsolidatesItself(Protocol):
+    """An optimizer that keeps whole tensors on owner ranks and consolidates its state
+    itself (:class:`flatview.optim.Whole`): :meth:`flatview.FlatView.optim_state_dict`
+    and :meth:`~flatview.FlatView.load_optim_state_dict` hand it over."""
+
+    def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """What :meth:`flatview.FlatView.optim_state_dict` returns for it."""
+
+    def load_consolidated_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """What :meth:`flatview.FlatView.load_optim_state_dict` does for it."""
 
 
 # ---------------------------------------------------------------- per-element state
@@ -88,11 +93,9 @@ def local_part(
 ) -> torch.Tensor:
     """This rank's part of a full per-element tensor, shaped like ``like`` (the
     optimizer's parameter) where it holds as many elements, 1-D otherwise. A copy."""
-    from flatview import checkpoint
-
-    if checkpoint.is_sharded(full):
+    if is_sharded(full):
         # The sharded form of flatview.checkpoint: this rank's elements are its own.
-        return checkpoint.local_of_sharded(home, full, like)
+        return local_of_sharded(home, full, like)
     full = full.detach()
     if home.layout is None:
         return full.clone()
@@ -110,7 +113,7 @@ def local_part(
     return values.clone()
 
 
-def _kind(home: Placement, key: Any, value: Any) -> Kind:
+def kind_of(home: Placement, key: Any, value: Any) -> Kind:
     """How this rank holds the state ``key`` (see the module docstring)."""
     if not isinstance(value, torch.Tensor):
         return ("value", value)
@@ -131,18 +134,18 @@ def _is_elementwise(home: Placement, key: Any, value: Any) -> bool:
     )
 
 
-def _optimizer_params(fv: FlatView, optimizer: torch.optim.Optimizer) -> list[list[int]]:
+def _optimizer_params(table: ParamTable, optimizer: torch.optim.Optimizer) -> list[list[int]]:
     """Per parameter group of ``optimizer``, the indices of its parameters; raises
     :class:`OptimStateError` for any tensor that is not one of the model's parameters."""
     groups = []
     for g, group in enumerate(optimizer.param_groups):
         indices = []
         for j, tensor in enumerate(group["params"]):
-            index = fv._index_of_tensor.get(id(tensor))
+            index = table.index_of(tensor)
             if index is None:
                 raise OptimStateError(
                     f"{type(optimizer).__name__}: parameter {j} of parameter group {g} is "
-                    f"{_describe_foreign(tensor, fv)}, not one of this "
+                    f"{_describe_foreign(tensor, table)}, not one of this "
                     "FlatView's parameters. Optimizer state is saved and loaded by name only "
                     "for optimizers over views and the model's other parameters "
                     "(FlatView.parameters(), submodule.parameters())."
@@ -152,8 +155,8 @@ def _optimizer_params(fv: FlatView, optimizer: torch.optim.Optimizer) -> list[li
     return groups
 
 
-def _describe_foreign(tensor: Any, fv: FlatView) -> str:
-    flat = fv.flat_parameter(tensor)
+def _describe_foreign(tensor: Any, table: ParamTable) -> str:
+    flat = table.flat_parameter(tensor)
     if flat is not None:
         unit, names = flat
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
@@ -169,14 +172,14 @@ def _describe_foreign(tensor: Any, fv: FlatView) -> str:
 # ------------------------------------------------------------------------ consolidate
 
 
-def _local_facts(
-    fv: FlatView, optimizer: torch.optim.Optimizer, homes: Sequence[Placement]
+def local_facts(
+    table: ParamTable, optimizer: torch.optim.Optimizer, homes: Sequence[Placement]
 ) -> tuple[list[list[int]], dict[str, Any], list[int], dict[int, dict[Any, Kind]]]:
     """What this rank's optimizer holds: its parameter groups (as indices), its
     ``state_dict()``, the indices in state-dict order, and the kind of each state entry
     of sharded parameters. Raises :class:`OptimStateError` for what cannot be
     consolidated whatever the other ranks hold."""
-    groups = _optimizer_params(fv, optimizer)
+    groups = _optimizer_params(table, optimizer)
     saved = optimizer.state_dict()
     # Optimizer.state_dict() numbers the parameters in group order: position k is the
     # k-th parameter over all groups.
@@ -187,7 +190,7 @@ def _local_facts(
         if state is None:
             continue
         home = homes[index]
-        kinds = {key: _kind(home, key, value) for key, value in state.items()}
+        kinds = {key: kind_of(home, key, value) for key, value in state.items()}
         if home.layout is None:
             # Replicated state is the same on every rank: refused here, on every rank.
             for key, kind in kinds.items():
@@ -198,7 +201,7 @@ def _local_facts(
     return groups, saved, order, described
 
 
-def _raise_reported(
+def raise_reported(
     descriptions: Sequence[Mapping[str, Any]], cause: BaseException | None = None
 ) -> None:
     """Raise, on every rank alike, the first error a rank reported in place of its
@@ -209,20 +212,24 @@ def _raise_reported(
 
 
 def consolidate(
-    fv: FlatView, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
+    table: ParamTable,
+    adapter: Adapter,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank0_only: bool = False,
 ) -> dict[str, Any]:
     """The consolidated state of ``optimizer`` (see :meth:`flatview.FlatView.optim_state_dict`)."""
-    params, adapter = fv._params, fv.adapter
+    params = table.params
     homes = [param.placement for param in params]
     gathering = adapter.world_size > 1 and any(home.layout is not None for home in homes)
     try:
-        groups, saved, order, described = _local_facts(fv, optimizer, homes)
+        groups, saved, order, described = local_facts(table, optimizer, homes)
     except OptimStateError as err:
         if not gathering:
             raise
         # The other ranks are about to exchange descriptions: tell them, so that every
         # rank raises instead of the others waiting in the collective until it times out.
-        _raise_reported(exchange({"error": str(err)}, adapter.group), cause=err)
+        raise_reported(exchange({"error": str(err)}, adapter.group), cause=err)
         raise  # not reached: this rank's own report is among them
     states: dict[int, dict[Any, Any]] = saved["state"]
 
@@ -231,9 +238,9 @@ def consolidate(
     plan: dict[int, dict[Any, Kind]] = {}
     if gathering:
         descriptions = exchange({"params": tuple(order), "state": described}, adapter.group)
-        _raise_reported(descriptions)
+        raise_reported(descriptions)
         plan = merge(descriptions, order, homes, params)
-        fulls = _gather(plan, states, order, homes, adapter, rank0_only)
+        fulls = gather(plan, states, order, homes, adapter, rank0_only)
 
     out_state: dict[str, dict[Any, Any]] = {}
     if receiving:
@@ -243,9 +250,9 @@ def consolidate(
                 state = states.get(position)
                 if state is not None:
                     out_state[home.name] = {
-                        key: _snapshot(value.reshape(home.shape))
-                        if _kind(home, key, value)[0] == "elem"
-                        else _snapshot(value)
+                        key: snapshot(value.reshape(home.shape))
+                        if kind_of(home, key, value)[0] == "elem"
+                        else snapshot(value)
                         for key, value in state.items()
                     }
                 continue
@@ -254,7 +261,7 @@ def consolidate(
             # Scalars as the first rank holding elements of the parameter has them, the
             # same on every rank.
             out_state[home.name] = {
-                key: fulls[(position, key)] if kind[0] == "elem" else _snapshot(kind[1])
+                key: fulls[(position, key)] if kind[0] == "elem" else snapshot(kind[1])
                 for key, kind in plan[position].items()
             }
 
@@ -266,7 +273,7 @@ def consolidate(
     return {"state": out_state, "param_groups": out_groups}
 
 
-def _snapshot(value: Any) -> Any:
+def snapshot(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     return copy.deepcopy(value)
@@ -285,7 +292,7 @@ def merge(
     descriptions: Sequence[Mapping[str, Any]],
     order: Sequence[int],
     homes: Sequence[Placement],
-    params: Sequence[_Param],
+    params: Sequence[ParamRecord],
 ) -> dict[int, dict[Any, Kind]]:
     """Every rank's description of its state merged into one plan (position -> key ->
     kind), or :class:`OptimStateError` when ranks disagree. Every rank computes it from
@@ -383,111 +390,16 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-# ----------------------------------------------------------------------- gathering
-
-
-def buckets(counts: Sequence[Sequence[int]], cap: int = BUCKET_NUMEL) -> list[range]:
-    """Split entries (``counts[i][r]``: elements entry ``i`` has on rank ``r``) into runs
-    whose gathered size, ``world * max over ranks of the run's elements there``, stays
-    within ``cap`` (a run of one entry may exceed it)."""
-    runs: list[range] = []
-    start = 0
-    totals: list[int] = []
-    for i, row in enumerate(counts):
-        grown = [a + b for a, b in zip(totals, row, strict=True)] if totals else list(row)
-        if totals and i > start and max(grown) * len(row) > cap:
-            runs.append(range(start, i))
-            start, grown = i, list(row)
-        totals = grown
-    if start < len(counts):
-        runs.append(range(start, len(counts)))
-    return runs
-
-
-def pack(
-    entries: Sequence[tuple[Placement, torch.Tensor | None]],
-    width: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """This rank's elements of every entry's state tensor, laid end to end and padded to
-    ``width``. A tensor may be ``None`` only where this rank holds none of the parameter."""
-    packed = torch.zeros(width, dtype=dtype, device=device)
-    cursor = 0
-    for home, value in entries:
-        start, end = home.local_interval
-        if end == start:
-            continue
-        assert value is not None, home.name
-        packed[cursor : cursor + end - start].copy_(value.detach().reshape(-1)[start:end])
-        cursor += end - start
-    return packed
-
-
-def unpack(rows: Sequence[torch.Tensor], homes: Sequence[Placement]) -> list[torch.Tensor]:
-    """The full tensors of ``homes`` from every rank's packed row (in rank order)."""
-    dtype = rows[0].dtype if rows else torch.float32
-    fulls = [torch.zeros(home.numel, dtype=dtype) for home in homes]
-    for rank, row in enumerate(rows):
-        cursor = 0
-        for home, full in zip(homes, fulls, strict=True):
-            piece = home.piece(rank)
-            if piece.numel:
-                start, end = piece.param_interval
-                full[start:end] = row[cursor : cursor + piece.numel]
-                cursor += piece.numel
-    return [full.view(home.shape) for full, home in zip(fulls, homes, strict=True)]
-
-
-def _gather(
-    plan: Mapping[int, Mapping[Any, Kind]],
-    states: Mapping[int, Mapping[Any, Any]],
-    order: Sequence[int],
-    homes: Sequence[Placement],
-    adapter: Adapter,
-    rank0_only: bool,
-) -> dict[tuple[int, Any], torch.Tensor]:
-    """Every per-element tensor of ``plan``, assembled (on rank 0 only with
-    ``rank0_only``), by (position, key)."""
-    by_dtype: dict[torch.dtype, list[tuple[int, Any]]] = {}
-    for position, kinds in plan.items():
-        for key, kind in kinds.items():
-            if kind[0] == "elem":
-                by_dtype.setdefault(kind[1], []).append((position, key))
-    world = adapter.world_size
-    out: dict[tuple[int, Any], torch.Tensor] = {}
-    for dtype, entries in by_dtype.items():
-        counts = [[homes[order[p]].piece(r).numel for r in range(world)] for p, _ in entries]
-        for run in buckets(counts):
-            chosen = [entries[i] for i in run]
-            width = max(sum(counts[i][r] for i in run) for r in range(world))
-            chosen_homes = [homes[order[p]] for p, _ in chosen]
-            packed = pack(
-                [
-                    (home, states.get(p, {}).get(key))
-                    for home, (p, key) in zip(chosen_homes, chosen, strict=True)
-                ],
-                width,
-                dtype,
-                adapter.device,
-            )
-            gathered = gather_packed(packed, adapter.group, rank0_only) if width else packed
-            if gathered is None:
-                continue
-            rows = list(gathered.to("cpu").view(world, width).unbind(0))
-            for entry, full in zip(chosen, unpack(rows, chosen_homes), strict=True):
-                out[entry] = full
-    return out
-
-
 # ---------------------------------------------------------------------------- load
 
 
-def load(fv: FlatView, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+def load(
+    table: ParamTable, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> None:
     """Load a consolidated state (see :meth:`flatview.FlatView.load_optim_state_dict`)."""
-    params = fv._params
+    params = table.params
     homes = [param.placement for param in params]
-    groups = _optimizer_params(fv, optimizer)
+    groups = _optimizer_params(table, optimizer)
     if not (
         isinstance(state_dict, Mapping)
         and isinstance(state_dict.get("state"), Mapping)
@@ -568,6 +480,6 @@ def load(fv: FlatView, optimizer: torch.optim.Optimizer, state_dict: Mapping[str
                     )
                 local[key] = local_part(home, value, params[index].tensor)
             else:
-                local[key] = _snapshot(value)
+                local[key] = snapshot(value)
         internal_state[position_of[index]] = local
     optimizer.load_state_dict({"state": internal_state, "param_groups": internal_groups})

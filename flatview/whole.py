@@ -37,9 +37,7 @@ piece
 from __future__ import annotations
 
 import hashlib
-import inspect
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,92 +46,20 @@ from torch import nn
 
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
-from flatview.layout import Interval, Placement
-from flatview.norms import local_elements
+from flatview.layout import Interval
+from flatview.whole_members import (
+    EVERY_RANK,
+    Member,
+    assign_owners,
+    checksum,
+    probe,
+    requires_closure,
+    snapshot,
+    whole_shaped,
+)
 
 if TYPE_CHECKING:
-    from flatview.core import FlatView
-
-EVERY_RANK = -1
-"""The owner of a replicated parameter: every rank steps its own copy alike."""
-
-
-@dataclass
-class _Member:
-    """One parameter of a :class:`Whole` optimizer."""
-
-    name: str
-    tensor: nn.Parameter
-    """The user's view (or plain parameter), as in ``param_groups``."""
-    placement: Placement
-    group: int
-    owner: int
-    """The rank that steps it; :data:`EVERY_RANK` for a replicated parameter."""
-    pieces: tuple[Interval, ...]
-    """Per rank, its elements in the flattened parameter (empty where it holds none)."""
-    split: bool
-    """Several ranks hold elements of it: its owner keeps a whole copy."""
-    whole: nn.Parameter | None = None
-    """The whole copy, on the owner of a split parameter only."""
-    alias: torch.Tensor | None = None
-    """Where this rank holds all of a parameter in another shape (torch's own views are
-    1-D): a leaf of the original shape over the same storage, which the inner optimizer
-    steps in place (its gradient is the view's, reshaped, at every step)."""
-    checksum: float | None = None
-    """The sum of this rank's piece when this optimizer last wrote or read it."""
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(self.placement.shape)
-
-    def local(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        """This rank's elements of ``tensor`` (the parameter or its gradient), 1-D, a
-        view that writes through; ``None`` where the tensor has no such elements."""
-        return None if tensor is None else local_elements(self.placement, tensor)
-
-
-def _requires_closure(optimizer_cls: type) -> bool:
-    step = getattr(optimizer_cls, "step", None)
-    if step is None:
-        return False
-    parameter = inspect.signature(step).parameters.get("closure")
-    return parameter is not None and parameter.default is inspect.Parameter.empty
-
-
-def _probe(
-    optimizer_cls: type[torch.optim.Optimizer],
-    groups: Sequence[Sequence[tuple[str, torch.Size, torch.dtype]]],
-    hyper: Sequence[Mapping[str, Any]],
-    kwargs: Mapping[str, Any],
-) -> None:
-    """Build the inner optimizer over meta tensors of the original shapes, on every rank
-    alike: what it refuses (Muon a parameter that is not 2-D) is refused on every rank,
-    before any collective, naming the parameter."""
-
-    def meta(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
-
-    try:
-        optimizer_cls(
-            [
-                {"params": [meta(s, d) for _, s, d in members], **h}
-                for members, h in zip(groups, hyper, strict=True)
-            ],
-            **kwargs,
-        )
-    except Exception as err:
-        for members, h in zip(groups, hyper, strict=True):
-            for name, shape, dtype in members:
-                try:
-                    optimizer_cls([{"params": [meta(shape, dtype)], **h}], **kwargs)
-                except Exception as alone:
-                    raise OptimStateError(
-                        f"{optimizer_cls.__name__} refuses parameter {name!r} (original "
-                        f"shape {tuple(shape)}): {alone}"
-                    ) from alone
-        raise OptimStateError(
-            f"{optimizer_cls.__name__} could not be built over these parameters: {err}"
-        ) from err
+    from flatview.handle import FlatView
 
 
 class Whole(torch.optim.Optimizer):
@@ -173,7 +99,7 @@ class Whole(torch.optim.Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         **optimizer_kwargs: Any,
     ) -> None:
-        if _requires_closure(optimizer_cls):
+        if requires_closure(optimizer_cls):
             raise OptimStateError(
                 f"{optimizer_cls.__name__} needs a closure and keeps state across "
                 "parameters; flatview.optim.Whole runs optimizers whose state is per "
@@ -189,7 +115,7 @@ class Whole(torch.optim.Optimizer):
         self._world = adapter.world_size
         self._device = adapter.device
         user_groups: list[dict[str, Any]] = []
-        self._members: list[_Member] = []
+        self._members: list[Member] = []
         raw = list(params)
         groups = raw if raw and isinstance(raw[0], dict) else [{"params": raw}]
         seen: set[int] = set()
@@ -209,7 +135,7 @@ class Whole(torch.optim.Optimizer):
         for m in self._members:
             by_group[m.group].append((m.name, m.shape, m.tensor.dtype))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
-        _probe(optimizer_cls, by_group, hyper, optimizer_kwargs)
+        probe(optimizer_cls, by_group, hyper, optimizer_kwargs)
         self._assign_owners()
         self._split = [m for m in self._members if m.split]
         for m in self._split:
@@ -249,13 +175,13 @@ class Whole(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- building
 
-    def _member(self, tensor: object, group: int, seen: set[int]) -> _Member:
+    def _member(self, tensor: object, group: int, seen: set[int]) -> Member:
         fv = self.fv
         if not isinstance(tensor, torch.Tensor):
             raise OptimStateError(
                 f"flatview.optim.Whole takes tensors, got {type(tensor).__name__}: {tensor!r}"
             )
-        index = fv.index_of(tensor)
+        index = fv.table.index_of(tensor)
         if index is None:
             raise OptimStateError(
                 f"flatview.optim.Whole was given a {type(tensor).__name__} of shape "
@@ -265,7 +191,7 @@ class Whole(torch.optim.Optimizer):
             )
         if id(tensor) in seen:
             raise OptimStateError(
-                f"parameter {fv.name(index)!r} is given to flatview.optim.Whole twice"
+                f"parameter {fv.table.name(index)!r} is given to flatview.optim.Whole twice"
             )
         seen.add(id(tensor))
         placement = fv.placement(tensor)
@@ -275,25 +201,11 @@ class Whole(torch.optim.Optimizer):
             pieces = ((0, placement.numel),) * self._world
         split = placement.sharded and sum(1 for s, e in pieces if e > s) > 1
         assert isinstance(tensor, nn.Parameter)
-        return _Member(fv.name(index), tensor, placement, group, EVERY_RANK, pieces, split)
+        return Member(fv.table.name(index), tensor, placement, group, EVERY_RANK, pieces, split)
 
     def _assign_owners(self) -> None:
-        """A parameter wholly on one rank is owned there; split ones go, largest first,
-        to the rank owning the fewest elements so far (the same on every rank)."""
-        load = [0] * self._world
-        split = []
-        for m in self._members:
-            holders = [r for r, (s, e) in enumerate(m.pieces) if e > s]
-            if not m.placement.sharded:
-                m.owner = EVERY_RANK
-            elif len(holders) <= 1:
-                m.owner = holders[0] if holders else 0
-                load[m.owner] += m.placement.numel
-            else:
-                split.append(m)
-        for m in sorted(split, key=lambda m: (-m.placement.numel, m.name)):
-            m.owner = min(range(self._world), key=lambda r: (load[r], r))
-            load[m.owner] += m.placement.numel
+        """Owners for every member (see :func:`flatview.whole_members.assign_owners`)."""
+        assign_owners(self._members, self._world)
 
     def _check_same_everywhere(self, failure: Exception | None) -> None:
         description = repr(
@@ -318,7 +230,7 @@ class Whole(torch.optim.Optimizer):
                 "in the same groups"
             )
 
-    def _run(self, m: _Member) -> list[torch.Tensor]:
+    def _run(self, m: Member) -> list[torch.Tensor]:
         """What this rank's inner optimizer steps for ``m``."""
         if m.whole is not None:
             return [m.whole]
@@ -352,14 +264,14 @@ class Whole(torch.optim.Optimizer):
             for key, value in group.items():
                 if key != "params":
                     inner[key] = value
-        grads: list[_Member] = []
+        grads: list[Member] = []
         if self._split:
             flags = torch.zeros(2 * len(self._split), dtype=torch.int32, device=self._device)
             for position, m in enumerate(self._split):
                 flags[2 * position] = m.tensor.grad is not None
                 piece = m.local(m.tensor)
                 # A rank holding nothing of it has nothing that could have changed.
-                changed = piece is not None and piece.numel() > 0 and m.checksum != _checksum(piece)
+                changed = piece is not None and piece.numel() > 0 and m.checksum != checksum(piece)
                 flags[2 * position + 1] = changed
             self.ledger.record("all_reduce", flags)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
@@ -375,20 +287,20 @@ class Whole(torch.optim.Optimizer):
                 if m.whole is not None:
                     m.whole.grad = None
 
-    def _exchange(self, resync: list[_Member], grads: list[_Member], update: bool) -> None:
+    def _exchange(self, resync: list[Member], grads: list[Member], update: bool) -> None:
         """One ``all_to_all_single`` per dtype. Inbound (``update=False``): every holder
         sends each owner its pieces of the values of ``resync`` and of the gradients of
         ``grads``. Outbound: each owner sends every holder its piece of the updated
         values of ``grads``. A rank's pieces of what it owns are copied, not sent."""
-        moves: list[tuple[_Member, str]] = [(m, "value") for m in resync]
+        moves: list[tuple[Member, str]] = [(m, "value") for m in resync]
         moves += [(m, "update" if update else "grad") for m in grads]
         for dtype in sorted({str(m.tensor.dtype) for m, _ in moves}):
             self._exchange_dtype([(m, k) for m, k in moves if str(m.tensor.dtype) == dtype])
 
-    def _exchange_dtype(self, moves: list[tuple[_Member, str]]) -> None:
+    def _exchange_dtype(self, moves: list[tuple[Member, str]]) -> None:
         rank, world = self._rank, self._world
         send: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        receive: list[list[tuple[_Member, str, int, Interval]]] = [[] for _ in range(world)]
+        receive: list[list[tuple[Member, str, int, Interval]]] = [[] for _ in range(world)]
         for m, kind in moves:
             if kind == "update":
                 # Owner -> holders.
@@ -430,7 +342,7 @@ class Whole(torch.optim.Optimizer):
                 self._place(m, kind, interval, incoming[offset : offset + numel])
                 offset += numel
 
-    def _outgoing(self, m: _Member, kind: str) -> torch.Tensor:
+    def _outgoing(self, m: Member, kind: str) -> torch.Tensor:
         """This rank's piece of ``m``'s value or gradient, 1-D."""
         source = m.tensor if kind == "value" else m.tensor.grad
         piece = m.local(source)
@@ -440,16 +352,16 @@ class Whole(torch.optim.Optimizer):
             start, end = m.pieces[self._rank]
             return torch.zeros(end - start, dtype=m.tensor.dtype, device=m.tensor.device)
         if kind == "value":
-            m.checksum = _checksum(piece)
+            m.checksum = checksum(piece)
         return piece
 
-    def _place(self, m: _Member, kind: str, interval: Interval, values: torch.Tensor) -> None:
+    def _place(self, m: Member, kind: str, interval: Interval, values: torch.Tensor) -> None:
         start, end = interval
         if kind == "update":
             piece = m.local(m.tensor)
             assert piece is not None
             piece.copy_(values)
-            m.checksum = _checksum(piece)
+            m.checksum = checksum(piece)
             return
         assert m.whole is not None
         if kind == "value":
@@ -459,14 +371,14 @@ class Whole(torch.optim.Optimizer):
             m.whole.grad = torch.zeros_like(m.whole)
         m.whole.grad.reshape(-1)[start:end].copy_(values)
 
-    def _write_own(self, m: _Member) -> None:
+    def _write_own(self, m: Member) -> None:
         """The owner's own piece of an updated whole copy, written into its view."""
         assert m.whole is not None
         start, end = m.pieces[self._rank]
         piece = m.local(m.tensor)
         if end > start and piece is not None:
             piece.copy_(m.whole.detach().reshape(-1)[start:end])
-            m.checksum = _checksum(piece)
+            m.checksum = checksum(piece)
 
     # ---------------------------------------------------------------- state
 
@@ -485,7 +397,7 @@ class Whole(torch.optim.Optimizer):
             tensors = self._run(m)
             state = inner.get(tensors[0]) if tensors else None
             if state:
-                mine[m.name] = {k: _snapshot(v) for k, v in state.items()}
+                mine[m.name] = {k: snapshot(v) for k, v in state.items()}
         everything = mine
         if self._sharded:
             gathered: list[Any] = [None] * self._world
@@ -536,7 +448,7 @@ class Whole(torch.optim.Optimizer):
                 state = states.get(m.name)
                 if state is not None:
                     inner_state[position] = {
-                        k: _whole_shaped(v, tensor, m.name, k) for k, v in state.items()
+                        k: whole_shaped(v, tensor, m.name, k) for k, v in state.items()
                     }
                 position += 1
         inner_groups = []
@@ -570,24 +482,3 @@ class Whole(torch.optim.Optimizer):
             f"Whole({self.optimizer_cls.__name__}, params={len(self._members)}, "
             f"split={len(self._split)}, owned_elements={owned}, rank={self._rank})"
         )
-
-
-def _checksum(piece: torch.Tensor) -> float:
-    # A sum in double precision changes with any write to the piece (short of one that
-    # keeps the sum to the last bit); read back with the step's flags, it costs one pass.
-    return float(piece.double().sum()) if piece.numel() else 0.0
-
-
-def _snapshot(value: Any) -> Any:
-    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _whole_shaped(value: Any, like: torch.Tensor, name: str, key: Any) -> Any:
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    if value.numel() != like.numel():
-        raise OptimStateError(
-            f"state {key!r} of parameter {name!r} has {value.numel()} elements, the "
-            f"parameter {like.numel()} (shape {tuple(like.shape)})"
-        )
-    return value.reshape(like.shape)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict as dsd
 
-from flatview.checkpoint import boxes
+from flatview.sharded_tensors import boxes
 from tests import checkpoint_workers as cw
 from tests.scenarios import (
     DDP,

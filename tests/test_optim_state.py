@@ -22,7 +22,8 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from flatview.layout import FlatLayout, Placement, Segment
-from flatview.optim_state import buckets, local_part, pack, unpack
+from flatview.optim_state import local_part
+from flatview.state_gather import buckets, pack, unpack
 from tests import optim_workers as ow
 from tests.scenarios import (
     FAIRSCALE,

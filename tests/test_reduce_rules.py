@@ -375,9 +375,10 @@ def _reduced_twice(strategy: str, unpacked: bool | None) -> dict[str, object]:
 
 
 def _piece_start(fv: object, name: str) -> int:
-    for param in fv._params:  # type: ignore[attr-defined]
+    table = fv.table  # type: ignore[attr-defined]
+    for param in table.params:
         if param.name == name and param.flat is not None:
-            flat = fv._flats[param.flat]  # type: ignore[attr-defined]
+            flat = table.flats[param.flat]
             return int(flat.views.pieces[param.segment].param_offset)
     return 0
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from flatview.core import _hyperparameters
+from flatview.optimizer_checks import hyperparameters as _hyperparameters
 from tests import user_workers as w
 from tests.scenarios import (
     DDP,

@@ -19,7 +19,7 @@ from flatview.errors import StateError
 from flatview.views import Owner
 
 if TYPE_CHECKING:
-    from flatview.core import FlatView
+    from flatview.backends.base import Runtime
 
 
 def join(*parts: str) -> str:
@@ -133,12 +133,12 @@ class AdapterBase:
     wrapper_reduces = True
 
     def __init__(self) -> None:
-        self._core: FlatView | None = None
+        self._core: Runtime | None = None
         self._patched: list[tuple[object, str]] = []
         self._hooks: list[RemovableHandle] = []
 
     @property
-    def core(self) -> FlatView:
+    def core(self) -> Runtime:
         assert self._core is not None, "adapter used before install()"
         return self._core
 

@@ -1,15 +1,22 @@
 """What a backend adapter tells the core, and what the core asks of an adapter.
 
 An adapter maps one FSDP implementation onto flatview's backend-neutral core: it
-describes the flat parameters (layout, owners, names, where the local shard lives),
-calls the core at the points of the wrapper's lifecycle (a pass begins, a backward
+describes the flat parameters (layout, owners, names, where the local shard lives:
+:class:`FlatSpec`, :class:`PlainSpec`, :class:`UnitSpec`), calls the runtime
+(:class:`Runtime`) at the points of the wrapper's lifecycle (a pass begins, a backward
 ends, a wrapper operation such as ``state_dict`` runs), and routes gradient reduction
-through the core's masked reducer.
+through the runtime's masked reducer.
+
+This module is the bottom of the backend side: it imports nothing of flatview's above
+the layout, the views and the communication primitives, so the core and every adapter
+can import it (:class:`Runtime` is a protocol that :class:`flatview.runtime.Runtime`
+satisfies).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -17,11 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.layout import FlatLayout
+from flatview.layout import FlatLayout, MaskPlan, Placement
+from flatview.phase import Phase
 from flatview.views import Owner
 
 if TYPE_CHECKING:
-    from flatview.core import FlatView
+    from flatview.comm.ledger import Ledger
+    from flatview.comm.reduce import MaskedReducer
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,80 @@ class UnitSpec:
     is_root: bool
 
 
+class ParamLookup(Protocol):
+    """What adapters and their helpers may ask the parameter table
+    (:class:`flatview.table.ParamTable`)."""
+
+    def name(self, index: int) -> str:
+        """The original name of parameter ``index``."""
+
+    def placement_of(self, index: int) -> Placement:
+        """Where the elements of parameter ``index`` live across ranks."""
+
+    def own_view(self, index: int) -> bool:
+        """Whether parameter ``index`` is one of flatview's own views."""
+
+
+class Runtime(Protocol):
+    """The runtime an adapter drives (:class:`flatview.runtime.Runtime`, whose methods
+    document these): what :meth:`Adapter.install` receives."""
+
+    @property
+    def phase(self) -> Phase: ...
+
+    @property
+    def ledger(self) -> Ledger: ...
+
+    @property
+    def reducer(self) -> MaskedReducer:
+        """The masked reducer (until adapters hold their own reduction object)."""
+
+    @property
+    def table(self) -> ParamLookup: ...
+
+    def begin_compute(self, outermost: bool) -> None: ...
+
+    def check_unit_forward(self, unit: int) -> None: ...
+
+    def check_backward_binding(self) -> None: ...
+
+    def settle_agreement(self) -> None: ...
+
+    def guard_skipped(self, flat: nn.Parameter) -> None: ...
+
+    def guard_skipped_plain(self) -> None: ...
+
+    def skipped_segments(self, flat: nn.Parameter) -> list[tuple[int, str]]: ...
+
+    def unit_skipped(self, unit: int) -> bool: ...
+
+    def plain_used(self) -> frozenset[int]: ...
+
+    def flat_used_so_far(self, flat: nn.Parameter) -> bool: ...
+
+    def reduction_plan(self, flat: nn.Parameter) -> MaskPlan | None: ...
+
+    def gather_plan(self, flat: nn.Parameter) -> MaskPlan | None: ...
+
+    def gather_masked(
+        self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan
+    ) -> None: ...
+
+    def end_backward(self, synced: bool) -> None: ...
+
+    def end_forward_only(self) -> None: ...
+
+    def lend(self) -> AbstractContextManager[None]: ...
+
+    def check_not_lent(self) -> None: ...
+
+    def index_of(self, tensor: torch.Tensor) -> int | None: ...
+
+    def tensor(self, index: int) -> nn.Parameter: ...
+
+    def name(self, index: int) -> str: ...
+
+
 class Adapter(Protocol):
     """The backend side of a :class:`~flatview.FlatView`."""
 
@@ -90,7 +173,7 @@ class Adapter(Protocol):
     overlaps_agreement: bool
     """The wrapper communicates nothing the skip set decides before flatview's own
     gradient collectives, so the skip-set check may run alongside the forward; the
-    adapter calls ``FlatView.settle_agreement`` before its first collective."""
+    adapter calls ``Runtime.settle_agreement`` before its first collective."""
 
     wrapper_reduces: bool
     """The wrapper alone would communicate gradients (fairscale at world size 1 does not:
@@ -103,8 +186,8 @@ class Adapter(Protocol):
     def describe(self) -> list[UnitSpec]:
         """Every unit of the wrapped model, root first, in module order."""
 
-    def install(self, core: FlatView) -> None:
-        """Attach the core to the wrapper's lifecycle."""
+    def install(self, core: Runtime) -> None:
+        """Attach the runtime to the wrapper's lifecycle."""
 
     def uninstall(self) -> None:
         """Detach everything :meth:`install` attached."""

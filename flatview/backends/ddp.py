@@ -46,7 +46,7 @@ from flatview.backends.replicated import (
 from flatview.errors import WrapError
 
 if TYPE_CHECKING:
-    from flatview.core import FlatView
+    from flatview.backends.base import Runtime
 
 __all__ = [
     "FIRST_BUCKET_BYTES",
@@ -163,7 +163,7 @@ class DDPAdapter(ReplicatedAdapter):
 
     # ---------------------------------------------------------------- install
 
-    def install(self, core: FlatView) -> None:
+    def install(self, core: Runtime) -> None:
         self._core = core
         self._hook(self.root.register_forward_pre_hook(self._pre_forward))
         # always_call: a forward that raises an Exception ends its iteration here.

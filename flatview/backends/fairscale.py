@@ -44,13 +44,13 @@ from flatview.backends._common import (
     without_segments,
 )
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
-from flatview.checkpoint import guard_torch_checkpoint
+from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan
 from flatview.views import Owner
 
 if TYPE_CHECKING:
-    from flatview.core import FlatView
+    from flatview.backends.base import Runtime
 
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 _LENDING_METHODS = (
@@ -219,7 +219,7 @@ class FairscaleAdapter(AdapterBase):
 
     # ---------------------------------------------------------------- install
 
-    def install(self, core: FlatView) -> None:
+    def install(self, core: Runtime) -> None:
         self._core = core
         core.reducer.group = self.root.process_group_reduce_scatter
         for index, (_, unit) in enumerate(self.units):
@@ -454,7 +454,7 @@ class _MaskedGatherDist:
     of the unit's flat parameters are partly skipped: their gathers are masked, every
     other call passes through."""
 
-    def __init__(self, real: Any, core: FlatView, plans: dict[int, tuple[Any, MaskPlan]]):
+    def __init__(self, real: Any, core: Runtime, plans: dict[int, tuple[Any, MaskPlan]]):
         self._real = real
         self._core = core
         self._plans = plans

@@ -57,8 +57,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from flatview.backends._common import AdapterBase
-from flatview.core import Phase
 from flatview.errors import StateError, UndeclaredUnusedError
+from flatview.phase import Phase
 
 
 def in_backward() -> bool:

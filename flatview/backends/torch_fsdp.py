@@ -88,14 +88,14 @@ from flatview.backends._common import (
     without_segments,
 )
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
-from flatview.checkpoint import guard_torch_checkpoint
-from flatview.core import check_not_wrapped
+from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan, Segment
+from flatview.registry import check_not_wrapped
 from flatview.views import Owner
 
 if TYPE_CHECKING:
-    from flatview.core import FlatView
+    from flatview.backends.base import Runtime
 
 TESTED_TORCH = ((2, 13),)
 """``(major, minor)`` versions of torch whose FSDP1 internals this adapter was checked
@@ -486,7 +486,7 @@ class TorchFSDPAdapter(AdapterBase):
 
     # ---------------------------------------------------------------- install
 
-    def install(self, core: FlatView) -> None:
+    def install(self, core: Runtime) -> None:
         self._core = core
         self.root.register_comm_hook(None, _reduce_hook)
         for index, (_, unit) in enumerate(self.units):

@@ -51,12 +51,12 @@ from flatview.backends._common import forward_in_summon
 from flatview.backends.base import PlainSpec, UnitSpec
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
 from flatview.backends.torch_fsdp import SummonLending, TorchFSDPAdapter, clean_name
-from flatview.checkpoint import guard_torch_checkpoint
+from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.errors import DoubleCountError, OptimStateError
 from flatview.views import Owner, ViewSet
 
 if TYPE_CHECKING:
-    from flatview.core import FlatView
+    from flatview.backends.base import Runtime
 
 _DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's default ``bucket_cap_mb``: the bucket size of the all-reduces."""
@@ -170,7 +170,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
 
     # ---------------------------------------------------------------- install
 
-    def install(self, core: FlatView) -> None:
+    def install(self, core: Runtime) -> None:
         self._core = core
         for index, (_, unit) in enumerate(self.units):
             forward = self._root_forward if unit is self.root else self._unit_forward(index)

@@ -1,0 +1,62 @@
+"""What :attr:`flatview.FlatView.stats` reports for a backward, and how it is computed.
+
+The runtime records a :class:`StatsSource` at the end of every backward (cheap: a few
+references and two small dicts); :func:`step_stats` turns it into
+:class:`~flatview.stats.StepStats` only when someone asks (most steps nobody does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flatview.stats import StepStats
+from flatview.table import ParamTable
+
+REDUCE_KINDS = ("reduce_scatter", "all_to_all", "all_reduce")
+"""The ledger kinds that count as gradient reduction."""
+
+
+@dataclass(frozen=True)
+class StatsSource:
+    """What :attr:`flatview.FlatView.stats` of one backward is computed from."""
+
+    skipped: frozenset[int]
+    units_skipped: int
+    ledger_bytes: dict[str, int]
+    ledger_calls: dict[str, int]
+    synced: bool
+
+
+def step_stats(table: ParamTable, source: StatsSource, *, wrapper_reduces: bool) -> StepStats:
+    """The figures of the backward ``source`` describes."""
+    skipped, synced = source.skipped, source.synced
+    dense = used = skipped_bytes = 0
+    for flat in table.flats:
+        layout = flat.spec.layout
+        size = flat.spec.flat.element_size()
+        dense += layout.padded_numel * size
+        for segment, index in zip(layout.segments, flat.params, strict=True):
+            if index in skipped:
+                skipped_bytes += segment.numel * size
+            else:
+                used += segment.numel * size
+    for index in table.reduced_plain:
+        tensor = table.tensor(index)
+        size = tensor.numel() * tensor.element_size()
+        dense += size
+        if index in skipped:
+            skipped_bytes += size
+        elif tensor.requires_grad:
+            used += size
+    return StepStats(
+        reduced_bytes=sum(source.ledger_bytes.get(k, 0) for k in REDUCE_KINDS),
+        reduce_calls=sum(source.ledger_calls.get(k, 0) for k in REDUCE_KINDS),
+        dense_bytes=dense if synced and wrapper_reduces else 0,
+        used_bytes=used if synced and wrapper_reduces else 0,
+        skipped_bytes=skipped_bytes,
+        params_skipped=len(skipped),
+        units_skipped=source.units_skipped,
+        units=len(table.units),
+        agreement_bytes=source.ledger_bytes.get("agreement", 0),
+        synced=synced,
+    )

@@ -1,0 +1,227 @@
+"""Checks of the optimizers built over a wrapped model's views: :class:`OptimizerChecks`.
+
+* Parameter groups must train every piece of a parameter alike on every rank:
+  :meth:`OptimizerChecks.check_param_groups` compares them across ranks (exact, a
+  collective); :meth:`OptimizerChecks.warn_shape_grouping` warns, at an optimizer's first
+  step, where this rank alone sees groups decided by the view's shape (``p.ndim``).
+* An optimizer must not hold a flat parameter, alone or beside the views inside it
+  (:meth:`OptimizerChecks.check_optimizer`, before every first step).
+
+Registered with :mod:`flatview.registry`, whose step pre-hook calls the last two.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flatview.backends.base import Adapter
+from flatview.errors import DoubleCountError, OptimStateError, ParamGroupError
+from flatview.norms import listing
+from flatview.table import ParamTable
+
+
+class OptimizerChecks:
+    """The optimizer checks of one wrapped model (see the module docstring)."""
+
+    def __init__(self, table: ParamTable, adapter: Adapter) -> None:
+        self.table = table
+        self.adapter = adapter
+        # Optimizers whose groups were looked at for shape-decided grouping (once each).
+        self._shape_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._by_name: set[int] = set()
+        """Matrices grouped apart by name on purpose (:meth:`exempt_by_name`)."""
+
+    def exempt_by_name(self, index: int) -> None:
+        """Parameter ``index`` (a matrix) is grouped apart by name on purpose: its 1-D
+        pieces in a group with the biases are not taken for grouping by ``p.ndim``."""
+        self._by_name.add(index)
+
+    def check_param_groups(self, optimizer: torch.optim.Optimizer) -> None:
+        """See :meth:`flatview.FlatView.check_param_groups`."""
+        signature = self._shape_signature(optimizer)
+        local = (self._group_keys(optimizer), signature.suspicious(), bool(signature.whole))
+        everyone: list[Any] = [None] * self.adapter.world_size
+        if self.adapter.world_size > 1:
+            dist.all_gather_object(everyone, local, group=self.adapter.group)
+        else:
+            everyone = [local]
+        gathered = [keys for keys, _, _ in everyone]
+        position = self.table.index_of_name
+        names = sorted(set().union(*gathered), key=lambda n: position(n) or 0)
+        split, partly = [], []
+        for name in names:
+            keys = [g.get(name) for g in gathered]
+            if any(k is None for k in keys):
+                held = [r for r, k in enumerate(keys) if k is not None]
+                partly.append(f"{name} (ranks {held})")
+            elif len(set(keys)) > 1:
+                dicts = [dict(key) for key in keys]
+                differ = sorted(
+                    {k for d in dicts for k in d if any(o.get(k) != d[k] for o in dicts)}
+                )
+                values = "; ".join(
+                    f"rank {r}: " + ", ".join(f"{k}={d.get(k)}" for k in differ)
+                    for r, d in enumerate(dicts)
+                )
+                split.append(f"{name} ({values})")
+        # No split, but no rank holds a matrix in its own shape (torch's 1-D pieces with
+        # use_orig_params=True): a rule by view shape then groups every matrix like the
+        # biases on every rank, consistently; nothing whole contradicts it.
+        misled = []
+        if not split and not any(whole for _, _, whole in everyone):
+            misled = sorted({n for _, names_, _ in everyone for n in names_})
+        if misled:
+            raise ParamGroupError(
+                f"optimizer {type(optimizer).__name__} groups every matrix like the biases "
+                f"and norms although it has other groups: {_list(misled)} are 1-D pieces "
+                "on every rank here, so a rule by p.ndim (timm's param_groups_weight_decay) "
+                "exempts them all, unlike on the unwrapped model. Decide by "
+                "FlatView.shape_of(p) and names, e.g. flatview.optim.param_groups(fv, "
+                "weight_decay=...)."
+            )
+        if split or partly:
+            found = []
+            if split:
+                found.append(f"different hyperparameters on different ranks for {_list(split)}")
+            if partly:
+                found.append(f"held on some ranks only: {_list(partly)}")
+            raise ParamGroupError(
+                f"optimizer {type(optimizer).__name__}'s parameter groups split original "
+                f"parameters across ranks: {'; '.join(found)}. The usual cause is groups "
+                "decided by the view's shape: p.ndim <= 1 is true of the empty and partial "
+                "views of a matrix, so such a rule also exempts every matrix cut between "
+                "ranks, on each of them. Decide by FlatView.shape_of(p) and names, e.g. "
+                "flatview.optim.param_groups(fv, weight_decay=...)."
+            )
+
+    def _group_keys(self, optimizer: torch.optim.Optimizer) -> dict[str, tuple[Any, ...]]:
+        """Per original parameter ``optimizer`` holds, its group's hyperparameters."""
+        keys = {}
+        for group in optimizer.param_groups:
+            key = tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+            for tensor in group["params"]:
+                index = self.table.index_of(tensor)
+                if index is not None:
+                    keys[self.table.name(index)] = key
+        return keys
+
+    def _shape_signature(self, optimizer: torch.optim.Optimizer) -> Signature:
+        """How ``optimizer``'s groups on this rank treat matrices and their pieces."""
+        sig = Signature(groups=len({hyperparameters(g) for g in optimizer.param_groups}))
+        for group in optimizer.param_groups:
+            key = hyperparameters(group)
+            for tensor in group["params"]:
+                index = self.table.index_of(tensor)
+                if index is None:
+                    continue
+                shape = self.table.placement_of(index).shape
+                if len(shape) <= 1:
+                    sig.low.add(key)
+                    continue
+                sig.matrices.add(key)
+                if tuple(tensor.shape) == shape:
+                    sig.whole.add(key)
+                elif tensor.numel() and index not in self._by_name:
+                    sig.pieces.append((self.table.name(index), key))
+        return sig
+
+    def warn_shape_grouping(self, optimizer: torch.optim.Optimizer) -> None:
+        """At an optimizer's first step: warn if its groups look decided by view shape.
+
+        What this rank alone can see: a matrix's piece whose local tensor has lost the
+        matrix's shape (partial views are 1-D) sits in a group like those of ``ndim <= 1``
+        parameters, while the whole matrices this rank holds get other hyperparameters;
+        or, where no local tensor keeps a matrix's shape (torch ``use_orig_params=True``
+        shards into 1-D pieces), every matrix is grouped like the biases although other
+        groups exist. A rule by name or original shape treats pieces and whole matrices
+        alike, so it does neither (unless it sets apart by name exactly the matrices cut
+        here: :meth:`check_param_groups` tells)."""
+        if optimizer in self._shape_checked:
+            return
+        self._shape_checked.add(optimizer)
+        suspicious = self._shape_signature(optimizer).suspicious()
+        if suspicious:
+            warnings.warn(
+                f"optimizer {type(optimizer).__name__} puts this rank's pieces of the "
+                f"matrices {listing(suspicious)} (1-D views) in a parameter group "
+                "like the biases and norms, not like whole matrices: groups decided by "
+                "p.ndim (timm's param_groups_weight_decay, create_optimizer_v2) see the "
+                "piece, not the parameter, and train it unlike the unwrapped model. Decide "
+                "by FlatView.shape_of(p) and names: flatview.optim.param_groups(fv, "
+                "weight_decay=...). If this grouping by name is intended, "
+                "FlatView.check_param_groups(optimizer) confirms it.",
+                stacklevel=4,
+            )
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer that holds a flat parameter (beside its views: double
+        counting; alone: it would step skipped parameters too), and what the backend
+        refuses."""
+        self.adapter.check_optimizer(optimizer)
+        table = self.table
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for flat in table.flats:
+            if id(flat.spec.flat) not in held:
+                continue
+            unit = table.units[flat.unit].name or "<root>"
+            for index in flat.params:
+                if id(table.tensor(index)) in held:
+                    raise DoubleCountError(
+                        f"optimizer {type(optimizer).__name__} holds the flat parameter of "
+                        f"unit {unit!r} and the view "
+                        f"{table.name(index)!r} that lives inside it: it would update "
+                        "those elements twice. Build optimizers from views "
+                        "(submodule.parameters() or FlatView.parameters()) or from the "
+                        "flat parameters, not both."
+                    )
+            # An optimizer over a flat parameter steps all of it: it cannot leave skipped
+            # parameters alone (weight decay, momentum on zero gradients), and gradients
+            # live in the views while the model is wrapped.
+            names = ", ".join(repr(table.name(i)) for i in flat.params[:4])
+            more = ", ..." if len(flat.params) > 4 else ""
+            raise OptimStateError(
+                f"optimizer {type(optimizer).__name__} holds the flat parameter of FSDP "
+                f"unit {unit!r} (holding {names}{more}): it would step every parameter in "
+                "it, skipped ones too, and it does not see gradients zeroed through the "
+                "views. Build optimizers from views (submodule.parameters() or "
+                "FlatView.parameters()), or call FlatView.unwrap() to train on plain FSDP."
+            )
+
+
+@dataclass
+class Signature:
+    """One rank's view of an optimizer's groups: the hyperparameters (keys) of groups
+    holding ``ndim <= 1`` originals, matrices, matrices in their own shape, and the
+    matrices of which this rank holds a piece that lost the shape."""
+
+    groups: int
+    low: set[str] = field(default_factory=set)
+    matrices: set[str] = field(default_factory=set)
+    whole: set[str] = field(default_factory=set)
+    pieces: list[tuple[str, str]] = field(default_factory=list)
+
+    def suspicious(self) -> list[str]:
+        """Pieces grouped as a rule by the view's ndim would group them."""
+        if self.whole:
+            return [n for n, k in self.pieces if k in self.low and k not in self.whole]
+        if self.groups > 1 and self.matrices <= self.low:
+            return [n for n, _ in self.pieces]
+        return []
+
+
+def hyperparameters(group: dict[str, Any]) -> str:
+    """A parameter group's hyperparameters (all but its parameters), comparable across
+    groups and ranks."""
+    return repr(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+
+
+def _list(items: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -1,0 +1,135 @@
+"""What flatview keeps process-wide: wrapped modules, live models, stale views, and the
+one optimizer step pre-hook that checks optimizers against them.
+
+* Every FSDP unit of a wrapped model maps to its handle (:func:`check_not_wrapped`
+  refuses wrapping it twice).
+* Every live model registers a :class:`Watcher`; before an optimizer's step (once per
+  optimizer until its parameters or the set of wrapped models change) each watcher
+  checks it (:meth:`Watcher.check_optimizer`) and warns about shape-decided groups.
+* Views of unwrapped models that the model no longer holds are *stale*: an optimizer
+  holding one raises at its step.
+
+The steady-state cost of the hook is one tuple of ids per step: its result is cached
+per optimizer under a generation number that wrapping and unwrapping bump.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from flatview.errors import StateError, WrapError
+
+
+class Watcher(Protocol):
+    """What a live model checks of every optimizer before its first step."""
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise if ``optimizer`` cannot train this model as it holds it."""
+
+    def warn_shape_grouping(self, optimizer: torch.optim.Optimizer) -> None:
+        """Warn (``stacklevel=4``: the caller of ``optimizer.step``) if its groups look
+        decided by view shape."""
+
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_wrapped: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
+_optimizer_hook: Any = None
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+# Views of unwrapped models that the model no longer holds: id -> (weak view, name).
+_stale: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
+_generation = 0
+
+
+def check_not_wrapped(modules: Sequence[nn.Module]) -> None:
+    """Refuse modules that belong to a model flatview already wraps."""
+    for module in modules:
+        if module in _wrapped:
+            raise WrapError(
+                f"{type(module).__name__} is already wrapped by {_wrapped[module]!r}; "
+                "wrap each model once"
+            )
+
+
+def register(owner: object, modules: Sequence[nn.Module], watcher: Watcher) -> None:
+    """``owner`` wraps the units ``modules``; ``watcher`` checks optimizers for it (held
+    weakly: the owner keeps it alive)."""
+    for module in modules:
+        _wrapped[module] = owner
+    _live.add(watcher)
+    bump_generation()
+    _install_optimizer_hook()
+
+
+def unregister(modules: Sequence[nn.Module], watcher: Watcher) -> None:
+    """Undo :func:`register` (the model was unwrapped)."""
+    for module in modules:
+        _wrapped.pop(module, None)
+    _live.discard(watcher)
+
+
+def forget_checks() -> None:
+    """A model's parameters changed identity (a view was replaced): check every
+    optimizer again."""
+    _checked.clear()
+
+
+def mark_stale(view: nn.Parameter, name: str) -> None:
+    """``view`` (named ``name``) belongs to an unwrapped model that no longer holds it."""
+    key = id(view)
+
+    def forget(_: object) -> None:
+        _stale.pop(key, None)
+
+    _stale[key] = (weakref.ref(view, forget), name)
+
+
+def bump_generation() -> None:
+    """A model was wrapped or unwrapped: every optimizer is checked again."""
+    global _generation
+    _generation += 1
+
+
+def _install_optimizer_hook() -> None:
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(_before_step)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    signature = (_generation, *(id(p) for group in optimizer.param_groups for p in group["params"]))
+    if _checked.get(optimizer) == signature:
+        return
+    _check_stale(optimizer)
+    for watcher in list(_live):
+        watcher.check_optimizer(optimizer)
+        watcher.warn_shape_grouping(optimizer)
+    _checked[optimizer] = signature
+
+
+def _check_stale(optimizer: torch.optim.Optimizer) -> None:
+    if not _stale:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            found = _stale.get(id(p))
+            if found is None:
+                continue
+            ref, name = found
+            if ref() is not p:
+                del _stale[id(p)]
+                continue
+            raise StateError(
+                f"optimizer {type(optimizer).__name__} holds the view {name!r} of a model "
+                "that FlatView.unwrap() detached: the model no longer reads it, so the "
+                "step would train nothing. Build a new optimizer over the model's "
+                "parameters (model.parameters(), or a new FlatView's views after wrapping "
+                "again)."
+            )
