@@ -44,7 +44,7 @@ from flatview.backends.base import Adapter, FlatSpec, UnitSpec
 from flatview.comm.agreement import Agreement, fingerprint
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
-from flatview.comm.reduce import MaskedReducer, Strategy
+from flatview.comm.packing import plan_index
 from flatview.errors import (
     DoubleCountError,
     FlatViewError,
@@ -193,20 +193,11 @@ class FlatView:
         adapter: Adapter,
         *,
         check_skip_agreement: bool = True,
-        reduce_strategy: Strategy = Strategy.AUTO,
     ) -> None:
         self.model = model
         self.adapter = adapter
         self.check_skip_agreement = check_skip_agreement
         self.ledger = Ledger()
-        self.reducer = MaskedReducer(
-            adapter.group,
-            adapter.rank,
-            adapter.world_size,
-            self.ledger,
-            adapter.bucket_numel,
-            reduce_strategy,
-        )
         self.phase = Phase.IDLE
         """Where the model is in its lifecycle: views are registered only in ``IDLE``."""
         # What the last backward's StepStats are computed from, when first asked for:
@@ -1177,7 +1168,7 @@ class FlatView:
         self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan
     ) -> None:
         """All-gather only ``plan``'s elements into ``rows`` (see :mod:`flatview.comm.gather`)."""
-        index = self.reducer.index_of(plan, local_shard.device)
+        index = plan_index(plan, local_shard.device)
         masked_all_gather(
             rows, local_shard, plan, index, self.adapter.rank, self.adapter.group, self.ledger
         )
