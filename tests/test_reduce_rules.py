@@ -414,3 +414,24 @@ def test_computed_on_views_reduced_again_after_a_nested_backward(dist_pool: Pool
     for r in dist_pool(2).run(_reduced_twice, "NO_SHARD", None, timeout=TIMEOUT):
         assert max(r["errors"].values()) < 1e-5, r
         assert r["calls"].get("all_reduce", 0) >= 1, r
+
+
+# ------------------------------------------------------------------ options at wrap time
+
+
+def test_wrap_keywords_fill_in_reduce_options_and_contradictions_are_refused() -> None:
+    import flatview
+    from flatview.errors import WrapError
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(WrapError, match="reduce_strategy='all_to_all' contradicts"):
+        flatview.wrap(
+            model,
+            reduce_strategy="all_to_all",
+            reduce_options=ReduceOptions(strategy=Strategy.REDUCE_SCATTER),
+        )
+    with pytest.raises(WrapError, match="overlap_reduction=True contradicts"):
+        flatview.wrap(model, overlap_reduction=True, reduce_options=ReduceOptions(overlap=False))
+    with pytest.raises(ValueError, match="'bogus' is not a valid Strategy"):
+        ReduceOptions(strategy="bogus")  # type: ignore[arg-type]
+    assert ReduceOptions(strategy="all_to_all").strategy is Strategy.ALL_TO_ALL  # type: ignore[arg-type]
