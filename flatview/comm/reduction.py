@@ -10,13 +10,16 @@ and :class:`~flatview.comm.options.ReduceOptions`. A gradient given to it takes 
 two paths:
 
 * **packed**: its used elements are copied into a bucket (``add``), reduced with one
-  collective per bucket when the bucket fills (:class:`~flatview.comm.bucketing.
-  BucketFill`) or at :meth:`Reduction.finish`;
+  collective per bucket when the bucket fills
+  (:class:`~flatview.comm.bucketing.BucketFill`) or at :meth:`Reduction.finish`;
 * **whole**: a gradient that is all used (or all but ``in_place_tolerance`` of its bytes)
   and large enough (``in_place_min_numel``) is reduced whole, with no copy, by an
   asynchronous collective started at once (:meth:`Reduction.reduces_in_place` says which
-  path; the subclass starts it). Its unused elements travel too and are given back
-  their values or zeroed afterwards, so the result is what the packed path gives.
+  path; the subclass starts it). Packing costs a copy in and a copy out of every used
+  element, and a bucket reduced at the end of the backward overlaps nothing; this path
+  avoids both. Its unused elements travel too (the bytes counted at the collective are
+  then up to the tolerance over the used bytes) and are given back their values or
+  zeroed afterwards, so the result is what the packed path gives.
 
 How a backward's reductions end, two names for two different waits:
 
