@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
-from flatview.comm.counting import GRADIENT_KINDS, CollectiveCounter
+from flatview.testing.counting import GRADIENT_KINDS, CollectiveCounter
 
 MIB = 2.0**20
 
@@ -349,13 +349,14 @@ def _flatview_torch(
 
     def build(cfg: Config) -> Trainer:
         model = _torch_fsdp1(cfg, use_orig_params=orig_params, strategy=strategy)
-        options = {"compute_on_views": False} if runtime else {}
-        trainer = _with_flatview(model, cfg, check, "auto", **options)
+        import flatview
+
+        options: dict[str, Any] = {"compute_on_views": False} if runtime else {}
         if unpacked is False:
-            trainer.flatview.reducer.in_place_tolerance = None
+            options["reduce_options"] = flatview.ReduceOptions(in_place_tolerance=None)
         elif unpacked:
-            trainer.flatview.reducer.in_place_min_numel = 0
-        return trainer
+            options["reduce_options"] = flatview.ReduceOptions(in_place_min_numel=0)
+        return _with_flatview(model, cfg, check, "auto", **options)
 
     return build
 

@@ -51,7 +51,7 @@ from torch import nn
 
 import flatview
 import flatview.optim
-from flatview.comm.counting import CollectiveCounter
+from flatview.testing.counting import CollectiveCounter
 
 
 class _Gathered:

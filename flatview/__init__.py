@@ -8,11 +8,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from flatview.backends import detect
-from flatview.backends.replicated import ReplicatedAdapter
-from flatview.comm.reduce import Strategy
+from flatview.comm.options import ReduceOptions, Strategy
 from flatview.errors import (
     DoubleCountError,
     FlatViewError,
@@ -42,6 +43,7 @@ __all__ = [
     "ParamGroupError",
     "ParameterError",
     "Phase",
+    "ReduceOptions",
     "SkipSetError",
     "SkipSetMismatchError",
     "SkippedParameterUsedError",
@@ -63,6 +65,7 @@ def wrap(
     reduce_strategy: Strategy | str = Strategy.AUTO,
     overlap_reduction: bool | None = None,
     compute_on_views: bool | None = None,
+    reduce_options: ReduceOptions | None = None,
 ) -> FlatView:
     """Give an FSDP model's original parameters back as views, and enable skip sets.
 
@@ -102,6 +105,11 @@ def wrap(
             built from views). ``None``
             (default): wherever eligible; ``True``: refuse a model that is not;
             ``False``: keep torch's runtime.
+        reduce_options: every tuning option of the gradient reduction
+            (:class:`ReduceOptions`: the two above, and when a gradient is reduced whole
+            instead of packed, and how large a bucket buffer is kept between steps).
+            ``reduce_strategy`` and ``overlap_reduction``, when given, fill in its
+            ``strategy`` and ``overlap``; a contradiction between them is refused.
 
     Returns:
         The :class:`FlatView` handle. From now on every submodule's ``parameters()``
@@ -113,18 +121,28 @@ def wrap(
             configuration (the message names what is not supported), or is already
             wrapped.
     """
-    adapter = detect(model, compute_on_views)
-    if overlap_reduction is not None:
-        if not isinstance(adapter, ReplicatedAdapter):
+    options = _options(reduce_options, Strategy(reduce_strategy), overlap_reduction)
+    adapter = detect(model, compute_on_views, options)
+    return FlatView(model, adapter, check_skip_agreement=check_skip_agreement)
+
+
+def _options(
+    given: ReduceOptions | None, strategy: Strategy, overlap: bool | None
+) -> ReduceOptions:
+    """``given`` with the keywords of :func:`wrap` that name one of its fields filled in."""
+    options = given if given is not None else ReduceOptions()
+    if strategy is not Strategy.AUTO:
+        if options.strategy not in (Strategy.AUTO, strategy):
             raise WrapError(
-                f"overlap_reduction={overlap_reduction!r} applies to DistributedDataParallel "
-                "models and torch FSDP1 models computed on views only; this "
-                f"{type(model).__name__} reduces gradients in its own hooks (leave it None)"
+                f"reduce_strategy={strategy.value!r} contradicts reduce_options.strategy="
+                f"{options.strategy.value!r}; give one of them"
             )
-        adapter.overlap = overlap_reduction
-    return FlatView(
-        model,
-        adapter,
-        check_skip_agreement=check_skip_agreement,
-        reduce_strategy=Strategy(reduce_strategy),
-    )
+        options = replace(options, strategy=strategy)
+    if overlap is not None:
+        if options.overlap not in (None, overlap):
+            raise WrapError(
+                f"overlap_reduction={overlap!r} contradicts reduce_options.overlap="
+                f"{options.overlap!r}; give one of them"
+            )
+        options = replace(options, overlap=overlap)
+    return options

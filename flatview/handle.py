@@ -30,7 +30,6 @@ from flatview import norms as _norms
 from flatview import optim_state, registry
 from flatview.backends.base import Adapter
 from flatview.comm.ledger import Ledger
-from flatview.comm.reduce import MaskedReducer, Strategy
 from flatview.errors import NormError, ParameterError
 from flatview.layout import Placement, Shape
 from flatview.optimizer_checks import OptimizerChecks
@@ -57,7 +56,6 @@ class FlatView:
         adapter: Adapter,
         *,
         check_skip_agreement: bool = True,
-        reduce_strategy: Strategy = Strategy.AUTO,
     ) -> None:
         self.model = model
         self.adapter = adapter
@@ -71,7 +69,6 @@ class FlatView:
             adapter,
             self.table,
             check_skip_agreement=check_skip_agreement,
-            reduce_strategy=reduce_strategy,
         )
         """What the backend adapter drives (for flatview's own modules and adapters)."""
         self._checks = OptimizerChecks(self.table, adapter)
@@ -100,11 +97,6 @@ class FlatView:
     def ledger(self) -> Ledger:
         """Bytes and calls of flatview's own collectives in the current iteration."""
         return self.runtime.ledger
-
-    @property
-    def reducer(self) -> MaskedReducer:
-        """The masked gradient reducer (tests and benchmarks tune it)."""
-        return self.runtime.reducer
 
     # -------------------------------------------------------------- public API
 

@@ -34,7 +34,7 @@ from flatview.accounting import StatsSource, step_stats
 from flatview.backends.base import Adapter
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
-from flatview.comm.reduce import MaskedReducer, Strategy
+from flatview.comm.packing import plan_index
 from flatview.errors import FlatViewError, SkippedParameterUsedError, StateError
 from flatview.guards import SkipGuards
 from flatview.iteration import Iteration, bind
@@ -64,7 +64,6 @@ class Runtime:
         table: ParamTable,
         *,
         check_skip_agreement: bool,
-        reduce_strategy: Strategy,
     ) -> None:
         self.model = model
         self.adapter = adapter
@@ -72,14 +71,6 @@ class Runtime:
         self.check_skip_agreement = check_skip_agreement
         self.ledger = Ledger()
         """Bytes and calls of flatview's own collectives since the iteration began."""
-        self.reducer = MaskedReducer(
-            adapter.group,
-            adapter.rank,
-            adapter.world_size,
-            self.ledger,
-            adapter.bucket_numel,
-            reduce_strategy,
-        )
         self.phase = Phase.IDLE
         """Where the model is in its lifecycle: views are registered only in ``IDLE``."""
         # What the last backward's StepStats are computed from, when first asked for:
@@ -390,7 +381,7 @@ class Runtime:
         self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan
     ) -> None:
         """All-gather only ``plan``'s elements into ``rows`` (see :mod:`flatview.comm.gather`)."""
-        index = self.reducer.index_of(plan, local_shard.device)
+        index = plan_index(plan, local_shard.device)
         masked_all_gather(
             rows, local_shard, plan, index, self.adapter.rank, self.adapter.group, self.ledger
         )

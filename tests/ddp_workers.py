@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatview
-from flatview.comm.counting import CollectiveCounter
 from flatview.errors import FlatViewError
+from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import Scenario, as_names, local_batch, loss_of, make_net
 
 
@@ -248,7 +248,7 @@ def gradient_grows_after_its_bucket_started(scenario: Scenario) -> dict[str, Any
     end = adapter._end_backward
 
     def spy() -> None:
-        refired.append(adapter._round is not None and adapter._round.refired)
+        refired.append(adapter._round is not None and adapter._round.grew_after_start)
         end()
 
     adapter._end_backward = spy

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import flatview
-from flatview.comm.counting import CollectiveCounter
 from flatview.optim import LARC, trust_ratios
+from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
     Scenario,
     _original_tree,

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import flatview
-from flatview.comm.counting import CollectiveCounter
 from flatview.errors import OptimStateError
+from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
     Scenario,
     backend_context,

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from flatview.comm.counting import CollectiveCounter
 from flatview.errors import FlatViewError
+from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
     Scenario,
     backend_context,

@@ -23,7 +23,14 @@ MAX_LINES = 520
 # checked for cycles, size and docstrings, but its layer is not asserted.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Plain data and pure rules: no torch.distributed, nothing of flatview's runtime.
-    ("flatview.errors", "flatview.layout", "flatview.stats", "flatview.skip", "flatview.views"),
+    (
+        "flatview.errors",
+        "flatview.layout",
+        "flatview.phase",
+        "flatview.stats",
+        "flatview.skip",
+        "flatview.views",
+    ),
     # Collectives: functions and reduction objects that take what they need.
     ("flatview.comm",),
     # What adapters and the core exchange (specs and the adapter/runtime protocols).
@@ -32,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # Modules that must never import the user's handle or the runtime that drives it.
 BELOW_THE_CORE = (
     "flatview.errors",
+    "flatview.phase",
     "flatview.layout",
     "flatview.stats",
     "flatview.skip",

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flatview.backends.ddp import plan_buckets, readiness_order
+from flatview.backends.replicated import readiness_order
+from flatview.comm.bucketing import plan_buckets
 from tests import ddp_workers as w
 from tests.scenarios import DDP
 

@@ -1,6 +1,6 @@
-"""Rules of the masked reducer: when a gradient is reduced whole and in place instead of
-packed, what that does to the elements a plan does not use, and the one-pass packing and
-placing (with the division fused) into the reducer's reusable buffers."""
+"""Rules of the masked reductions: when a gradient is reduced whole and in place instead
+of packed, what that does to the elements a plan does not use, and the one-pass packing
+and placing (with the division fused) into the reductions' reusable buffers."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flatview.comm.ledger import Ledger
-from flatview.comm.packing import PlanIndex
-from flatview.comm.reduce import (
+from flatview.comm.options import (
     IN_PLACE_MIN_NUMEL,
     IN_PLACE_TOLERANCE,
-    MaskedReducer,
+    ReduceOptions,
     Strategy,
 )
+from flatview.comm.packing import PlanIndex
+from flatview.comm.reduction import Reduction
+from flatview.comm.replicated import ReplicatedReduction
+from flatview.comm.sharded import ShardedReduction
 from flatview.layout import FlatLayout, MaskPlan
 from tests.conftest import PoolFactory
 
@@ -25,9 +28,22 @@ TIMEOUT = 60.0
 CPU = torch.device("cpu")
 
 
-def _reducer(world_size: int = 1, rank: int = 0, **kw: object) -> MaskedReducer:
-    reducer = MaskedReducer(None, rank, world_size, Ledger(), 2**62, **kw)  # type: ignore[arg-type]
-    return reducer
+def _reducer(world_size: int = 1, rank: int = 0, **options: object) -> Reduction:
+    """The reduction for plans of ``world_size`` ranks: replicated at 1, else sharded."""
+    kind = ReplicatedReduction if world_size == 1 else ShardedReduction
+    return kind(None, rank, world_size, Ledger(), ReduceOptions(**options), 2**62)  # type: ignore[arg-type]
+
+
+def _replicated(**options: object) -> ReplicatedReduction:
+    world = dist.get_world_size()
+    opts = ReduceOptions(**options)  # type: ignore[arg-type]
+    return ReplicatedReduction(None, dist.get_rank(), world, Ledger(), opts, 2**62)
+
+
+def _sharded(**options: object) -> ShardedReduction:
+    world = dist.get_world_size()
+    opts = ReduceOptions(**options)  # type: ignore[arg-type]
+    return ShardedReduction(None, dist.get_rank(), world, Ledger(), opts, 2**62)
 
 
 def _plan(numels: list[int], used: list[bool], world_size: int = 1) -> MaskPlan:
@@ -38,9 +54,9 @@ def _plan(numels: list[int], used: list[bool], world_size: int = 1) -> MaskPlan:
 
 
 def test_defaults() -> None:
-    reducer = _reducer()
-    assert reducer.in_place_tolerance == IN_PLACE_TOLERANCE == 0.05
-    assert reducer.in_place_min_numel == IN_PLACE_MIN_NUMEL
+    options = _reducer().options
+    assert options.in_place_tolerance == IN_PLACE_TOLERANCE == 0.05
+    assert options.in_place_min_numel == IN_PLACE_MIN_NUMEL
 
 
 def test_fully_used_replicated_gradient_is_reduced_in_place() -> None:
@@ -50,11 +66,9 @@ def test_fully_used_replicated_gradient_is_reduced_in_place() -> None:
 
 
 def test_small_gradients_go_to_the_bucket() -> None:
-    reducer = _reducer()
     plan = _plan([100, 10], [True, True])
-    assert not reducer.reduces_in_place(torch.zeros(110), plan)
-    reducer.in_place_min_numel = 0
-    assert reducer.reduces_in_place(torch.zeros(110), plan)
+    assert not _reducer().reduces_in_place(torch.zeros(110), plan)
+    assert _reducer(in_place_min_numel=0).reduces_in_place(torch.zeros(110), plan)
 
 
 @pytest.mark.parametrize(
@@ -63,23 +77,20 @@ def test_small_gradients_go_to_the_bucket() -> None:
 )
 def test_skipped_share_within_the_byte_tolerance(skipped: int, expected: bool) -> None:
     # Whole, the gradient moves numel elements against `used`: at most 5% more.
-    reducer = _reducer()
-    reducer.in_place_min_numel = 0
+    reducer = _reducer(in_place_min_numel=0)
     used = 9524
     plan = _plan([used, skipped], [True, False]) if skipped else _plan([used], [True])
     assert reducer.reduces_in_place(torch.zeros(used + skipped), plan) is expected
 
 
 def test_tolerance_none_turns_the_rule_off() -> None:
-    reducer = _reducer()
-    reducer.in_place_tolerance = None
+    reducer = _reducer(in_place_tolerance=None)
     plan = _plan([IN_PLACE_MIN_NUMEL], [True])
     assert not reducer.reduces_in_place(torch.zeros(IN_PLACE_MIN_NUMEL), plan)
 
 
 def test_nothing_used_or_wrong_shape_or_non_contiguous_is_packed() -> None:
-    reducer = _reducer()
-    reducer.in_place_min_numel = 0
+    reducer = _reducer(in_place_min_numel=0)
     assert not reducer.reduces_in_place(torch.zeros(8), _plan([8], [False]))
     assert not reducer.reduces_in_place(torch.zeros(9), _plan([8], [True]))
     strided = torch.zeros(16)[::2]
@@ -156,7 +167,7 @@ def _replicated_buckets() -> dict[str, object]:
     """Two flushes of replicated gradients of two dtypes; the buffer has to grow halfway
     through the first bucket, and is reused by the second."""
     rank = dist.get_rank()
-    reducer = MaskedReducer(None, rank, dist.get_world_size(), Ledger(), 2**62)
+    reducer = _replicated()
     got: dict[str, torch.Tensor] = {}
 
     def keep(name: str) -> object:
@@ -169,15 +180,15 @@ def _replicated_buckets() -> dict[str, object]:
         "large": torch.arange(153.0) * (rank + 1),
         "double": torch.arange(8.0, dtype=torch.float64) - rank,
     }
-    reducer.add_replicated(grads["small"], small, keep("small"), predivide=2.0)
-    reducer.add_replicated(grads["large"], large, keep("large"), predivide=2.0)
-    reducer.add_replicated(grads["double"], small, keep("double"))
+    reducer.add(grads["small"], small, keep("small"), predivide=2.0)
+    reducer.add(grads["large"], large, keep("large"), predivide=2.0)
+    reducer.add(grads["double"], small, keep("double"))
     buffers_after_first = {k: v.numel() for k, v in reducer._buffers.items()}
-    reducer.flush()
+    reducer.finish()
     first = dict(got)
     got.clear()
-    reducer.add_replicated(grads["small"], small, keep("again"), predivide=2.0)
-    reducer.flush()
+    reducer.add(grads["small"], small, keep("again"), predivide=2.0)
+    reducer.finish()
     return {
         "first": first,
         "again": got["again"],
@@ -215,14 +226,14 @@ def test_replicated_buckets_pack_into_reused_buffers(dist_pool: PoolFactory) -> 
 
 def _in_place_all_reduce() -> dict[str, object]:
     rank = dist.get_rank()
-    reducer = MaskedReducer(None, rank, dist.get_world_size(), Ledger(), 2**62)
+    reducer = _replicated()
     plan = _plan([6, 2, 4], [True, False, True])
     # Skipped region non-zero and different per rank: it must come back as it was.
     grad = torch.arange(12.0) + 100 * rank
     before = grad.clone()
     reducer.all_reduce_in_place(grad, plan, predivide=2.0, postdivide=1.5)
     in_flight = reducer.in_flight(grad)
-    reducer.flush()
+    reducer.finish()
     return {
         "grad": grad,
         "before": before,
@@ -248,14 +259,14 @@ def test_in_place_all_reduce_restores_what_the_plan_does_not_use(
 
 def _in_place_reduce_scatter() -> dict[str, object]:
     rank = dist.get_rank()
-    reducer = MaskedReducer(None, rank, dist.get_world_size(), Ledger(), 2**62)
+    reducer = _sharded()
     # 11 elements over 2 ranks: shards of 6, one padding element at the end.
     plan = _plan([5, 1, 5], [True, False, True], world_size=2)
     whole = torch.arange(12.0) + rank
     whole[11] = 99.0  # padding: must not reach the shard
     output = torch.full((6,), -1.0)
     reducer.reduce_scatter_in_place(whole, output, plan, postdivide=2.0)
-    reducer.flush()
+    reducer.finish()
     return {"output": output, "bytes": dict(reducer.ledger.bytes)}
 
 
@@ -273,24 +284,22 @@ def test_in_place_reduce_scatter_zeroes_what_the_plan_does_not_use(
 
 def _kept_buffers(keep_bytes: int) -> dict[str, object]:
     rank = dist.get_rank()
-    reducer = MaskedReducer(
-        None, rank, dist.get_world_size(), Ledger(), 2**62, Strategy.REDUCE_SCATTER
-    )
-    reducer.keep_buffer_bytes = keep_bytes
+    options = {"strategy": Strategy.REDUCE_SCATTER, "keep_buffer_bytes": keep_bytes}
+    replicated, sharded = _replicated(**options), _sharded(**options)
     got: list[torch.Tensor] = []
     plan = _plan([64, 64], [True, True])
-    sharded = _plan([30, 34], [True, False], world_size=2)
+    half = _plan([30, 34], [True, False], world_size=2)
     kept = []
     for step in range(2):
-        reducer.add_replicated(
-            torch.ones(128) * (rank + step), plan, lambda v: got.append(v.clone())
-        )
+        replicated.add(torch.ones(128) * (rank + step), plan, lambda v: got.append(v.clone()))
         # Two sharded entries: packed into the reduce-scatter's send buffer.
         for _ in range(2):
             grad = torch.arange(64.0) + rank
-            reducer.add(list(grad.view(2, -1).unbind(0)), sharded, lambda v: got.append(v.clone()))
-        reducer.flush()
-        kept.append(sorted(str(k[0]) for k in reducer._buffers))
+            sharded.add(list(grad.view(2, -1).unbind(0)), half, lambda v: got.append(v.clone()))
+        replicated.finish()
+        sharded.finish()
+        buffers = [*replicated._buffers, *sharded._buffers]
+        kept.append(sorted(str(k[0]) for k in buffers))
     return {"got": got, "kept": kept}
 
 
@@ -347,11 +356,12 @@ def _reduced_twice(strategy: str, unpacked: bool | None) -> dict[str, object]:
         fv = flatview.wrap(model, compute_on_views=True, overlap_reduction=True)
     else:
         # torch's runtime reduces (a NO_SHARD model would otherwise compute on views).
-        fv = flatview.wrap(model, compute_on_views=False)
-        if unpacked:
-            fv.reducer.in_place_min_numel = 0
-        else:
-            fv.reducer.in_place_tolerance = None
+        options = (
+            flatview.ReduceOptions(in_place_min_numel=0)
+            if unpacked
+            else flatview.ReduceOptions(in_place_tolerance=None)
+        )
+        fv = flatview.wrap(model, compute_on_views=False, reduce_options=options)
     inputs = [
         torch.randn(8, 64, generator=torch.Generator().manual_seed(r + 1)) for r in range(world)
     ]
@@ -405,3 +415,24 @@ def test_computed_on_views_reduced_again_after_a_nested_backward(dist_pool: Pool
     for r in dist_pool(2).run(_reduced_twice, "NO_SHARD", None, timeout=TIMEOUT):
         assert max(r["errors"].values()) < 1e-5, r
         assert r["calls"].get("all_reduce", 0) >= 1, r
+
+
+# ------------------------------------------------------------------ options at wrap time
+
+
+def test_wrap_keywords_fill_in_reduce_options_and_contradictions_are_refused() -> None:
+    import flatview
+    from flatview.errors import WrapError
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(WrapError, match="reduce_strategy='all_to_all' contradicts"):
+        flatview.wrap(
+            model,
+            reduce_strategy="all_to_all",
+            reduce_options=ReduceOptions(strategy=Strategy.REDUCE_SCATTER),
+        )
+    with pytest.raises(WrapError, match="overlap_reduction=True contradicts"):
+        flatview.wrap(model, overlap_reduction=True, reduce_options=ReduceOptions(overlap=False))
+    with pytest.raises(ValueError, match="'bogus' is not a valid Strategy"):
+        ReduceOptions(strategy="bogus")  # type: ignore[arg-type]
+    assert ReduceOptions(strategy="all_to_all").strategy is Strategy.ALL_TO_ALL  # type: ignore[arg-type]

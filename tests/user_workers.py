@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize
 
 import flatview
 from flatview import optim as fv_optim
-from flatview.comm.counting import CollectiveCounter
+from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
     Scenario,
     _original_tree,

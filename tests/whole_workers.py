@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import flatview
-from flatview.comm.counting import CollectiveCounter
 from flatview.optim import Whole
+from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
     Scenario,
     backend_context,

@@ -19,9 +19,9 @@ from torch import nn
 
 import flatview
 from flatview.backends.replicated import ReplicatedAdapter
-from flatview.comm.counting import CollectiveCounter
 from flatview.errors import SkipSetError, StateError
 from flatview.layout import PieceKind
+from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
     Scenario,
     _original_tree,

@@ -5,25 +5,45 @@ from __future__ import annotations
 from torch import nn
 
 from flatview.backends.base import Adapter
+from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 
 
-def detect(model: object, compute_on_views: bool | None = None) -> Adapter:
+def detect(
+    model: object, compute_on_views: bool | None = None, options: ReduceOptions | None = None
+) -> Adapter:
     """The adapter for ``model``, or a :class:`WrapError` saying why there is none.
 
     ``compute_on_views``: for torch FSDP1 models whose units all replicate, whether the
     model computes on the views (:mod:`flatview.backends.torch_replicated`); ``None``:
-    where eligible."""
+    where eligible. ``options``: how the adapter's reduction reduces (default
+    :class:`~flatview.comm.options.ReduceOptions()`); ``overlap`` applies to the adapters
+    of replicating wrappers only, anything but ``None`` is refused for the others."""
+    from flatview.backends.replicated import ReplicatedAdapter
+
+    options = options if options is not None else ReduceOptions()
+    adapter = _choose(model, compute_on_views, options)
+    overlap = options.overlap
+    if overlap is not None and not isinstance(adapter, ReplicatedAdapter):
+        raise WrapError(
+            f"overlap_reduction={overlap!r} applies to DistributedDataParallel "
+            "models and torch FSDP1 models computed on views only; this "
+            f"{type(model).__name__} reduces gradients in its own hooks (leave it None)"
+        )
+    return adapter
+
+
+def _choose(model: object, compute_on_views: bool | None, options: ReduceOptions) -> Adapter:
     from flatview.backends import ddp, fairscale, torch_fsdp, torch_replicated
 
     if torch_fsdp.is_torch_fsdp(model):
         assert isinstance(model, nn.Module)
-        adapter = torch_fsdp.TorchFSDPAdapter(model)
+        adapter = torch_fsdp.TorchFSDPAdapter(model, options)
         if compute_on_views is False:
             return adapter
         reason = torch_replicated.ineligibility(adapter)
         if reason is None:
-            return torch_replicated.TorchReplicatedAdapter(adapter)
+            return torch_replicated.TorchReplicatedAdapter(adapter, options)
         if compute_on_views:
             raise WrapError(
                 f"compute_on_views=True needs every FSDP unit to replicate in full "
@@ -38,10 +58,10 @@ def detect(model: object, compute_on_views: bool | None = None) -> Adapter:
         )
     if fairscale.is_fairscale_fsdp(model):
         assert isinstance(model, nn.Module)
-        return fairscale.FairscaleAdapter(model)
+        return fairscale.FairscaleAdapter(model, options)
     if ddp.is_ddp(model):
         assert isinstance(model, nn.Module)
-        return ddp.DDPAdapter(model)
+        return ddp.DDPAdapter(model, options)
     if torch_fsdp.is_fsdp2(model):
         raise WrapError(torch_fsdp.FSDP2_MESSAGE)
     raise WrapError(

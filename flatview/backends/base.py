@@ -4,8 +4,9 @@ An adapter maps one FSDP implementation onto flatview's backend-neutral core: it
 describes the flat parameters (layout, owners, names, where the local shard lives:
 :class:`FlatSpec`, :class:`PlainSpec`, :class:`UnitSpec`), calls the runtime
 (:class:`Runtime`) at the points of the wrapper's lifecycle (a pass begins, a backward
-ends, a wrapper operation such as ``state_dict`` runs), and routes gradient reduction
-through the runtime's masked reducer.
+ends, a wrapper operation such as ``state_dict`` runs), and reduces gradients
+with a reduction object of its own (:mod:`flatview.comm.sharded`,
+:mod:`flatview.comm.replicated`) that counts into the runtime's ledger.
 
 This module is the bottom of the backend side: it imports nothing of flatview's above
 the layout, the views and the communication primitives, so the core and every adapter
@@ -30,7 +31,6 @@ from flatview.views import Owner
 
 if TYPE_CHECKING:
     from flatview.comm.ledger import Ledger
-    from flatview.comm.reduce import MaskedReducer
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,6 @@ class Runtime(Protocol):
 
     @property
     def ledger(self) -> Ledger: ...
-
-    @property
-    def reducer(self) -> MaskedReducer:
-        """The masked reducer (until adapters hold their own reduction object)."""
 
     @property
     def table(self) -> ParamLookup: ...

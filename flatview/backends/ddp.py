@@ -36,26 +36,12 @@ from torch import nn
 
 from flatview.backends._common import optional_class
 from flatview.backends.base import PlainSpec, UnitSpec
-from flatview.backends.replicated import (
-    FIRST_BUCKET_BYTES,
-    ReplicatedAdapter,
-    in_backward,
-    plan_buckets,
-    readiness_order,
-)
+from flatview.backends.replicated import ReplicatedAdapter, in_backward
+from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
-
-__all__ = [
-    "FIRST_BUCKET_BYTES",
-    "DDPAdapter",
-    "clean_name",
-    "is_ddp",
-    "plan_buckets",
-    "readiness_order",
-]
 
 _WRAPPER = "module"
 """The attribute DDP keeps the user's module under (dropped from original names)."""
@@ -82,7 +68,7 @@ class DDPAdapter(ReplicatedAdapter):
 
     backend = "ddp"
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
         super().__init__()
         ddp: Any = model
         self.root = ddp
@@ -107,7 +93,7 @@ class DDPAdapter(ReplicatedAdapter):
                 self._aliases[id(param)] = []
                 params.append((name, param))
         reduced = {id(p) for name, p in params if name not in ignored}
-        self._init_reduction(params, reduced, int(ddp.bucket_bytes_cap))
+        self._init_reduction(params, reduced, int(ddp.bucket_bytes_cap), options)
 
     @staticmethod
     def _check_supported(ddp: Any) -> None:

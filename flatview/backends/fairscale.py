@@ -45,6 +45,8 @@ from flatview.backends._common import (
 )
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
 from flatview.checkpoint_guard import guard_torch_checkpoint
+from flatview.comm.options import ReduceOptions
+from flatview.comm.sharded import ShardedReduction
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan
 from flatview.views import Owner
@@ -84,9 +86,13 @@ class FairscaleAdapter(AdapterBase):
     """Maps the flatview core onto one fairscale FSDP model (root and nested units)."""
 
     backend = "fairscale"
+    reduction: ShardedReduction
+    """Where every gradient fairscale would reduce goes (:class:`_ReducerShim`); made
+    at :meth:`install`, with the runtime's ledger."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
         super().__init__()
+        self.options = options if options is not None else ReduceOptions()
         import fairscale
 
         version = tuple(int(x) for x in fairscale.__version__.split(".")[:2])
@@ -221,7 +227,14 @@ class FairscaleAdapter(AdapterBase):
 
     def install(self, core: Runtime) -> None:
         self._core = core
-        core.reducer.group = self.root.process_group_reduce_scatter
+        self.reduction = ShardedReduction(
+            self.root.process_group_reduce_scatter,
+            self.rank,
+            self.world_size,
+            core.ledger,
+            self.options,
+            self.bucket_numel,
+        )
         for index, (_, unit) in enumerate(self.units):
             self._hook(unit.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
             methods = _LENDING_METHODS + (_ROOT_LENDING_METHODS if unit is self.root else ())
@@ -488,7 +501,7 @@ class _MaskedGatherDist:
 
 class _ReducerShim:
     """Stands in for fairscale's ``ReduceScatterBucketer``: routes every gradient through
-    flatview's masked reducer, so skipped segments never travel."""
+    the adapter's sharded reduction, so skipped segments never travel."""
 
     def __init__(self, adapter: FairscaleAdapter, original: Any) -> None:
         self.adapter = adapter
@@ -506,10 +519,10 @@ class _ReducerShim:
                 "relies on; this fairscale version is not supported"
             )
         param = callback_fn.args[0]
-        self.adapter.core.reducer.add(input_list, self.adapter.plan_for(param), callback_fn)
+        self.adapter.reduction.add(input_list, self.adapter.plan_for(param), callback_fn)
 
     def flush(self) -> None:
-        self.adapter.core.reducer.flush()
+        self.adapter.reduction.finish()
 
     def teardown(self) -> None:
         """Nothing to free: buckets live only between add() and flush()."""

@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +56,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from flatview.backends._common import AdapterBase
+from flatview.comm.bucketing import FIRST_BUCKET_BYTES, BucketRound, plan_buckets
+from flatview.comm.options import ReduceOptions
+from flatview.comm.replicated import ReplicatedReduction
 from flatview.errors import StateError, UndeclaredUnusedError
 from flatview.phase import Phase
 
@@ -65,30 +67,6 @@ def in_backward() -> bool:
     """Whether autograd is running a backward on this thread (a forward now is a
     recomputation for activation checkpointing, not a new iteration)."""
     return bool(torch._C._current_graph_task_id() != -1)
-
-
-FIRST_BUCKET_BYTES = 2**20
-"""DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): small, so that the first
-all-reduce starts early in the backward."""
-
-
-def plan_buckets(sizes: Sequence[tuple[int, object]], first_cap: int, cap: int) -> list[list[int]]:
-    """Cut parameters into buckets: ``sizes`` gives per parameter, in the order their
-    gradients are expected, its byte size and a key (dtype and device: a bucket holds
-    one). Consecutive parameters of one key share a bucket up to ``first_cap`` bytes for
-    the first bucket and ``cap`` for the others; a parameter larger than that has one of
-    its own. Returns the positions in ``sizes`` of each bucket's parameters."""
-    buckets: list[list[int]] = []
-    key: object = None
-    filled = 0
-    for position, (size, kind) in enumerate(sizes):
-        limit = first_cap if len(buckets) <= 1 else cap
-        if not buckets or kind != key or filled + size > limit:
-            buckets.append([])
-            key, filled = kind, 0
-        buckets[-1].append(position)
-        filled += size
-    return buckets
 
 
 def readiness_order(
@@ -111,25 +89,6 @@ def readiness_order(
     return keys
 
 
-@dataclass
-class _Round:
-    """One synchronising backward's reduction, bucket by bucket."""
-
-    buckets: list[list[int]]
-    """Core indices of each bucket's parameters."""
-    bucket_of: dict[int, int]
-    missing: list[int] = field(default_factory=list)
-    """Per bucket, how many of its gradients are not ready yet."""
-    ready: set[int] = field(default_factory=set)
-    started: int = 0
-    """Buckets whose all-reduce has started (always the first ones)."""
-    refired: bool = False
-    """A gradient was accumulated again after its bucket started."""
-    filled: set[int] = field(default_factory=set)
-    """Parameters this rank's backward gave no gradient, given zeros when their bucket
-    started (their flag says so)."""
-
-
 class ReplicatedAdapter(AdapterBase):
     """The reduction and iteration bookkeeping of a replicating wrapper's adapter; a
     subclass calls :meth:`_init_reduction` from its ``__init__``."""
@@ -137,25 +96,36 @@ class ReplicatedAdapter(AdapterBase):
     # The wrapper's forward communicates nothing the skip set decides.
     overlaps_agreement = True
     group: dist.ProcessGroup | None
+    rank: int
     world_size: int
     device: torch.device
+    bucket_numel: int
+    _reduction: ReplicatedReduction
+    """Made at install, with the runtime's ledger."""
 
     def _init_reduction(
-        self, params: list[tuple[str, nn.Parameter]], reduced: set[int], bucket_bytes: int
+        self,
+        params: list[tuple[str, nn.Parameter]],
+        reduced: set[int],
+        bucket_bytes: int,
+        options: ReduceOptions | None,
     ) -> None:
         """``params``: (first name, parameter) in registration order; ``reduced``: ids of
         those flatview all-reduces; ``bucket_bytes``: the wrapper's bucket size."""
+        self.options = options if options is not None else ReduceOptions()
         self._params = params
         self._reduced = reduced
         self._first_bucket_bytes = min(FIRST_BUCKET_BYTES, bucket_bytes)
         self._bucket_bytes = bucket_bytes
         self._bucket_plans: OrderedDict[tuple[int, ...], list[list[int]]] = OrderedDict()
         """Per first-bucket size and parameters to reduce: their buckets."""
-        self._round: _Round | None = None
-        self.overlap = self.device.type != "cpu"
+        self._round: BucketRound | None = None
+        overlap = self.options.overlap
+        self.overlap = self.device.type != "cpu" if overlap is None else overlap
         """Start each bucket's all-reduce as soon as its gradients are ready (as DDP
         does); ``False``: everything at the end of the backward, in as few collectives
-        as the bucket size allows. On by default except on CPU, where the collectives
+        as the bucket size allows (``ReduceOptions.overlap``). On by default except on
+        CPU, where the collectives
         run on the cores the backward computes on: there (2 processes over gloo,
         ``benchmarks/README.md``) overlapping took 1.08-1.20x the ideal's step time
         against 1.02-1.14x without."""
@@ -172,6 +142,9 @@ class ReplicatedAdapter(AdapterBase):
 
     def _install_reduction(self) -> None:
         core = self.core
+        self._reduction = ReplicatedReduction(
+            self.group, self.rank, self.world_size, core.ledger, self.options, self.bucket_numel
+        )
         for _, param in self._params:
             index = core.index_of(param)
             if index is not None and id(param) in self._reduced:
@@ -196,7 +169,7 @@ class ReplicatedAdapter(AdapterBase):
             # what it started is stale.
             self._round = None
             self._callback_queued = False
-            core.reducer.settle(discard=True)
+            self._reduction.wait_in_flight(discard=True)
         core.begin_compute(outermost=True)
         core.guard_skipped_plain()
         self._synced = synced
@@ -250,7 +223,7 @@ class ReplicatedAdapter(AdapterBase):
         self._observed = None
         self._bucket_plans.clear()
 
-    def _plan_round(self, indices: list[int], first_cap: int) -> _Round:
+    def _plan_round(self, indices: list[int], first_cap: int) -> BucketRound:
         """The buckets of ``indices`` (a first one of at most ``first_cap`` bytes), none
         started yet."""
         key = (first_cap, *indices)
@@ -273,13 +246,12 @@ class ReplicatedAdapter(AdapterBase):
                 self._bucket_plans.popitem(last=False)
         else:
             self._bucket_plans.move_to_end(key)
-        bucket_of = {index: b for b, bucket in enumerate(plan) for index in bucket}
-        round_ = _Round(plan, bucket_of, [len(bucket) for bucket in plan])
+        round_ = BucketRound.of(plan)
         # Used only in earlier micro-batches (under no_sync()): ready already.
         used_now = set(self.core.plain_used())
         for index in indices:
             if index not in used_now:
-                self._mark_ready(round_, index)
+                round_.mark_ready(index)
         return round_
 
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -288,25 +260,16 @@ class ReplicatedAdapter(AdapterBase):
             return
         if index in round_.ready:
             if round_.bucket_of[index] < round_.started:
-                round_.refired = True
+                round_.grew_after_start = True
             return
         if self._observed is not None and self._order is None:
             self._observed.append(index)
-        self._mark_ready(round_, index)
+        round_.mark_ready(index)
         # The last bucket waits for the end of the backward: the flags travel with it.
-        while (
-            not round_.refired
-            and round_.started < len(round_.buckets) - 1
-            and round_.missing[round_.started] == 0
-        ):
+        while round_.next_ready():
             self._start_bucket(round_)
 
-    @staticmethod
-    def _mark_ready(round_: _Round, index: int) -> None:
-        round_.ready.add(index)
-        round_.missing[round_.bucket_of[index]] -= 1
-
-    def _start_bucket(self, round_: _Round, extra: Sequence[torch.Tensor] = ()) -> None:
+    def _start_bucket(self, round_: BucketRound, extra: Sequence[torch.Tensor] = ()) -> None:
         core = self.core
         if round_.started == 0:
             core.settle_agreement()
@@ -316,9 +279,9 @@ class ReplicatedAdapter(AdapterBase):
             if param.grad is None:
                 # Used, but this rank's backward did not reach it: zeros (see above).
                 param.grad = torch.zeros_like(param)
-                round_.filled.add(index)
+                round_.zero_filled.add(index)
             grads.append(param.grad)
-        core.reducer.start_all_reduce_whole(
+        self._reduction.start_all_reduce_whole(
             [*grads, *extra], float(self.world_size), slot=round_.started
         )
         round_.started += 1
@@ -339,14 +302,14 @@ class ReplicatedAdapter(AdapterBase):
             indices = self._reduced_now()
             self._window = set()
             filled: set[int] = set()
-            if round_ is not None and round_.refired:
+            if round_ is not None and round_.grew_after_start:
                 # Some gradient grew after its bucket started: start over, whole.
-                core.reducer.settle(discard=True)
-                filled, round_ = round_.filled, None
+                self._reduction.wait_in_flight(discard=True)
+                filled, round_ = round_.zero_filled, None
             if round_ is None:
                 # Nothing overlapped: as few buckets as the bucket size allows.
                 round_ = self._plan_round(indices, self._bucket_bytes)
-            self._finish(indices, round_, filled | round_.filled)
+            self._finish(indices, round_, filled | round_.zero_filled)
         else:
             self._window.update(self._reduced_now())
         core.end_backward(self._synced)
@@ -354,7 +317,7 @@ class ReplicatedAdapter(AdapterBase):
     # -------------------------------------------------------------- reduction
 
     @torch.no_grad()
-    def _finish(self, indices: list[int], round_: _Round, filled: set[int]) -> None:
+    def _finish(self, indices: list[int], round_: BucketRound, filled: set[int]) -> None:
         """Start what ``round_`` has not started of the reduction (average) of the
         parameters ``indices``, and wait for all of it; ``filled`` are those given zeros
         so far for want of a gradient.
@@ -384,10 +347,10 @@ class ReplicatedAdapter(AdapterBase):
         same = tail.dtype == flags.dtype and tail.device == flags.device
         self._start_bucket(round_, (flags,) if same else ())
         if not same:
-            core.reducer.start_all_reduce_whole(
+            self._reduction.start_all_reduce_whole(
                 [flags], float(self.world_size), slot=round_.started
             )
-        core.reducer.settle()
+        self._reduction.wait_in_flight()
         if all(had):
             # This rank's own flags make every sum positive; reading them back would only
             # make the host wait for the GPU.

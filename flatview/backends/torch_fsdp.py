@@ -89,6 +89,10 @@ from flatview.backends._common import (
 )
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
 from flatview.checkpoint_guard import guard_torch_checkpoint
+from flatview.comm.options import ReduceOptions
+from flatview.comm.packing import plan_index
+from flatview.comm.replicated import ReplicatedReduction
+from flatview.comm.sharded import ShardedReduction
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 from flatview.layout import FlatLayout, MaskPlan, Segment
 from flatview.registry import check_not_wrapped
@@ -122,7 +126,7 @@ _FLAT_ATTRS = (
     "_unpadded_unsharded_size",
     "_local_shard",
 )
-# The hook reduces at once, so nothing waits in the reducer's bucket between units (see
+# The hook reduces at once, so nothing waits in the reductions' buckets between units (see
 # TorchFSDPAdapter.reduce); the bucket size only has to exceed any one gradient.
 _NO_BUCKETING = 2**62
 
@@ -257,9 +261,14 @@ class TorchFSDPAdapter(AdapterBase):
     """Maps the flatview core onto one torch FSDP1 model (root and nested units)."""
 
     backend = "torch"
+    _sharded: ShardedReduction
+    _replicated: ReplicatedReduction
+    """The reductions of sharded and of ``NO_SHARD`` units' gradients, made at
+    :meth:`install` with the runtime's ledger."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
         super().__init__()
+        self.options = options if options is not None else ReduceOptions()
         version = torch_version()
         if version not in TESTED_TORCH:
             tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
@@ -488,6 +497,11 @@ class TorchFSDPAdapter(AdapterBase):
 
     def install(self, core: Runtime) -> None:
         self._core = core
+        # NO_SHARD units' gradients go to the replicated reduction, the others' to the
+        # sharded one; a model may mix both.
+        reduction = (self.group, self.rank, self.world_size, core.ledger, self.options)
+        self._sharded = ShardedReduction(*reduction, self.bucket_numel)
+        self._replicated = ReplicatedReduction(*reduction, self.bucket_numel)
         self.root.register_comm_hook(None, _reduce_hook)
         for index, (_, unit) in enumerate(self.units):
             # register_comm_hook gives every unit the same state; each gets its own so
@@ -607,7 +621,8 @@ class TorchFSDPAdapter(AdapterBase):
         next iteration runs as if the aborted one had not. (A gradient tensor that the
         aborted backward accumulated into in place keeps what it added: zero the
         gradients after such an error, as after any failed step.)"""
-        self.core.reducer.abandon()
+        self._replicated.abandon()
+        self._sharded.abandon()
         self._undeclared = []
         before = {id(flat): grad for flat, grad in self._grads_at_forward}
         self._grads_at_forward = []
@@ -678,7 +693,9 @@ class TorchFSDPAdapter(AdapterBase):
             self.core.settle_agreement()
             self.core.check_backward_binding()
             self._settle_units_without_backward()
-            self.core.reducer.flush()
+            # The replicated buckets' collectives first, then the sharded ones.
+            self._replicated.finish()
+            self._sharded.finish()
             original()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -813,7 +830,7 @@ class TorchFSDPAdapter(AdapterBase):
 
     @torch.no_grad()
     def reduce(self, unit: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
-        """Queue one unit's gradient for masked reduction; the reducer's buckets are
+        """Queue one unit's gradient for masked reduction; the reductions' buckets are
         reduced together, one collective per bucket instead of one per unit.
 
         ``output is None``: ``NO_SHARD``, where ``grad`` is the flat gradient, reduced in
@@ -824,7 +841,7 @@ class TorchFSDPAdapter(AdapterBase):
         every backward hook and before torch finalises gradients). Both average over the
         group as torch does (pre- and post-division).
 
-        A gradient the reducer takes whole (``MaskedReducer.reduces_in_place``: all
+        A gradient a reduction takes whole (``reduces_in_place``: all
         or nearly all used, large enough) skips the bucket where torch would not read it
         before ``next_iter``: it is all-reduced in place (``NO_SHARD``) or reduce-scattered
         straight into ``output`` by an asynchronous collective started now, which the
@@ -842,7 +859,7 @@ class TorchFSDPAdapter(AdapterBase):
         flat = handle.flat_param
         predivide = float(unit._gradient_predivide_factor)
         postdivide = float(unit._gradient_postdivide_factor)
-        reducer = core.reducer
+        replicated, sharded = self._replicated, self._sharded
         # Reduced without packing, the collective may still run when the hook returns,
         # unless an optimizer steps in backward (it reads the gradient at once).
         late_ok = not getattr(handle, "_has_optim_in_backward", False)
@@ -853,7 +870,7 @@ class TorchFSDPAdapter(AdapterBase):
             # torch casts the gradient to the parameter dtype right after the hook
             # returns, reading it: only without that cast may the reduction still run.
             and (grad.dtype == flat.dtype or handle._keep_low_precision_grads)
-            and reducer.reduces_in_place(grad, plan)
+            and replicated.reduces_in_place(grad, plan)
         ):
             # All (or nearly all) of it is used: all-reduced whole and in place, while
             # the backward goes on; the flush in next_iter waits for it. Should autograd
@@ -863,15 +880,15 @@ class TorchFSDPAdapter(AdapterBase):
                 self._in_place_guarded.add(id(flat))
 
                 def settle_first(_: torch.Tensor) -> None:
-                    if reducer.in_flight(flat.grad):
-                        reducer.settle()
+                    if replicated.in_flight(flat.grad):
+                        self._wait_in_flight()
 
                 self._hook(flat.register_hook(settle_first))
-            reducer.all_reduce_in_place(
+            replicated.all_reduce_in_place(
                 grad, plan, predivide, postdivide if postdivide > 1 else 1.0
             )
             return
-        index = reducer.index_of(plan, grad.device)
+        index = plan_index(plan, grad.device)
         if output is None:
 
             def place_replicated(values: torch.Tensor) -> None:
@@ -879,13 +896,13 @@ class TorchFSDPAdapter(AdapterBase):
                 # Divided on the way back: one pass, the values torch's div_ would give.
                 index.place(flat.grad, values, 0, postdivide if postdivide > 1 else 1.0)
 
-            core.reducer.add_replicated(grad, plan, place_replicated, predivide)
+            replicated.add(grad, plan, place_replicated, predivide)
             return
         saved = getattr(flat, "_saved_grad_shard", None)
-        if reducer.in_flight(saved):
+        if sharded.in_flight(saved):
             # A second reduction of this unit in one backward (reentrant checkpointing):
             # torch is about to add to the shard the first one still writes.
-            reducer.settle()
+            self._wait_in_flight()
         if predivide > 1 and not plan.none_used:
             grad.div_(predivide)
         if (
@@ -894,9 +911,9 @@ class TorchFSDPAdapter(AdapterBase):
             # torch keeps `output` as the sharded gradient without reading it (nothing to
             # accumulate into, no cast to the parameter dtype): it may still be written.
             and output.dtype == flat.dtype
-            and reducer.reduces_in_place(grad, plan)
+            and sharded.reduces_in_place(grad, plan)
         ):
-            reducer.reduce_scatter_in_place(
+            sharded.reduce_scatter_in_place(
                 grad, output, plan, postdivide if postdivide > 1 else 1.0
             )
             return
@@ -911,5 +928,10 @@ class TorchFSDPAdapter(AdapterBase):
             target = output if queued else flat._saved_grad_shard
             target.add_(shard)
 
-        core.reducer.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded, whole=grad)
+        sharded.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded, whole=grad)
         queued = False
+
+    def _wait_in_flight(self) -> None:
+        """Wait for every reduction started whole and still in flight, of both kinds."""
+        self._replicated.wait_in_flight()
+        self._sharded.wait_in_flight()

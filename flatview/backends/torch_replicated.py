@@ -52,6 +52,7 @@ from flatview.backends.base import PlainSpec, UnitSpec
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
 from flatview.backends.torch_fsdp import SummonLending, TorchFSDPAdapter, clean_name
 from flatview.checkpoint_guard import guard_torch_checkpoint
+from flatview.comm.options import ReduceOptions
 from flatview.errors import DoubleCountError, OptimStateError
 from flatview.views import Owner, ViewSet
 
@@ -90,7 +91,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
 
     backend = "torch"
 
-    def __init__(self, fsdp: TorchFSDPAdapter) -> None:
+    def __init__(self, fsdp: TorchFSDPAdapter, options: ReduceOptions | None = None) -> None:
         super().__init__()
         reason = ineligibility(fsdp)
         assert reason is None, reason
@@ -153,7 +154,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         self._lent_depth = 0
         self._summon = SummonLending(fsdp._summoning_state, self._lend)
         self._summoning_unit = fsdp._summoning_unit
-        self._init_reduction(params, reduced, _DDP_BUCKET_BYTES)
+        self._init_reduction(params, reduced, _DDP_BUCKET_BYTES, options)
         # Shown from the start: the core finds plain parameters where they are registered.
         for views in self._view_sets:
             views.show()

@@ -1,12 +1,16 @@
 """Packing: picking a mask plan's used elements out of a gradient row into a contiguous
 buffer, and writing reduced values back to their places.
 
-No collective here: the reducer (:mod:`flatview.comm.reduce`) and the masked all-gather
-(:mod:`flatview.comm.gather`) decide what travels; this module only moves elements
-between their places in a row and a packed buffer, one pass each way.
+No collective here: the reductions (:mod:`flatview.comm.sharded`,
+:mod:`flatview.comm.replicated`) and the masked all-gather (:mod:`flatview.comm.gather`)
+decide what travels; this module only moves elements between their places in a row and
+a packed buffer, one pass each way, with the index of each plan built once
+(:func:`plan_index`).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -120,3 +124,27 @@ def _copy_divided(out: torch.Tensor, source: torch.Tensor, divisor: float) -> No
         torch.div(source, divisor, out=out)
     else:
         out.copy_(source / divisor)
+
+
+INDEX_CACHE = 256
+"""Plans whose :class:`PlanIndex` is kept (the most recently used): skip sets vary per
+step (2**blocks patterns for stochastic depth), so only recent ones are worth keeping."""
+
+_indices: OrderedDict[tuple[int, torch.device], tuple[MaskPlan, PlanIndex]] = OrderedDict()
+
+
+def plan_index(plan: MaskPlan, device: torch.device) -> PlanIndex:
+    """The :class:`PlanIndex` of ``plan`` on ``device``, built once and cached: the
+    reductions and the masked all-gather of one step share it."""
+    key = (id(plan), device)
+    cached = _indices.get(key)
+    # The cache holds the plan, so an id found here is that plan's while it is cached;
+    # the identity check costs nothing and keeps that true should the key ever change.
+    if cached is None or cached[0] is not plan:
+        cached = (plan, PlanIndex(plan, device))
+        _indices[key] = cached
+        if len(_indices) > INDEX_CACHE:
+            _indices.popitem(last=False)
+    else:
+        _indices.move_to_end(key)
+    return cached[1]

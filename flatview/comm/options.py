@@ -1,0 +1,88 @@
+"""Tuning options of flatview's gradient reduction, fixed when a model is wrapped.
+
+:class:`ReduceOptions` gathers what the reduction objects (:mod:`flatview.comm.sharded`,
+:mod:`flatview.comm.replicated`) and the adapters that hold them may be told:
+``flatview.wrap(model, reduce_options=ReduceOptions(...))`` passes it on, through
+:func:`flatview.backends.detect`, to the adapter's constructor. The defaults are what
+the measurements quoted below chose; tests and benchmarks change them to force one path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Strategy(enum.Enum):
+    """Which collective reduces a bucket of packed gradients."""
+
+    AUTO = "auto"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+
+
+IN_PLACE_TOLERANCE = 0.05
+"""Default bytes overhead (unused elements over used ones) accepted for reducing a
+gradient whole, unpacked, instead of packing its used elements into a bucket; 0 allows
+it only for gradients that are all used (:attr:`ReduceOptions.in_place_tolerance`)."""
+
+IN_PLACE_MIN_NUMEL = 2**20
+"""Default smallest gradient (elements; 4 MiB in float32) reduced unpacked: smaller ones
+go to the bucket, where one collective serves many and copying them costs less than a
+collective each (:attr:`ReduceOptions.in_place_min_numel`). Measured with torch FSDP1
+``NO_SHARD`` per block on 2 CPU cores over gloo (``benchmarks/README.md``): with 1 MiB
+gradients neither way won (within 10%, either way by load), with 4 MiB the unpacked way
+took 0.69-0.78x the time, with 16 MiB 0.53-0.68x."""
+
+KEEP_BUFFER_BYTES = 2**25
+"""Largest bucket buffer (bytes) kept from one reduction to the next
+(:attr:`ReduceOptions.keep_buffer_bytes`). On CPU a fresh buffer of a few MiB often comes
+as new pages (glibc maps large allocations with ``mmap``), and faulting them in costs
+more than the copy into them: measured 2.9 ms for a fresh 6.8 MiB buffer, 0.8 ms for the
+copy. Larger buffers are made per reduction, so that memory a sharded model saves is not
+held between steps."""
+
+
+@dataclass(frozen=True)
+class ReduceOptions:
+    """How flatview reduces gradients; every field has the default of ``flatview.wrap``.
+
+    Attributes:
+        strategy: the collective for a bucket of partly skipped sharded gradients:
+            ``AUTO`` (even reduce-scatter unless its padding costs more than 5% over the
+            exact size, then an exact all-to-all), ``REDUCE_SCATTER`` or ``ALL_TO_ALL``
+            (a named all-to-all also keeps every gradient in the bucket). A string is
+            converted. ``wrap(reduce_strategy=)`` sets it too.
+        overlap: replicating wrappers (DDP, torch FSDP1 computed on views) only: start
+            each bucket's all-reduce as soon as the backward has produced its gradients
+            (``True``), or reduce everything at the end of the backward (``False``);
+            ``None``: overlap unless the model is on CPU. ``wrap(overlap_reduction=)``
+            sets it too; other wrappers refuse anything but ``None``.
+        in_place_tolerance: a gradient all of whose elements cost at most this much more
+            bytes than its used ones (and that is large enough, below) is reduced whole
+            and unpacked, by a collective started at once, instead of packed into a
+            bucket; ``None`` packs every gradient (see :data:`IN_PLACE_TOLERANCE`).
+        in_place_min_numel: the smallest gradient (elements) reduced whole and unpacked
+            (see :data:`IN_PLACE_MIN_NUMEL`); 0 lets gradients of any size.
+        keep_buffer_bytes: the largest bucket buffer kept from one reduction to the
+            next (see :data:`KEEP_BUFFER_BYTES`); 0 keeps none.
+    """
+
+    strategy: Strategy = Strategy.AUTO
+    overlap: bool | None = None
+    in_place_tolerance: float | None = IN_PLACE_TOLERANCE
+    in_place_min_numel: int = IN_PLACE_MIN_NUMEL
+    keep_buffer_bytes: int = KEEP_BUFFER_BYTES
+
+    def __post_init__(self) -> None:
+        # Frozen: the one conversion goes through object.__setattr__.
+        object.__setattr__(self, "strategy", Strategy(self.strategy))
+        if self.in_place_tolerance is not None and self.in_place_tolerance < 0:
+            raise ValueError(
+                f"in_place_tolerance must be >= 0 or None, got {self.in_place_tolerance}"
+            )
+        if self.in_place_min_numel < 0 or self.keep_buffer_bytes < 0:
+            raise ValueError(
+                f"in_place_min_numel and keep_buffer_bytes must be >= 0, got "
+                f"{self.in_place_min_numel} and {self.keep_buffer_bytes}"
+            )

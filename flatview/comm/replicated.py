@@ -1,0 +1,199 @@
+"""The replicated reduction: every rank holds the whole gradient, and flatview
+all-reduces what a step used.
+
+Three ways in, one result (the average or sum every rank gets back):
+
+* :meth:`ReplicatedReduction.add`: one flat gradient's used elements, packed into a
+  bucket buffer (one per dtype and device, kept between steps) and all-reduced with the
+  rest of the bucket (torch FSDP1 ``NO_SHARD`` through torch's runtime);
+* :meth:`ReplicatedReduction.all_reduce_in_place`: a gradient the in-place rule takes
+  (:mod:`flatview.comm.reduction`), all-reduced whole, asynchronously; its unused
+  elements travel too and get their values back afterwards;
+* :meth:`ReplicatedReduction.start_all_reduce_whole`: one bucket of whole plain
+  gradients cut in advance (:func:`flatview.comm.bucketing.plan_buckets`), concatenated
+  into a buffer and all-reduced asynchronously (DDP, torch FSDP1 computed on views).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from flatview.comm.ledger import Ledger
+from flatview.comm.options import ReduceOptions
+from flatview.comm.packing import plan_index
+from flatview.comm.reduction import Reduction, InPlace
+from flatview.layout import MaskPlan
+
+
+@dataclass
+class _Bucket:
+    """Gradients queued for one all-reduce: (offset, count, on_done) each, packed into
+    the reduction's buffer for their dtype and device."""
+
+    entries: list[tuple[int, int, Callable[[torch.Tensor], None]]] = field(default_factory=list)
+    numel: int = 0
+
+
+@dataclass
+class _Whole:
+    """A bucket of whole tensors whose all-reduce is still in flight."""
+
+    targets: list[torch.Tensor]
+    buffer: torch.Tensor
+    """Their values, concatenated: what the collective reduces."""
+    work: dist.Work
+
+
+class ReplicatedReduction(Reduction):
+    """All-reduces replicated gradients: packed used elements in buckets, whole
+    gradients in place, or whole buckets of plain gradients."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        ledger: Ledger,
+        options: ReduceOptions,
+        bucket_numel: int,
+    ) -> None:
+        super().__init__(group, rank, world_size, ledger, options, bucket_numel)
+        self._buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
+        self._whole: list[_Whole] = []
+        self._native_average: bool | None = None
+
+    @torch.no_grad()
+    def add(
+        self,
+        grad: torch.Tensor,
+        plan: MaskPlan,
+        on_done: Callable[[torch.Tensor], None],
+        predivide: float = 1.0,
+    ) -> None:
+        """Queue one replicated flat gradient for an all-reduce of its used elements.
+
+        ``plan`` is over an unsharded layout (world size 1). ``on_done`` later receives
+        the reduced used elements, packed in flat order (place them with
+        ``plan_index(plan, ...).place(target, values, 0)``); they live in a buffer the
+        reduction reuses, so ``on_done`` must copy what it keeps. They are divided by
+        ``predivide`` before the reduction, as torch FSDP does against overflow.
+
+        The used elements are copied now (divided on the way) straight into the
+        bucket's buffer, one per dtype and device: the caller's gradient may change
+        before the bucket is reduced (torch casts it right after its hook returns).
+        """
+        if plan.layout.world_size != 1:
+            raise ValueError(f"a replicated reduction needs an unsharded plan, got {plan.layout}")
+        index = plan_index(plan, grad.device)
+        count = plan.counts[0]
+        key = (grad.dtype, grad.device)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket()
+        offset = bucket.numel
+        buffer = self._buffer(key, grad, offset + count, offset)
+        index.pack(grad, buffer[offset : offset + count], 0, predivide)
+        bucket.entries.append((offset, count, on_done))
+        bucket.numel += count
+        self._queued(count)
+
+    def reduces_in_place(self, grad: torch.Tensor, plan: MaskPlan) -> bool:
+        """Whether the replicated ``grad`` should be all-reduced whole
+        (:meth:`all_reduce_in_place`) rather than queued: it is contiguous, holds at
+        least ``in_place_min_numel`` elements, and all of them cost at most
+        ``in_place_tolerance`` more bytes than its used ones."""
+        return self._reduces_whole(grad, plan.counts[0], plan.layout.shard_numel)
+
+    @torch.no_grad()
+    def all_reduce_in_place(
+        self,
+        grad: torch.Tensor,
+        plan: MaskPlan,
+        predivide: float = 1.0,
+        postdivide: float = 1.0,
+    ) -> None:
+        """Start an all-reduce of the whole replicated ``grad``, in place;
+        :meth:`~flatview.comm.reduction.Reduction.wait_in_flight` (or ``finish``) waits
+        for it.
+
+        Divided by ``predivide`` before and ``postdivide`` after, as torch FSDP's own
+        ``NO_SHARD`` reduction does. The elements ``plan`` does not use travel too but
+        get back the values they had before (a skipped parameter's gradient stays as it
+        was). The caller guarantees that nothing reads or writes ``grad`` until then,
+        except after ``wait_in_flight`` (a gradient about to be accumulated into).
+        """
+        if plan.layout.world_size != 1 or grad.numel() != plan.layout.shard_numel:
+            raise ValueError(f"all_reduce_in_place needs the whole gradient of {plan.layout}")
+        index = plan_index(plan, grad.device)
+        kept = [(start, grad[start:end].clone()) for start, end in index.unused(0)]
+        if predivide != 1.0:
+            grad.div_(predivide)
+        self.ledger.record("all_reduce", grad)
+        work = dist.all_reduce(grad, group=self.group, async_op=True)
+        assert work is not None
+        self._in_place.append(InPlace(grad, work, postdivide, kept))
+
+    @torch.no_grad()
+    def start_all_reduce_whole(
+        self, tensors: Sequence[torch.Tensor], predivide: float = 1.0, slot: int = 0
+    ) -> None:
+        """Start the all-reduce of one bucket of whole tensors (one dtype and device),
+        each divided by ``predivide`` first; ``wait_in_flight`` waits for it and copies
+        the results back into the tensors.
+
+        The tensors are copied now (one concatenation into the buffer of ``slot``, kept
+        between steps: buckets in flight together need different slots), so they may
+        change before ``wait_in_flight``; that then overwrites them, unless told to
+        discard. Nothing follows a plan: one copy in, one collective, one
+        ``_foreach_copy_`` out, whatever the number of tensors.
+        """
+        first = tensors[0]
+        numel = sum(t.numel() for t in tensors)
+        key = ("whole", slot, first.dtype, first.device)
+        buffer = self._buffer(key, first, numel, 0)[:numel]
+        torch.cat([t.reshape(-1) for t in tensors], out=buffer)
+        op = dist.ReduceOp.SUM
+        if predivide == self.world_size and self._averages_natively():
+            op = dist.ReduceOp.AVG  # divided inside the collective: one pass less over memory
+        elif predivide != 1.0:
+            buffer.div_(predivide)
+        self.ledger.record("all_reduce", buffer)
+        work = dist.all_reduce(buffer, op=op, group=self.group, async_op=True)
+        assert work is not None
+        self._whole.append(_Whole(list(tensors), buffer, work))
+
+    def _averages_natively(self) -> bool:
+        """Whether the group's backend has ``ReduceOp.AVG`` (NCCL; gloo has not)."""
+        if self._native_average is None:
+            self._native_average = dist.get_backend(self.group) == "nccl"
+        return self._native_average
+
+    # -------------------------------------------------------------- buckets
+
+    def _drop_queued(self) -> None:
+        self._buckets = {}
+
+    def _reduce_queued(self) -> None:
+        buckets, self._buckets = self._buckets, {}
+        for key, bucket in buckets.items():
+            used = self._buffers[key][: bucket.numel]
+            if bucket.numel:
+                self.ledger.record("all_reduce", used)
+                dist.all_reduce(used, group=self.group)
+            for offset, count, on_done in bucket.entries:
+                on_done(used[offset : offset + count])
+
+    def _wait_buckets(self, discard: bool) -> None:
+        whole, self._whole = self._whole, []
+        for bucket in whole:
+            bucket.work.wait()
+            if discard:
+                continue
+            sizes = [t.numel() for t in bucket.targets]
+            pieces = bucket.buffer.split(sizes)
+            views = [p.view(t.shape) for p, t in zip(pieces, bucket.targets, strict=True)]
+            torch._foreach_copy_(bucket.targets, views)

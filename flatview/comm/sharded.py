@@ -1,0 +1,233 @@
+"""The sharded reduction: only the used elements of an unsharded gradient travel, and
+each rank gets back its shard.
+
+For each flat parameter a :class:`~flatview.layout.MaskPlan` says which elements are
+used and which rank owns them. Gradients are *packed* (used elements only, in flat
+order, which is also destination-rank order), queued in a bucket across units, and
+reduced with one collective per bucket. Two collectives can do it:
+
+* ``reduce_scatter``: every rank's part is padded to the largest part, so when skipped
+  spans fall unevenly across shards it moves up to ``world_size`` times the used bytes;
+  but it is the collective that communication libraries optimise best.
+* ``all_to_all``: uneven splits move exactly the used bytes; each rank then sums the
+  ``world_size`` parts it received.
+
+:func:`choose_strategy` picks ``reduce_scatter`` unless its padding would cost more than
+:data:`PAD_TOLERANCE` over the exact size. The result handed back is a sharded gradient
+with zeros wherever nothing was used.
+
+A padded unsharded gradient that the in-place rule takes (:mod:`flatview.comm.reduction`)
+is reduce-scattered straight into the caller's shard instead
+(:meth:`ShardedReduction.reduce_scatter_in_place`); its unused elements come out zero,
+as from a bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flatview.comm._compat import reduce_scatter_single
+from flatview.comm.ledger import Ledger
+from flatview.comm.options import ReduceOptions, Strategy
+from flatview.comm.packing import PlanIndex, plan_index
+from flatview.comm.reduction import Reduction, InPlace
+from flatview.layout import MaskPlan
+
+PAD_TOLERANCE = 0.05
+"""Padding overhead of an even reduce-scatter accepted before the exact all-to-all wins."""
+
+
+def choose_strategy(counts: Sequence[int], requested: Strategy) -> Strategy:
+    """The collective for one bucket whose parts, per destination rank, are ``counts``."""
+    if requested is not Strategy.AUTO:
+        return requested
+    exact = sum(counts)
+    padded = max(counts, default=0) * len(counts)
+    return Strategy.REDUCE_SCATTER if padded <= exact * (1 + PAD_TOLERANCE) else Strategy.ALL_TO_ALL
+
+
+@dataclass
+class _Entry:
+    plan: MaskPlan
+    index: PlanIndex
+    parts: list[torch.Tensor]
+    """Per destination rank, the used elements it gets (views when all are used)."""
+    on_done: Callable[[torch.Tensor], None]
+    whole: torch.Tensor | None = None
+    """The caller's padded gradient as one contiguous tensor, when all of it is used:
+    a bucket holding only this entry reduce-scatters it directly, without a copy."""
+
+    @property
+    def numel(self) -> int:
+        return sum(part.numel() for part in self.parts)
+
+
+class ShardedReduction(Reduction):
+    """Packs, buckets and reduce-scatters (or all-to-alls) the unsharded gradients of
+    partly used flat parameters; a bucket is reduced once it holds ``bucket_numel``
+    elements, the rest at :meth:`finish`."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        ledger: Ledger,
+        options: ReduceOptions,
+        bucket_numel: int,
+    ) -> None:
+        super().__init__(group, rank, world_size, ledger, options, bucket_numel)
+        self._entries: list[_Entry] = []
+
+    @torch.no_grad()
+    def add(
+        self,
+        rows: Sequence[torch.Tensor],
+        plan: MaskPlan,
+        on_done: Callable[[torch.Tensor], None],
+        whole: torch.Tensor | None = None,
+    ) -> None:
+        """Queue one flat parameter's unsharded gradient, given as ``world_size`` rows of
+        ``shard_numel`` elements (row ``r`` is what rank ``r`` owns, padding included);
+        ``on_done`` later receives this rank's sharded gradient. ``whole`` may give the
+        same gradient as one contiguous padded tensor (the rows are then its views)."""
+        if len(rows) != self.world_size or plan.layout.world_size != self.world_size:
+            raise ValueError(
+                f"{len(rows)} rows and a plan for world size {plan.layout.world_size} given "
+                f"to a reduction of world size {self.world_size}"
+            )
+        index = plan_index(plan, rows[0].device)
+        if plan.all_used:
+            # Views, no copy. Holding them keeps the caller's gradient alive until the
+            # bucket is reduced, which the bucket size bounds since every element is
+            # used; wrappers drop their reference to the unsharded gradient once handed
+            # over.
+            parts = [index.pick(row, rank) for rank, row in enumerate(rows)]
+        else:
+            # Pack now, so that the (larger) unsharded gradient can be freed at once.
+            packed = torch.cat([index.pick(row, rank) for rank, row in enumerate(rows)])
+            parts = list(packed.split(list(plan.counts)))
+            whole = None
+        entry = _Entry(plan, index, parts, on_done, whole)
+        self._entries.append(entry)
+        self._queued(entry.numel)
+
+    def reduces_in_place(self, grad: torch.Tensor, plan: MaskPlan) -> bool:
+        """Whether the padded unsharded ``grad`` should be reduce-scattered whole
+        (:meth:`reduce_scatter_in_place`) rather than queued: it is contiguous, holds at
+        least ``in_place_min_numel`` elements, and all of them (padding included) cost at
+        most ``in_place_tolerance`` more bytes than its used ones. Never when the
+        all-to-all was asked for by name: the bucket path honours it."""
+        # (At world size 1 there is nothing to choose between.)
+        if plan.layout.world_size != 1 and self.options.strategy is Strategy.ALL_TO_ALL:
+            return False
+        return self._reduces_whole(grad, plan.total, plan.layout.padded_numel)
+
+    @torch.no_grad()
+    def reduce_scatter_in_place(
+        self,
+        whole: torch.Tensor,
+        output: torch.Tensor,
+        plan: MaskPlan,
+        postdivide: float = 1.0,
+    ) -> None:
+        """Start a reduce-scatter of one padded unsharded gradient ``whole`` (divided
+        already, if at all) straight into ``output``, this rank's shard;
+        :meth:`~flatview.comm.reduction.Reduction.wait_in_flight` (or ``finish``) waits
+        for it, divides by ``postdivide`` and zeroes the elements ``plan`` does not use.
+        The caller guarantees that nothing reads or writes ``whole`` or ``output`` until
+        then."""
+        layout = plan.layout
+        if whole.numel() != layout.padded_numel or output.numel() != layout.shard_numel:
+            raise ValueError(
+                f"reduce_scatter_in_place needs a padded gradient and a shard of {layout}"
+            )
+        index = plan_index(plan, whole.device)
+        self.ledger.record("reduce_scatter", whole)
+        work = reduce_scatter_single(output, whole, group=self.group, async_op=True)
+        assert work is not None
+        self._in_place.append(
+            InPlace(output, work, postdivide, [], index.unused(self.rank), whole)
+        )
+
+    # -------------------------------------------------------------- buckets
+
+    def _drop_queued(self) -> None:
+        self._entries = []
+
+    def _reduce_queued(self) -> None:
+        entries, self._entries = self._entries, []
+        if not entries:
+            return
+        world = self.world_size
+        counts = [sum(e.plan.counts[r] for e in entries) for r in range(world)]
+        if sum(counts) == 0:
+            mine = entries[0].parts[0].new_zeros(0)
+        elif choose_strategy(counts, self.options.strategy) is Strategy.REDUCE_SCATTER:
+            mine = self._reduce_scatter(entries, counts)
+        else:
+            mine = self._all_to_all(entries, counts)
+        offset = 0
+        for entry in entries:
+            count = entry.plan.counts[self.rank]
+            received = mine[offset : offset + count]
+            offset += count
+            if entry.index.runs[self.rank] == ((0, entry.plan.layout.shard_numel),):
+                # This rank's whole shard was used: what arrived is the shard.
+                entry.on_done(received)
+                continue
+            shard = received.new_zeros(entry.plan.layout.shard_numel)
+            entry.index.place(shard, received, self.rank)
+            entry.on_done(shard)
+
+    @staticmethod
+    def _parts(entries: list[_Entry], rank: int) -> list[torch.Tensor]:
+        return [entry.parts[rank] for entry in entries]
+
+    def _reduce_scatter(self, entries: list[_Entry], counts: list[int]) -> torch.Tensor:
+        width = max(counts)
+        whole = entries[0].whole
+        if (
+            len(entries) == 1
+            and whole is not None
+            and whole.numel() == width * self.world_size
+            # Gaps between segments (torch's alignment padding) would move used elements
+            # off the places the packed layout gives them: only rows whose used elements
+            # come first (a tail of padding at most) can be sent as they are.
+            and all(entries[0].index.used_is_prefix(rank) for rank in range(self.world_size))
+        ):
+            # One fully used gradient, already laid out as the collective wants it.
+            send = whole.view(self.world_size, width)
+        else:
+            like = entries[0].parts[0]
+            flat_send = self._buffer(
+                ("send", like.dtype, like.device), like, self.world_size * width, 0
+            )
+            send = flat_send[: self.world_size * width].view(self.world_size, width)
+            for rank in range(self.world_size):
+                torch.cat(self._parts(entries, rank), out=send[rank, : counts[rank]])
+                send[rank, counts[rank] :].zero_()
+        out = send.new_empty(width)
+        self.ledger.record("reduce_scatter", send)
+        reduce_scatter_single(out, send.view(-1), group=self.group)
+        return out[: counts[self.rank]]
+
+    def _all_to_all(self, entries: list[_Entry], counts: list[int]) -> torch.Tensor:
+        send = torch.cat(
+            [part for rank in range(self.world_size) for part in self._parts(entries, rank)]
+        )
+        mine = counts[self.rank]
+        recv = send.new_empty(mine * self.world_size)
+        self.ledger.record("all_to_all", send)
+        dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=[mine] * self.world_size,
+            input_split_sizes=counts,
+            group=self.group,
+        )
+        return recv.view(self.world_size, mine).sum(0)
