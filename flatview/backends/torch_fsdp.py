@@ -39,12 +39,6 @@ torch, which is why :class:`TorchFSDPAdapter` refuses untested versions):
 
 Everything this adapter changes is an instance attribute, a hook or a unit's
 communication hook, removed by :meth:`TorchFSDPAdapter.uninstall`.
-
-Wrapping runs torch's lazy initialisation (it would otherwise run at the first forward).
-Before that every unit's ``_is_root`` is ``None``; a unit that another FSDP was
-constructed around carries that constructor's ``_is_fsdp_managed_module`` mark in its
-own ``__dict__`` and is refused. One that an auto-wrap policy created is not marked:
-torch would take it for the root (``docs/limitations.md``).
 """
 
 from __future__ import annotations
@@ -59,9 +53,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import utils as dist_utils
 
-from flatview.backends._common import forward_in_summon, nested_unit_message
+from flatview.backends._common import nested_unit_message
 from flatview.backends.base import UnitSpec
 from flatview.backends.messages import undeclared_units
 from flatview.backends.torch_fsdp_checks import (
@@ -79,7 +72,7 @@ from flatview.backends.torch_fsdp_checks import (
 )
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
 from flatview.backends.torch_fsdp_skips import TorchSkipping
-from flatview.backends.torch_summon import SummonLending
+from flatview.backends.torch_summon import SummonLending, summonable
 from flatview.checkpoint import guard_torch_checkpoint
 from flatview.errors import StateError, WrapError
 from flatview.layout import MaskPlan
@@ -232,7 +225,8 @@ class TorchFSDPAdapter(TorchSkipping):
                     functools.partial(self._guard_skipped, index)
                 )
             )
-            self._patch(unit, "forward", self._summonable(unit, unit.forward))
+            device = self.device if unit is self.root else None
+            self._patch(unit, "forward", summonable(unit, unit.forward, self.summoning, device))
             self._patch_lending(unit, self._lending_methods(unit))
             handle = unit._handle
             if handle is not None:
@@ -256,23 +250,6 @@ class TorchFSDPAdapter(TorchSkipping):
         self._in_place_guarded.clear()
 
     # -------------------------------------------------------------- lifecycle
-
-    def _summonable(self, unit: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``unit.forward``, except inside ``summon_full_params`` of the unit, where its
-        submodules hold the full parameters and the wrapped module runs on them directly
-        (see :func:`~flatview.backends._common.forward_in_summon`)."""
-
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if unit.training_state is not self._summoning_unit:
-                return original(*args, **kwargs)
-            if unit is self.root and self.device.type != "cpu":
-                moved_args, moved_kwargs = dist_utils._to_kwargs(args, kwargs, self.device, False)
-                args = moved_args[0] if moved_args else ()
-                kwargs = moved_kwargs[0] if moved_kwargs else {}
-            return forward_in_summon(unit._fsdp_wrapped_module, *args, **kwargs)
-
-        return forward
 
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
         if self.units[unit_index][1].training_state is self._summoning_unit:

@@ -1,10 +1,17 @@
 """Which models flatview's torch FSDP1 adapter takes (FSDP1, not FSDP2), and what it
-refuses at wrap time: torch internals it touches
-that are missing (every attribute it reads, calls or replaces, checked before anything
-is patched, so that a torch that renamed one is refused with the attribute named instead
-of failing in the middle of a backward), units it cannot drive (hybrid sharding, CPU
+refuses at wrap time: torch internals it touches that are missing (every attribute it
+reads, calls or replaces, checked before anything is patched, so that a torch that
+renamed one is refused with the attribute named instead of failing in the middle of a
+backward), units it cannot drive (hybrid sharding, CPU
 offload, a communication hook of someone else's), flat parameters whose layout views
-cannot follow, and a model caught between a forward and its backward."""
+cannot follow, and a model caught between a forward and its backward.
+
+Wrapping runs torch's lazy initialisation (it would otherwise run at the first forward).
+Before that every unit's ``_is_root`` is ``None``; a unit that another FSDP was
+constructed around carries that constructor's ``_is_fsdp_managed_module`` mark in its
+own ``__dict__`` and is refused. One that an auto-wrap policy created is not marked:
+torch would take it for the root (``docs/limitations.md``).
+"""
 
 from __future__ import annotations
 

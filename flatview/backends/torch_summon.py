@@ -5,14 +5,21 @@ Summoning (``summon_full_params``, which is a static method, and the full and sh
 ``state_dict`` / ``load_state_dict`` hooks) unshards through ``handle.pre_unshard()``
 with ``handle._training_state == SUMMON_FULL_PARAMS`` before it touches any module
 attribute, and ends with ``handle.post_reshard()`` after the flat parameter is
-registered again: views step aside between the two."""
+registered again: views step aside between the two. A unit's forward inside a summoning
+runs the wrapped module on the summoned parameters (:func:`summonable`)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
+
+import torch
+from torch.distributed import utils as dist_utils
+
+from flatview.backends._common import forward_in_summon
 
 
 class SummonLending:
@@ -65,3 +72,28 @@ class SummonLending:
                     self._lent.close()
 
         return post_reshard
+
+
+def summonable(
+    unit: Any,
+    original: Callable[..., Any],
+    summoning: Callable[[Any], bool],
+    device: torch.device | None,
+) -> Callable[..., Any]:
+    """``unit.forward`` (``original``), except inside ``summon_full_params`` of the unit
+    (``summoning(unit)``), where its submodules hold the full parameters and the wrapped
+    module runs on them directly (see :func:`~flatview.backends._common.forward_in_summon`);
+    ``device``: the root's compute device, which inputs are moved to as torch's root
+    pre-forward does (``None`` for other units)."""
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not summoning(unit):
+            return original(*args, **kwargs)
+        if device is not None and device.type != "cpu":
+            moved_args, moved_kwargs = dist_utils._to_kwargs(args, kwargs, device, False)
+            args = moved_args[0] if moved_args else ()
+            kwargs = moved_kwargs[0] if moved_kwargs else {}
+        return forward_in_summon(unit._fsdp_wrapped_module, *args, **kwargs)
+
+    return forward
