@@ -1,5 +1,6 @@
 """Plumbing every adapter shares: hooks and instance-level patches that ``uninstall``
-removes, lending wrappers, and wrapper-free names."""
+removes, lending wrappers and the wrapper methods that lend, wrapper-free names, and the
+wrap-time check that the wrapper internals an adapter touches exist."""
 
 from __future__ import annotations
 
@@ -15,11 +16,47 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from flatview.errors import StateError
+from flatview.errors import StateError, WrapError
 from flatview.views import Owner
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
+
+
+LENDING_METHODS = ("state_dict", "load_state_dict", "_apply")
+"""Wrapper methods that run with the views stepped aside (they read or replace the flat
+parameters the wrapper registered), on every unit."""
+ROOT_LENDING_METHODS = ("clip_grad_norm_",)
+"""Lending methods of the root unit only. The FSDP wrappers' gradient clipping takes the
+norm over ``self.parameters()``: views there would be counted besides (torch) or instead
+of (fairscale: empty ones included, whose ``max()`` fails for ``norm_type=inf``) the flat
+parameters the wrapper manages."""
+
+
+def require_attrs(obj: object, names: Iterable[str], what: str, tested: str) -> None:
+    """Refuse to wrap unless ``obj`` has every attribute in ``names``: wrapper internals an
+    adapter reads, calls or replaces, checked before anything is patched so that a
+    wrapper version that renamed one fails here, not in the middle of a backward.
+
+    ``what`` names ``obj`` in the message, ``tested`` the versions the adapter was checked
+    against (and the one found)."""
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        raise WrapError(
+            f"{what} has no {', '.join(missing)}, which flatview relies on: this version "
+            f"is not one flatview supports (checked against {tested})"
+        )
+
+
+def require_autograd_internals(tested: str) -> None:
+    """The autograd internals every adapter uses: the running backward's id (a forward
+    inside a backward is a recomputation) and the end-of-backward callback queue."""
+    require_attrs(torch._C, ("_current_graph_task_id",), "torch._C", tested)
+    engine = torch.autograd.Variable
+    require_attrs(engine, ("_execution_engine",), "torch.autograd.Variable", tested)
+    require_attrs(
+        engine._execution_engine, ("queue_callback",), "autograd's execution engine", tested
+    )
 
 
 def join(*parts: str) -> str:
@@ -173,6 +210,11 @@ class AdapterBase:
     def _lend(self) -> contextlib.AbstractContextManager[None]:
         """Views step aside for one of the wrapper's own operations."""
         return self.core.lend()
+
+    def _patch_lending(self, unit: Any, methods: Iterable[str]) -> None:
+        """Shadow each of ``unit``'s ``methods`` with one that lends the views."""
+        for method in methods:
+            self._patch(unit, method, self._lending(getattr(unit, method)))
 
     def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
         """``method`` run with the views stepped aside (a wrapper operation)."""

@@ -24,6 +24,9 @@ How DDP is driven (public behaviour, checked against torch 2.13):
   ``_post_forward``); the forward hook sets it as DDP would have.
 * The reduction (buckets, overlap, the check for parameters no rank used) is shared
   with torch FSDP1 ``NO_SHARD`` computed on views: :mod:`flatview.backends.replicated`.
+
+What the adapter reads of DDP, its private attributes included, is checked at wrap time
+(:data:`_PRIVATES`): a torch that renamed one is refused with the attribute named.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import optional_class
+from flatview.backends._common import optional_class, require_attrs, require_autograd_internals
 from flatview.backends.base import PlainSpec, UnitSpec
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
 from flatview.comm.options import ReduceOptions
@@ -45,6 +48,24 @@ if TYPE_CHECKING:
 
 _WRAPPER = "module"
 """The attribute DDP keeps the user's module under (dropped from original names)."""
+
+TESTED = "torch 2.13.x"
+_PRIVATES = (
+    "module",
+    "process_group",
+    "bucket_bytes_cap",
+    "parameters_to_ignore",
+    "require_backward_grad_sync",
+    "require_forward_param_sync",
+    "will_sync_module_buffers",
+    "static_graph",
+    "mixed_precision",
+    "_comm_hooks",
+    "_use_python_reducer",
+    "_delay_all_reduce_params",
+)
+"""What the adapter reads or sets of a DDP model, checked at wrap time: the refusals
+below would pass silently on a torch that renamed what they read."""
 
 
 def _ddp_class() -> type[nn.Module] | None:
@@ -67,6 +88,7 @@ class DDPAdapter(ReplicatedAdapter):
     """Maps the flatview core onto one DDP model: one unit, every parameter plain."""
 
     backend = "ddp"
+    clean_name = staticmethod(clean_name)
 
     def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
         super().__init__()
@@ -80,7 +102,7 @@ class DDPAdapter(ReplicatedAdapter):
         self.device = first.device if first is not None else torch.device("cpu")
         element = first.element_size() if first is not None else 4
         self.bucket_numel = max(1, int(ddp.bucket_bytes_cap) // element)
-        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        ignored = set(ddp.parameters_to_ignore or ())
         # Per parameter (first name, in module order): reduced by flatview unless DDP
         # was told to ignore it (then, as with DDP, nobody reduces it).
         params: list[tuple[str, nn.Parameter]] = []
@@ -97,28 +119,31 @@ class DDPAdapter(ReplicatedAdapter):
 
     @staticmethod
     def _check_supported(ddp: Any) -> None:
-        if getattr(ddp, "static_graph", False):
+        found = f"{TESTED}; found torch {torch.__version__}"
+        require_autograd_internals(found)
+        require_attrs(ddp, _PRIVATES, "the DistributedDataParallel model", found)
+        if ddp.static_graph:
             raise WrapError(
                 "DDP was built with static_graph=True, which promises the same used "
                 "parameters every step; skip sets break that promise. Build DDP without "
                 "static_graph (flatview reduces the gradients itself)"
             )
-        if getattr(ddp, "_comm_hooks", None):
+        if ddp._comm_hooks:
             raise WrapError(
                 "DDP has a communication hook (register_comm_hook); flatview all-reduces "
                 "the gradients itself and would bypass it"
             )
-        if getattr(ddp, "mixed_precision", None) is not None:
+        if ddp.mixed_precision is not None:
             raise WrapError(
                 "DDP's mixed_precision is not supported by flatview; use torch.autocast "
                 "or cast the model instead"
             )
-        if getattr(ddp, "_use_python_reducer", False):
+        if ddp._use_python_reducer:
             raise WrapError(
                 "DDP uses its Python reducer (compiled autograd); flatview drives DDP's "
                 "C++ reducer only"
             )
-        if getattr(ddp, "_delay_all_reduce_params", None):
+        if ddp._delay_all_reduce_params:
             raise WrapError(
                 "DDP delays the all-reduce of some parameters to the end of the backward "
                 "(device mesh / delay_all_reduce_named_params); flatview does not support that"
@@ -129,10 +154,6 @@ class DDPAdapter(ReplicatedAdapter):
                     f"module {name!r} produces sparse gradients (sparse=True); flatview "
                     "all-reduces dense gradients only"
                 )
-
-    @staticmethod
-    def clean_name(name: str) -> str:
-        return clean_name(name)
 
     def describe(self) -> list[UnitSpec]:
         plain = tuple(

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from flatview.backends._common import (
-    AdapterBase,
+    LENDING_METHODS,
+    ROOT_LENDING_METHODS,
     forward_in_summon,
     join,
     nested_unit_message,
@@ -43,11 +44,19 @@ from flatview.backends._common import (
     owners_and_names,
     without_segments,
 )
+from flatview.backends._fsdp1_shared import UnitAdapter
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
+from flatview.backends.fairscale_checks import (
+    LOCAL_LENDING_METHODS,
+    check_privates,
+    check_version,
+)
+from flatview.backends.fairscale_gather import MaskedGatherDist
+from flatview.backends.messages import undeclared_units
 from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.comm.options import ReduceOptions
 from flatview.comm.sharded import ShardedReduction
-from flatview.errors import StateError, UndeclaredUnusedError, WrapError
+from flatview.errors import StateError, WrapError
 from flatview.layout import FlatLayout, MaskPlan
 from flatview.views import Owner
 
@@ -55,17 +64,8 @@ if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
-_LENDING_METHODS = (
-    "state_dict",
-    "local_state_dict",
-    "load_state_dict",
-    "load_local_state_dict",
-    "_apply",
-)
-# Views stepped aside for the root's gradient clipping too: it takes the norm over
-# `self.parameters()`, which would otherwise be the views (empty ones included, whose
-# max() fails for norm_type=inf) instead of the flat parameters fairscale manages.
-_ROOT_LENDING_METHODS = ("clip_grad_norm_",)
+_LENDING_METHODS = LENDING_METHODS + LOCAL_LENDING_METHODS
+_ROOT_LENDING_METHODS = ROOT_LENDING_METHODS
 
 
 def _fsdp_class() -> type[nn.Module] | None:
@@ -82,10 +82,11 @@ def clean_name(name: str) -> str:
     return without_segments(name, _WRAPPER_SEGMENTS)
 
 
-class FairscaleAdapter(AdapterBase):
+class FairscaleAdapter(UnitAdapter):
     """Maps the flatview core onto one fairscale FSDP model (root and nested units)."""
 
     backend = "fairscale"
+    clean_name = staticmethod(clean_name)
     reduction: ShardedReduction
     """Where every gradient fairscale would reduce goes (:class:`_ReducerShim`); made
     at :meth:`install`, with the runtime's ledger."""
@@ -93,22 +94,11 @@ class FairscaleAdapter(AdapterBase):
     def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
         super().__init__()
         self.options = options if options is not None else ReduceOptions()
-        import fairscale
-
-        version = tuple(int(x) for x in fairscale.__version__.split(".")[:2])
-        if version != (0, 4):
-            raise WrapError(
-                f"flatview's fairscale backend is tested with fairscale 0.4.x, found "
-                f"{fairscale.__version__}"
-            )
+        version = check_version()
         from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 
         fsdp = _fsdp_class()
         assert fsdp is not None
-        self._idle = TrainingState.IDLE
-        self._pre = TrainingState.BACKWARD_PRE
-        self._post = TrainingState.BACKWARD_POST
-        self._summoning = TrainingState.SUMMON_FULL_PARAMS
         # fairscale is untyped: its attributes are reached through ``Any``.
         root: Any = model
         self.root = root
@@ -116,23 +106,19 @@ class FairscaleAdapter(AdapterBase):
         # other trace of nesting on a unit: the root's lazy initialisation marks the
         # others False, which the first forward checks (_pre_forward).
         self._fsdp = fsdp
-        if root._is_root is False:
-            raise WrapError(nested_unit_message(root, fsdp, clean_name))
-        self.units: list[tuple[str, Any]] = [
+        units: list[tuple[str, Any]] = [
             (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
         ]
-        for name, unit in self.units:
-            if unit.training_state is not TrainingState.IDLE:
-                raise StateError(
-                    f"FSDP unit {name or '<root>'!r} is in state {unit.training_state.name}; "
-                    "wrap the model between iterations"
-                )
-            if unit.process_group is not root.process_group:
-                raise WrapError(
-                    f"FSDP unit {name or '<root>'!r} uses its own process group; flatview "
-                    "needs all units on the root's group"
-                )
-        if getattr(root, "_output_pre_backward_hook_registered", None):
+        check_privates(root, units, TrainingState, version)
+        self._idle = TrainingState.IDLE
+        self._pre = TrainingState.BACKWARD_PRE
+        self._post = TrainingState.BACKWARD_POST
+        self._summoning = TrainingState.SUMMON_FULL_PARAMS
+        if root._is_root is False:
+            raise WrapError(nested_unit_message(root, fsdp, clean_name))
+        self.units = units
+        self._check_units(TrainingState.IDLE)
+        if root._output_pre_backward_hook_registered:
             # fairscale hooked the outputs of a forward for its backward, which would then
             # run without flatview and without the views learning its gradients.
             raise WrapError(
@@ -152,10 +138,6 @@ class FairscaleAdapter(AdapterBase):
         self._plain_plans: dict[int, MaskPlan] = {}
         # Per unit, the masks of the masked gather its unsharded buffer holds, if any.
         self._gathered: dict[int, tuple[tuple[int, tuple[bool, ...]], ...]] = {}
-
-    @staticmethod
-    def clean_name(name: str) -> str:
-        return clean_name(name)
 
     # --------------------------------------------------------------- describe
 
@@ -336,7 +318,7 @@ class FairscaleAdapter(AdapterBase):
                 return original(force_full_precision)
             self._gathered[id(unit)] = wanted
             real = module.dist
-            module.dist = _MaskedGatherDist(real, self.core, plans)
+            module.dist = MaskedGatherDist(real, self.core, plans)
             try:
                 return original(force_full_precision)
             finally:
@@ -360,54 +342,48 @@ class FairscaleAdapter(AdapterBase):
     def _finishing(self, original: Callable[[], None]) -> Callable[[], None]:
         def wait_for_post_backward() -> None:
             self.core.check_backward_binding()
-            undeclared = self._settle_units_without_backward()
+            # Units that took no part in the backward are brought to the state fairscale's
+            # final callback expects, like skipped ones.
+            with torch.no_grad():
+                undeclared = self._units_without_backward(
+                    bool(self.root._require_backward_grad_sync)
+                )
             self._keep_cpu_grads_of_unreduced()
             # Raised only once fairscale has finished the backward (reductions flushed,
             # gradients finalised, states reset), so that the next iteration is sound.
             original()
             self.core.end_backward(synced=bool(self.root._require_backward_grad_sync))
             if undeclared:
-                raise UndeclaredUnusedError(
-                    f"FSDP unit(s) {', '.join(repr(n) for n in undeclared)} took no part in "
-                    "this backward pass, but their parameters are not all declared skipped. "
-                    "Pass the layers a step does not use to FlatView.step(skip=...)."
-                )
+                raise undeclared_units(undeclared)
 
         return wait_for_post_backward
 
-    @torch.no_grad()
-    def _settle_units_without_backward(self) -> list[str]:
-        """Bring units that took no part in this backward to the state fairscale's
-        final callback expects; return the names of those not declared skipped (the
-        caller raises once fairscale has finished, settling them like skipped ones)."""
-        synced = bool(self.root._require_backward_grad_sync)
-        undeclared: list[str] = []
-        for index, (name, unit) in enumerate(self.units):
-            trainable = [p for p in unit.params if p.requires_grad]
-            self._reshard_unreached(unit, trainable, synced)
-            if not trainable or unit.training_state is self._post:
-                continue
-            if not self.core.unit_skipped(index):
-                undeclared.append(name or "<root>")
-            for p in unit.params:
-                unit._init_param_attributes(p)
-            # Gradients accumulated under no_sync() in earlier micro-batches still need
-            # their reduction, which the unit's own hook would have started.
-            pending = [
-                p
-                for p in trainable
-                if synced
-                and p._is_sharded
-                and p.grad is not None
-                and p.grad.shape == p._orig_size
-                and self.core.flat_used_so_far(p)
-            ]
-            if pending:
-                unit.training_state = self._pre
-                for p in pending:
-                    unit._post_backward_hook(p)
-            unit.training_state = self._post
-        return undeclared
+    def _took_part(self, unit: Any, synced: bool) -> bool:
+        trainable = [p for p in unit.params if p.requires_grad]
+        # Every unit, whether it took part or not: parameters no gradient reached.
+        self._reshard_unreached(unit, trainable, synced)
+        return not trainable or unit.training_state is self._post
+
+    def _settle_unit(self, unit: Any, synced: bool) -> None:
+        for p in unit.params:
+            unit._init_param_attributes(p)
+        # Gradients accumulated under no_sync() in earlier micro-batches still need
+        # their reduction, which the unit's own hook would have started.
+        pending = [
+            p
+            for p in unit.params
+            if p.requires_grad
+            and synced
+            and p._is_sharded
+            and p.grad is not None
+            and p.grad.shape == p._orig_size
+            and self.core.flat_used_so_far(p)
+        ]
+        if pending:
+            unit.training_state = self._pre
+            for p in pending:
+                unit._post_backward_hook(p)
+        unit.training_state = self._post
 
     @torch.no_grad()
     def _keep_cpu_grads_of_unreduced(self) -> None:
@@ -460,43 +436,6 @@ class FairscaleAdapter(AdapterBase):
             layout = FlatLayout.packed([(param._orig_size.numel(),)], self.world_size)  # type: ignore[attr-defined]
             plan = self._plain_plans[id(param)] = MaskPlan.build(layout, (True,))
         return plan
-
-
-class _MaskedGatherDist:
-    """``torch.distributed`` as fairscale's ``_rebuild_full_params`` sees it while some
-    of the unit's flat parameters are partly skipped: their gathers are masked, every
-    other call passes through."""
-
-    def __init__(self, real: Any, core: Runtime, plans: dict[int, tuple[Any, MaskPlan]]):
-        self._real = real
-        self._core = core
-        self._plans = plans
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def _plan_for(self, source: torch.Tensor) -> MaskPlan | None:
-        # The gather's input is the flat parameter's current data (its fp32 or fp16
-        # shard); anything else (e.g. a copy moved to another device) goes unmasked.
-        for flat, plan in self._plans.values():
-            if flat.data.data_ptr() == source.data_ptr():
-                return plan
-        return None
-
-    def _all_gather_base(self, output: torch.Tensor, source: torch.Tensor, **kw: Any) -> Any:
-        plan = self._plan_for(source)
-        if plan is None:
-            return self._real._all_gather_base(output, source, **kw)
-        world = plan.layout.world_size
-        self._core.gather_masked(list(output.view(world, -1).unbind(0)), source, plan)
-        return None
-
-    def all_gather(self, chunks: list[torch.Tensor], source: torch.Tensor, **kw: Any) -> Any:
-        plan = self._plan_for(source)
-        if plan is None:
-            return self._real.all_gather(chunks, source, **kw)
-        self._core.gather_masked(chunks, source, plan)
-        return None
 
 
 class _ReducerShim:

@@ -47,22 +47,21 @@ import torch
 from torch import nn
 from torch.distributed.utils import _to_kwargs
 
-from flatview.backends._common import forward_in_summon
+from flatview.backends._common import LENDING_METHODS, forward_in_summon
 from flatview.backends.base import PlainSpec, UnitSpec
+from flatview.backends.messages import double_count
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
-from flatview.backends.torch_fsdp import SummonLending, TorchFSDPAdapter, clean_name
+from flatview.backends.torch_fsdp import TorchFSDPAdapter, clean_name
 from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.comm.options import ReduceOptions
-from flatview.errors import DoubleCountError, OptimStateError
-from flatview.views import Owner, ViewSet
+from flatview.errors import OptimStateError
+from flatview.views import Owner, Placement, ViewSet
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
 _DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's default ``bucket_cap_mb``: the bucket size of the all-reduces."""
-
-_LENDING_METHODS = ("state_dict", "load_state_dict", "_apply")
 
 
 def ineligibility(fsdp: TorchFSDPAdapter) -> str | None:
@@ -90,6 +89,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
     bypassing torch's unit runtime (see the module docstring)."""
 
     backend = "torch"
+    clean_name = staticmethod(clean_name)
 
     def __init__(self, fsdp: TorchFSDPAdapter, options: ReduceOptions | None = None) -> None:
         super().__init__()
@@ -151,17 +151,12 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         first = params[0][1] if params else None
         element = first.element_size() if first is not None else 4
         self.bucket_numel = _DDP_BUCKET_BYTES // element
-        self._lent_depth = 0
-        self._summon = SummonLending(fsdp._summoning_state, self._lend)
-        self._summoning_unit = fsdp._summoning_unit
+        self._summon = fsdp.summon_lending(self._lend)
+        self._summoning = fsdp.summoning
         self._init_reduction(params, reduced, _DDP_BUCKET_BYTES, options)
         # Shown from the start: the core finds plain parameters where they are registered.
         for views in self._view_sets:
             views.show()
-
-    @staticmethod
-    def clean_name(name: str) -> str:
-        return clean_name(name)
 
     def describe(self) -> list[UnitSpec]:
         return self._specs
@@ -176,8 +171,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         for index, (_, unit) in enumerate(self.units):
             forward = self._root_forward if unit is self.root else self._unit_forward(index)
             self._patch(unit, "forward", forward)
-            for method in _LENDING_METHODS:
-                self._patch(unit, method, self._lending(getattr(unit, method)))
+            self._patch_lending(unit, LENDING_METHODS)
             handle = unit._handle
             if handle is not None:
                 self._summon.patch(handle, self._patch)
@@ -206,7 +200,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         wrapped = self.root._fsdp_wrapped_module
         if in_backward():
             return wrapped(*args, **kwargs)  # a recomputation (checkpointing)
-        if self.root.training_state is self._summoning_unit:
+        if self._summoning(self.root):
             return forward_in_summon(wrapped, *args, **kwargs)
         self._write_back()
         self._begin_forward(bool(self.root._sync_gradients))
@@ -222,7 +216,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         wrapped = self.units[index][1]._fsdp_wrapped_module
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self.units[index][1].training_state is self._summoning_unit:
+            if self._summoning(self.units[index][1]):
                 return forward_in_summon(wrapped, *args, **kwargs)
             self.core.check_not_lent()
             if not in_backward():
@@ -236,27 +230,24 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
     @contextlib.contextmanager
     def _lend(self) -> Iterator[None]:
         """Views step aside (flat parameters registered again) for one of torch's own
-        operations; nested calls (``state_dict`` recurses into the units) lend once."""
+        operations, inside the runtime's lending. The views are this adapter's, not the
+        runtime's: the outermost of nested calls (``state_dict`` recurses into the units)
+        finds them shown, hides them and shows them again; inner ones find them hidden."""
         with self.core.lend():
-            self._lent_depth += 1
-            if self._lent_depth == 1:
-                try:
-                    self._write_back()
-                except BaseException:
-                    self._lent_depth -= 1
-                    raise
-                for views in self._view_sets:
-                    views.hide()
+            if not any(views.placement is Placement.VIEWS for views in self._view_sets):
+                yield
+                return
+            self._write_back()
+            for views in self._view_sets:
+                views.hide()
             try:
                 yield
             finally:
-                self._lent_depth -= 1
-                if self._lent_depth == 0:
-                    for views in self._view_sets:
-                        # .to() may have moved the storage. Replicated, the flat parameter
-                        # is its own local shard, and its data is what torch reads.
-                        views.rebind(views.flat.data)
-                        views.show()
+                for views in self._view_sets:
+                    # .to() may have moved the storage. Replicated, the flat parameter
+                    # is its own local shard, and its data is what torch reads.
+                    views.rebind(views.flat.data)
+                    views.show()
 
     # ------------------------------------------------------------- optimizers
 
@@ -271,12 +262,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
             unit, _ = self._flats[flat]
             name = type(optimizer).__name__
             if any(id(leaf) in held for leaf in leaves):
-                raise DoubleCountError(
-                    f"optimizer {name} holds the flat parameter of unit {unit!r} and views "
-                    "that live inside it: it would update those elements twice. Build "
-                    "optimizers from views (submodule.parameters() or "
-                    "FlatView.parameters())."
-                )
+                raise double_count(name, unit)
             raise OptimStateError(
                 f"optimizer {name} holds the flat parameter of FSDP unit {unit!r}, which gets "
                 "no gradient: with every unit NO_SHARD the model computes on flatview's views "

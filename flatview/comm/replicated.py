@@ -25,7 +25,7 @@ import torch.distributed as dist
 from flatview.comm.ledger import Ledger
 from flatview.comm.options import ReduceOptions
 from flatview.comm.packing import plan_index
-from flatview.comm.reduction import Reduction, InPlace
+from flatview.comm.reduction import InPlace, Reduction
 from flatview.layout import MaskPlan
 
 

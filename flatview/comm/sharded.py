@@ -34,7 +34,7 @@ from flatview.comm._compat import reduce_scatter_single
 from flatview.comm.ledger import Ledger
 from flatview.comm.options import ReduceOptions, Strategy
 from flatview.comm.packing import PlanIndex, plan_index
-from flatview.comm.reduction import Reduction, InPlace
+from flatview.comm.reduction import InPlace, Reduction
 from flatview.layout import MaskPlan
 
 PAD_TOLERANCE = 0.05
@@ -150,9 +150,7 @@ class ShardedReduction(Reduction):
         self.ledger.record("reduce_scatter", whole)
         work = reduce_scatter_single(output, whole, group=self.group, async_op=True)
         assert work is not None
-        self._in_place.append(
-            InPlace(output, work, postdivide, [], index.unused(self.rank), whole)
-        )
+        self._in_place.append(InPlace(output, work, postdivide, [], index.unused(self.rank), whole))
 
     # -------------------------------------------------------------- buckets
 

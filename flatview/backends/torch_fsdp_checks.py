@@ -1,0 +1,247 @@
+"""Which models flatview's torch FSDP1 adapter takes (FSDP1, not FSDP2), and what it
+refuses at wrap time: torch internals it touches that are missing (every attribute it
+reads, calls or replaces, checked before anything is patched, so that a torch that
+renamed one is refused with the attribute named instead of failing in the middle of a
+backward), units it cannot drive (hybrid sharding, CPU
+offload, a communication hook of someone else's), flat parameters whose layout views
+cannot follow, and a model caught between a forward and its backward.
+
+Wrapping runs torch's lazy initialisation (it would otherwise run at the first forward).
+Before that every unit's ``_is_root`` is ``None``; a unit that another FSDP was
+constructed around carries that constructor's ``_is_fsdp_managed_module`` mark in its
+own ``__dict__`` and is refused. One that an auto-wrap policy created is not marked:
+torch would take it for the root (``docs/limitations.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import utils as dist_utils
+
+from flatview.backends._common import optional_class, require_attrs, require_autograd_internals
+from flatview.errors import WrapError
+from flatview.registry import check_not_wrapped
+
+FSDP2_MESSAGE = (
+    "flatview.wrap was given a model sharded with FSDP2 (torch.distributed.fsdp.fully_shard). "
+    "FSDP2 keeps every original parameter as its own sharded DTensor and has no flat "
+    "parameters, so there is nothing for flatview to give back: build optimizers from "
+    "submodule.parameters() directly. FSDP2 already reduce-scatters only the parameters "
+    "that received a gradient."
+)
+
+
+def fsdp_class() -> type[nn.Module] | None:
+    if not dist.is_available():
+        return None
+    return optional_class("torch.distributed.fsdp", "FullyShardedDataParallel")
+
+
+def is_torch_fsdp(model: object) -> bool:
+    """Whether ``model`` is a torch FSDP1 ``FullyShardedDataParallel`` module."""
+    cls = fsdp_class()
+    return cls is not None and isinstance(model, cls)
+
+
+def is_fsdp2(model: object) -> bool:
+    """Whether ``model`` or one of its submodules was sharded with FSDP2 ``fully_shard``."""
+    if not isinstance(model, nn.Module) or not dist.is_available():
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def torch_version() -> tuple[int, int]:
+    """``(major, minor)`` of the running torch."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+_UNIT_PRIVATES = (
+    "_is_root",
+    "training_state",
+    "sharding_strategy",
+    "process_group",
+    "cpu_offload",
+    "mixed_precision",
+    "_comm_hook",
+    "_comm_hook_state",
+    "_handle",
+    "_fsdp_wrapped_module",
+    "_gradient_predivide_factor",
+    "_gradient_postdivide_factor",
+    "register_forward_pre_hook",
+    "forward",
+    "state_dict",
+    "load_state_dict",
+    "_apply",
+)
+_ROOT_PRIVATES = (
+    "_exec_order_data",
+    "_sync_gradients",
+    "check_is_root",
+    "register_comm_hook",
+    "clip_grad_norm_",
+    "compute_device",
+    "rank",
+    "world_size",
+)
+_RUNTIME_PRIVATES = (
+    "_post_backward_hook",
+    "_reshard",
+    "_should_free_in_backward",
+    "_catch_all_reshard",
+)
+_UNIT_STATES = ("IDLE", "FORWARD_BACKWARD", "SUMMON_FULL_PARAMS")
+_HANDLE_STATES = ("IDLE", "BACKWARD_PRE", "BACKWARD_POST", "SUMMON_FULL_PARAMS")
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_HANDLE_PRIVATES = (
+    "flat_param",
+    "_training_state",
+    "_use_orig_params",
+    "uses_sharded_strategy",
+    "needs_unshard",
+    "pre_unshard",
+    "post_reshard",
+    "prepare_gradient_for_backward",
+    "_needs_pre_backward_unshard",
+    "_has_optim_in_backward",
+    "_keep_low_precision_grads",
+    "_pre_forward_order_index",
+    "_post_forward_index",
+    "_prefetched",
+)
+FLAT_PRIVATES = (
+    "_param_infos",
+    "_shared_param_infos",
+    "_shapes",
+    "_contiguities",
+    "_numels_with_padding",
+    "_is_padding_mask",
+    "_unpadded_unsharded_size",
+    "_local_shard",
+    "_params",
+    "_shared_params",
+    "_fqns",
+    "_is_grad_none_mask",
+    "_post_backward_called",
+    "_param_extensions",
+)
+"""What the adapter reads of a ``FlatParameter`` (set by lazy initialisation)."""
+_ORDER_PRIVATES = (
+    "next_iter",
+    "get_handle_to_forward_prefetch",
+    "get_handle_to_backward_prefetch",
+    "handles_pre_forward_order",
+    "handles_post_forward_order",
+    "_forward_prefetch_limit",
+    "_backward_prefetch_limit",
+)
+
+
+def check_privates(root: Any, units: list[tuple[str, Any]], tested: str) -> None:
+    """The torch internals the adapter touches that exist before lazy initialisation:
+    the autograd and FSDP runtime functions, the state enums, every unit's attributes.
+    ``tested``: the versions checked against and the one found, for the message."""
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import _runtime_utils as runtime
+    from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
+
+    require_autograd_internals(tested)
+    require_attrs(dist_utils, ("_to_kwargs",), "torch.distributed.utils", tested)
+    require_attrs(runtime, _RUNTIME_PRIVATES, "torch.distributed.fsdp._runtime_utils", tested)
+    require_attrs(TrainingState, _UNIT_STATES, "torch FSDP's TrainingState", tested)
+    require_attrs(HandleTrainingState, _HANDLE_STATES, "torch FSDP's HandleTrainingState", tested)
+    require_attrs(ShardingStrategy, _STRATEGIES, "torch FSDP's ShardingStrategy", tested)
+    require_attrs(root, _ROOT_PRIVATES, "the root FSDP unit", tested)
+    for name, unit in units:
+        require_attrs(unit, _UNIT_PRIVATES, f"FSDP unit {name or '<root>'!r}", tested)
+
+
+def check_initialised(root: Any, units: list[tuple[str, Any]], tested: str) -> None:
+    """The torch internals that lazy initialisation creates: every unit's handle and
+    flat parameter, and the execution-order record."""
+    require_attrs(root._exec_order_data, _ORDER_PRIVATES, "torch FSDP's _exec_order_data", tested)
+    for name, unit in units:
+        handle = unit._handle
+        if handle is None:
+            continue
+        what = f"FSDP unit {name or '<root>'!r}"
+        require_attrs(handle, _HANDLE_PRIVATES, f"the FlatParamHandle of {what}", tested)
+        require_attrs(handle.flat_param, FLAT_PRIVATES, f"the flat parameter of {what}", tested)
+
+
+def refuse_hybrid(label: str, unit: Any) -> None:
+    """Hybrid sharding reduces over two process groups: torch's communication hooks,
+    through which flatview reduces, cover one."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    hybrid = {ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2}
+    # torch turns a hybrid strategy whose shard group has one rank into NO_SHARD
+    # but keeps the replica group; either way two groups would need reducing.
+    if unit.sharding_strategy in hybrid or hasattr(unit, "_inter_node_pg"):
+        raise WrapError(
+            f"FSDP unit {label!r} uses hybrid sharding; flatview's torch "
+            "backend supports FULL_SHARD, SHARD_GRAD_OP and NO_SHARD (hybrid sharding "
+            "reduces over two process groups, which torch's communication hooks "
+            "do not cover)"
+        )
+
+
+def refuse_unit(label: str, unit: Any) -> None:
+    """A unit that offloads parameters, that flatview wrapped already, or that has a
+    communication hook of its own."""
+    if unit.cpu_offload.offload_params:
+        raise WrapError(
+            f"FSDP unit {label!r} offloads parameters to CPU (CPUOffload("
+            "offload_params=True)); flatview's torch backend does not support that"
+        )
+    # flatview's own hook means flatview wrapped it already: say that instead.
+    check_not_wrapped([unit])
+    if unit._comm_hook is not None:
+        raise WrapError(
+            f"FSDP unit {label!r} already has a communication hook; flatview reduces "
+            "gradients through its own hook and cannot combine with another"
+        )
+
+
+def check_no_pending_backward(units: list[tuple[str, Any]]) -> None:
+    """Refuse to wrap between a forward and its backward: torch registered that
+    forward's backward hooks for a model without flatview (and without views),
+    whose gradients flatview would then never see. torch marks each unit whose
+    forward registered pre-backward hooks until its backward (or the end of the
+    backward) runs."""
+    for name, unit in units:
+        handle = unit._handle
+        if handle is not None and handle._needs_pre_backward_unshard:
+            raise WrapError(
+                f"flatview.wrap was called between a forward and its backward (FSDP unit "
+                f"{name or '<root>'!r} waits for the backward of a forward that ran with "
+                "autograd on); wrap the model between iterations: after the backward, or "
+                "before the forward (run evaluation passes under torch.no_grad())"
+            )
+
+
+def check_flat(unit_name: str, handle: Any) -> None:
+    """Refuse a flat parameter whose layout the views cannot follow."""
+    flat = handle.flat_param
+    label = unit_name or "<root>"
+    if not handle._use_orig_params and not all(flat._contiguities):
+        names = [fqn for fqn, c in zip(flat._fqns, flat._contiguities, strict=True) if not c]
+        raise WrapError(
+            f"FSDP unit {label!r} flattened non-contiguous parameters ({', '.join(names)}); "
+            "flatview's views assume a contiguous layout: make them contiguous before "
+            "wrapping in FSDP"
+        )
+    if any(ext is not None for ext in flat._param_extensions):
+        raise WrapError(
+            f"FSDP unit {label!r} uses FSDP extensions (tensor parallelism); flatview's "
+            "torch backend does not support them"
+        )
