@@ -29,7 +29,7 @@ class Guarded(Protocol):
     @property
     def core(self) -> Runtime: ...
 
-    def _patch(self, owner: object, name: str, replacement: Callable[..., Any]) -> None: ...
+    def patch(self, owner: object, name: str, replacement: Callable[..., Any]) -> None: ...
 
 
 def guard_torch_checkpoint(adapter: Guarded) -> None:
@@ -53,7 +53,7 @@ def guard_torch_checkpoint(adapter: Guarded) -> None:
         found = previous() if callable(previous) else {}
         return dict(found)
 
-    adapter._patch(root, "_fqn_modifiers", _fqn_modifiers)
+    adapter.patch(root, "_fqn_modifiers", _fqn_modifiers)
 
 
 def _torch_entry_points() -> dict[Any, str]:

@@ -162,7 +162,7 @@ def _parent_of(module: nn.Module) -> tuple[nn.Module, str] | None:
 
 class AdapterBase:
     """What both adapters do the same way. Everything they attach goes through
-    :meth:`_patch` (an instance attribute shadowing a method of one object, never a
+    :meth:`patch` (an instance attribute shadowing a method of one object, never a
     class) or :meth:`_hook`, so that :meth:`uninstall` can take it all back."""
 
     root: Any
@@ -179,7 +179,9 @@ class AdapterBase:
         assert self._core is not None, "adapter used before install()"
         return self._core
 
-    def _patch(self, owner: object, name: str, replacement: Callable[..., Any]) -> None:
+    def patch(self, owner: object, name: str, replacement: Callable[..., Any]) -> None:
+        """Set ``owner.name`` to ``replacement`` (an instance attribute on the wrapper's
+        object) until :meth:`uninstall`, which deletes it again."""
         object.__setattr__(owner, name, replacement)
         self._patched.append((owner, name))
 
@@ -214,7 +216,7 @@ class AdapterBase:
     def _patch_lending(self, unit: Any, methods: Iterable[str]) -> None:
         """Shadow each of ``unit``'s ``methods`` with one that lends the views."""
         for method in methods:
-            self._patch(unit, method, self._lending(getattr(unit, method)))
+            self.patch(unit, method, self._lending(getattr(unit, method)))
 
     def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
         """``method`` run with the views stepped aside (a wrapper operation)."""

@@ -175,7 +175,7 @@ class DDPAdapter(ReplicatedAdapter):
         self._hook(self.root.register_forward_pre_hook(self._pre_forward))
         # always_call: a forward that raises an Exception ends its iteration here.
         self._hook(self.root.register_forward_hook(self._after_forward, always_call=True))
-        self._patch(self.root, "forward", self._quiet_forward(self.root.forward))
+        self.patch(self.root, "forward", self._quiet_forward(self.root.forward))
         self._install_reduction()
 
     # -------------------------------------------------------------- lifecycle

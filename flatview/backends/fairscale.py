@@ -221,17 +221,17 @@ class FairscaleAdapter(UnitAdapter):
             self._hook(unit.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
             methods = _LENDING_METHODS + (_ROOT_LENDING_METHODS if unit is self.root else ())
             for method in methods:
-                self._patch(unit, method, self._lending(getattr(unit, method)))
-            self._patch(unit, "summon_full_params", self._lending_context(unit.summon_full_params))
-            self._patch(unit, "forward", self._summonable(unit, unit.forward))
+                self.patch(unit, method, self._lending(getattr(unit, method)))
+            self.patch(unit, "summon_full_params", self._lending_context(unit.summon_full_params))
+            self.patch(unit, "forward", self._summonable(unit, unit.forward))
             fpw = unit._fsdp_wrapped_module
-            self._patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
-            self._patch(unit, "_rebuild_full_params", self._masking_gather(unit))
+            self.patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
+            self.patch(unit, "_rebuild_full_params", self._masking_gather(unit))
         self._hook(self.root.register_forward_hook(self._post_forward))
-        self._patch(
+        self.patch(
             self.root, "_wait_for_post_backward", self._finishing(self.root._wait_for_post_backward)
         )
-        self._patch(self.root, "_setup_streams", self._streams_then_shim(self.root._setup_streams))
+        self.patch(self.root, "_setup_streams", self._streams_then_shim(self.root._setup_streams))
         if self.root._reducer is not None:
             self._install_shim()
         guard_torch_checkpoint(self)

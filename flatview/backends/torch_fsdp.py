@@ -240,19 +240,19 @@ class TorchFSDPAdapter(TorchSkipping):
                 )
             )
             device = self.device if unit is self.root else None
-            self._patch(unit, "forward", summonable(unit, unit.forward, self.summoning, device))
+            self.patch(unit, "forward", summonable(unit, unit.forward, self.summoning, device))
             self._patch_lending(unit, self._lending_methods(unit))
             handle = unit._handle
             if handle is not None:
-                self._summon.patch(handle, self._patch)
+                self._summon.patch(handle, self.patch)
                 if handle._use_orig_params:
                     prepare = handle.prepare_gradient_for_backward
-                    self._patch(handle, "prepare_gradient_for_backward", self._noting_none(prepare))
+                    self.patch(handle, "prepare_gradient_for_backward", self._noting_none(prepare))
         self._hook(self.root.register_forward_hook(self._post_forward))
         order = self.root._exec_order_data
-        self._patch(order, "next_iter", self._finishing(order.next_iter))
-        self._patch(order, "get_handle_to_forward_prefetch", self._forward_prefetch_target)
-        self._patch(order, "get_handle_to_backward_prefetch", self._backward_prefetch_target)
+        self.patch(order, "next_iter", self._finishing(order.next_iter))
+        self.patch(order, "get_handle_to_forward_prefetch", self._forward_prefetch_target)
+        self.patch(order, "get_handle_to_backward_prefetch", self._backward_prefetch_target)
         guard_torch_checkpoint(self)
 
     def uninstall(self) -> None:

@@ -170,11 +170,11 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         self._core = core
         for index, (_, unit) in enumerate(self.units):
             forward = self._root_forward if unit is self.root else self._unit_forward(index)
-            self._patch(unit, "forward", forward)
+            self.patch(unit, "forward", forward)
             self._patch_lending(unit, LENDING_METHODS)
             handle = unit._handle
             if handle is not None:
-                self._summon.patch(handle, self._patch)
+                self._summon.patch(handle, self.patch)
         self._install_reduction()
         guard_torch_checkpoint(self)
 
