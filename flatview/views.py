@@ -48,7 +48,7 @@ from flatview.errors import FlatViewError
 from flatview.layout import FlatLayout, Piece, PieceKind
 
 
-class Placement(enum.Enum):
+class Shown(enum.Enum):
     """Whose tensors the original submodules show under the original names."""
 
     VIEWS = "views"
@@ -112,7 +112,7 @@ class ViewSet:
         # gradient; the one from before (which the views may still alias) waits here.
         self._detached = False
         self._before: torch.Tensor | None = None
-        self.placement = Placement.WRAPPER
+        self.shown = Shown.WRAPPER
 
     def _split_sizes(self) -> list[int] | None:
         """Sizes that ``Tensor.split`` turns into every piece, in order, and the padding
@@ -150,7 +150,7 @@ class ViewSet:
 
     def show(self) -> None:
         """Register the views on their submodules, replacing what the wrapper put there."""
-        assert self.placement is Placement.WRAPPER, self.placement
+        assert self.shown is Shown.WRAPPER, self.shown
         self.flat_owner.module._parameters.pop(self.flat_owner.attr, None)
         for view, owners in zip(self.views, self.owners, strict=True):
             for owner in owners:
@@ -159,16 +159,16 @@ class ViewSet:
                 owner.module.__dict__.pop(owner.attr, None)
                 owner.module._parameters.pop(owner.attr, None)
                 owner.module._parameters[owner.attr] = view
-        self.placement = Placement.VIEWS
+        self.shown = Shown.VIEWS
 
     def hide(self) -> None:
         """Step aside so the wrapper can set its own tensors under the original names."""
-        assert self.placement is Placement.VIEWS, self.placement
+        assert self.shown is Shown.VIEWS, self.shown
         for owners in self.owners:
             for owner in owners:
                 owner.module._parameters.pop(owner.attr, None)
         self.flat_owner.module._parameters[self.flat_owner.attr] = self.flat
-        self.placement = Placement.WRAPPER
+        self.shown = Shown.WRAPPER
 
     def rebind(self, local_shard: torch.Tensor) -> None:
         """Point the views at a new local shard storage (same view objects: optimizers
@@ -200,7 +200,7 @@ class ViewSet:
         """
         replaced: list[tuple[int, nn.Parameter]] = []
         writes: list[tuple[int, torch.Tensor]] = []
-        shown = self.placement is Placement.VIEWS
+        shown = self.shown is Shown.VIEWS
         for index, view in enumerate(self.views):
             source: nn.Parameter = view
             if shown:
@@ -407,13 +407,13 @@ class WrapperViews:
 
     def __init__(self, views: Sequence[nn.Parameter]) -> None:
         self.views = tuple(views)
-        self.placement = Placement.VIEWS
+        self.shown = Shown.VIEWS
 
     def show(self) -> None:
-        self.placement = Placement.VIEWS
+        self.shown = Shown.VIEWS
 
     def hide(self) -> None:
-        self.placement = Placement.WRAPPER
+        self.shown = Shown.WRAPPER
 
     def rebind(self, local_shard: torch.Tensor) -> None:
         pass

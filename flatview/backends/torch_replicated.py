@@ -55,7 +55,7 @@ from flatview.backends.torch_fsdp import TorchFSDPAdapter, clean_name
 from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.comm.options import ReduceOptions
 from flatview.errors import OptimStateError
-from flatview.views import Owner, Placement, ViewSet
+from flatview.views import Owner, Shown, ViewSet
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
@@ -234,7 +234,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         runtime's: the outermost of nested calls (``state_dict`` recurses into the units)
         finds them shown, hides them and shows them again; inner ones find them hidden."""
         with self.core.lend():
-            if not any(views.placement is Placement.VIEWS for views in self._view_sets):
+            if not any(views.shown is Shown.VIEWS for views in self._view_sets):
                 yield
                 return
             self._write_back()
