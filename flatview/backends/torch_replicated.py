@@ -103,7 +103,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         self.device = fsdp.device
         self._view_sets: list[ViewSet] = []
         self._view_names: list[list[str]] = []
-        self._flats: dict[int, tuple[str, tuple[str, ...]]] = {}
+        self._flat_names: dict[int, tuple[str, tuple[str, ...]]] = {}
         """Per flat parameter (by id): its unit's name and the original names it holds."""
         self._leaves: dict[int, tuple[nn.Parameter, ...]] = {}
         """Per flat parameter (by id): the parameters the model computes on in its place
@@ -133,7 +133,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
                     self._view_names.append([names[0] for names in spec.names])
                     leaves = views.views
                 originals = tuple(names[0] for names in spec.names)
-                self._flats[id(spec.flat)] = (unit.name or "<root>", originals)
+                self._flat_names[id(spec.flat)] = (unit.name or "<root>", originals)
                 self._leaves[id(spec.flat)] = tuple(leaves)
                 for view, names, segment in zip(
                     leaves, spec.names, spec.layout.segments, strict=True
@@ -252,14 +252,14 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
     # ------------------------------------------------------------- optimizers
 
     def describe_flat(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
-        return self._flats.get(id(tensor))
+        return self._flat_names.get(id(tensor))
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for flat, leaves in self._leaves.items():
             if flat not in held:
                 continue
-            unit, _ = self._flats[flat]
+            unit, _ = self._flat_names[flat]
             name = type(optimizer).__name__
             if any(id(leaf) in held for leaf in leaves):
                 raise double_count(name, unit)
