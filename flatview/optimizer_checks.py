@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from flatview.backends.base import Adapter
-from flatview.errors import DoubleCountError, OptimStateError, ParamGroupError
+from flatview.backends.messages import double_count
+from flatview.errors import OptimStateError, ParamGroupError
 from flatview.norms import listing
 from flatview.table import ParamTable
 
@@ -173,13 +174,8 @@ class OptimizerChecks:
             unit = table.units[flat.unit].name or "<root>"
             for index in flat.params:
                 if id(table.tensor(index)) in held:
-                    raise DoubleCountError(
-                        f"optimizer {type(optimizer).__name__} holds the flat parameter of "
-                        f"unit {unit!r} and the view "
-                        f"{table.name(index)!r} that lives inside it: it would update "
-                        "those elements twice. Build optimizers from views "
-                        "(submodule.parameters() or FlatView.parameters()) or from the "
-                        "flat parameters, not both."
+                    raise double_count(
+                        type(optimizer).__name__, unit, view=table.name(index), or_flats=True
                     )
             # An optimizer over a flat parameter steps all of it: it cannot leave skipped
             # parameters alone (weight decay, momentum on zero gradients), and gradients

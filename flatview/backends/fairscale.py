@@ -35,8 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from flatview.backends._common import (
-    LENDING_METHODS,
-    ROOT_LENDING_METHODS,
     forward_in_summon,
     join,
     nested_unit_message,
@@ -64,8 +62,6 @@ if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
-_LENDING_METHODS = LENDING_METHODS + LOCAL_LENDING_METHODS
-_ROOT_LENDING_METHODS = ROOT_LENDING_METHODS
 
 
 def _fsdp_class() -> type[nn.Module] | None:
@@ -205,6 +201,10 @@ class FairscaleAdapter(UnitAdapter):
             local_shard=local_shard,
         )
 
+    def _lending_methods(self, unit: Any) -> tuple[str, ...]:
+        # fairscale's local state-dict pair rebuilds module attributes too.
+        return super()._lending_methods(unit) + LOCAL_LENDING_METHODS
+
     # ---------------------------------------------------------------- install
 
     def install(self, core: Runtime) -> None:
@@ -219,9 +219,7 @@ class FairscaleAdapter(UnitAdapter):
         )
         for index, (_, unit) in enumerate(self.units):
             self._hook(unit.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
-            methods = _LENDING_METHODS + (_ROOT_LENDING_METHODS if unit is self.root else ())
-            for method in methods:
-                self.patch(unit, method, self._lending(getattr(unit, method)))
+            self._patch_lending(unit, self._lending_methods(unit))
             self.patch(unit, "summon_full_params", self._lending_context(unit.summon_full_params))
             self.patch(unit, "forward", self._summonable(unit, unit.forward))
             fpw = unit._fsdp_wrapped_module
