@@ -322,7 +322,7 @@ class FlatView:
                     plain.shape,
                     plain.layout,
                     rank=plain.rank,
-                    whole_shard=plain.layout is not None,
+                    whole_shard=plain.layout is not None and plain.whole_shard,
                 )
                 self._params.append(
                     _Param(
@@ -797,7 +797,7 @@ class FlatView:
             agreement = Agreement(
                 fingerprint(skipped, frozen),
                 lambda: [params[i].name for i in sorted(skipped)],
-                self.adapter.group,
+                self.agreement_group(),
                 self.adapter.device,
                 self.ledger,
                 frozen=lambda: [params[i].name for i in sorted(frozen)],
@@ -924,7 +924,7 @@ class FlatView:
         agreement = Agreement(
             fingerprint((), frozen),
             list,
-            self.adapter.group,
+            self.agreement_group(),
             self.adapter.device,
             self.ledger,
             frozen=lambda: [params[i].name for i in sorted(frozen)],
@@ -1468,6 +1468,18 @@ class FlatView:
             whole(state_dict)
             return
         optim_state.load(self, optimizer, state_dict)
+
+    # --- runtime additions for FSDP2 ---
+
+    def agreement_group(self) -> dist.ProcessGroup | None:
+        """The process group the skip-set check spans: every rank whose collectives the
+        skip set decides. The adapter's ``group`` unless it names a wider
+        ``agreement_group`` (FSDP2 HSDP: ``group`` is the shard group, which norms and
+        optimizer state use; the replicas all-reduce gradients too)."""
+        group: dist.ProcessGroup | None = getattr(
+            self.adapter, "agreement_group", self.adapter.group
+        )
+        return group
 
 
 @dataclass

@@ -67,11 +67,21 @@ Column: TypeAlias = Callable[[nn.Parameter], torch.Tensor | None]
 # ----------------------------------------------------------------------- placements
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a ``DTensor`` (FSDP2's parameters, their gradients and
+    optimizer state), else ``tensor``: operations on the ``DTensor`` would communicate."""
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is not None and type(tensor).__name__ == "DTensor":
+        local: torch.Tensor = to_local()
+        return local
+    return tensor
+
+
 def local_elements(placement: Placement, tensor: torch.Tensor) -> torch.Tensor | None:
     """This rank's elements of the parameter in ``tensor`` (laid out like its local
     tensor, or, on a sharded parameter, like the whole parameter), 1-D; ``None`` if
     ``tensor`` has neither size."""
-    flat = tensor.detach().reshape(-1)
+    flat = local_tensor(tensor).detach().reshape(-1)
     if flat.numel() == placement.local_numel:
         start, end = placement.local_interval
     elif placement.sharded and flat.numel() == placement.numel:

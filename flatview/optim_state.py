@@ -64,6 +64,7 @@ import torch
 from flatview.comm.consolidate import exchange, gather_packed
 from flatview.errors import OptimStateError
 from flatview.layout import Placement
+from flatview.norms import local_tensor
 
 if TYPE_CHECKING:
     from flatview.backends.base import Adapter
@@ -108,6 +109,24 @@ def local_part(
     if like is not None and like.numel() == piece.numel:
         return values.clone().view(like.shape)
     return values.clone()
+
+
+def like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``local`` as state of ``param``: a ``DTensor`` laid out like it where ``param`` is one
+    (FSDP2), else ``local`` itself."""
+    if local_tensor(param) is param:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    dtensor: Any = param
+    return DTensor.from_local(
+        local.view(dtensor.to_local().shape),
+        dtensor.device_mesh,
+        dtensor.placements,
+        run_check=False,
+        shape=dtensor.shape,
+        stride=dtensor.stride(),
+    )
 
 
 def _kind(home: Placement, key: Any, value: Any) -> Kind:
@@ -178,6 +197,10 @@ def _local_facts(
     consolidated whatever the other ranks hold."""
     groups = _optimizer_params(fv, optimizer)
     saved = optimizer.state_dict()
+    for entry in saved["state"].values():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                entry[key] = local_tensor(value)
     # Optimizer.state_dict() numbers the parameters in group order: position k is the
     # k-th parameter over all groups.
     order = [index for group in groups for index in group]
@@ -566,7 +589,10 @@ def load(fv: FlatView, optimizer: torch.optim.Optimizer, state_dict: Mapping[str
                         f"optimizer state {key!r} of parameter {home.name!r} has shape "
                         f"{tuple(value.shape)}, but the parameter's shape is {home.shape}"
                     )
-                local[key] = local_part(home, value, params[index].tensor)
+                local[key] = like_param(
+                    local_part(home, value, local_tensor(params[index].tensor)),
+                    params[index].tensor,
+                )
             else:
                 local[key] = _snapshot(value)
         internal_state[position_of[index]] = local

@@ -14,7 +14,7 @@ def detect(model: object, compute_on_views: bool | None = None) -> Adapter:
     ``compute_on_views``: for torch FSDP1 models whose units all replicate, whether the
     model computes on the views (:mod:`flatview.backends.torch_replicated`); ``None``:
     where eligible."""
-    from flatview.backends import ddp, fairscale, torch_fsdp, torch_replicated
+    from flatview.backends import ddp, fairscale, fsdp2, torch_fsdp, torch_replicated
 
     if torch_fsdp.is_torch_fsdp(model):
         assert isinstance(model, nn.Module)
@@ -43,7 +43,8 @@ def detect(model: object, compute_on_views: bool | None = None) -> Adapter:
         assert isinstance(model, nn.Module)
         return ddp.DDPAdapter(model)
     if torch_fsdp.is_fsdp2(model):
-        raise WrapError(torch_fsdp.FSDP2_MESSAGE)
+        assert isinstance(model, nn.Module)
+        return fsdp2.FSDP2Adapter(model)
     raise WrapError(
         "flatview.wrap expects the outermost FullyShardedDataParallel model (fairscale's, or "
         "torch's FSDP1) or a DistributedDataParallel model, got"
