@@ -670,7 +670,8 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
     options = dict(scenario.options)
     replicas = options.pop("hsdp", None)
     shape = (replicas, scenario.world_size // replicas) if replicas else (scenario.world_size,)
-    kwargs: dict[str, Any] = {"mesh": init_device_mesh("cpu", shape)}
+    names = ("replicate", "shard") if replicas else ("shard",)
+    kwargs: dict[str, Any] = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=names)}
     if "reshard_after_forward" in options:
         kwargs["reshard_after_forward"] = options.pop("reshard_after_forward")
     if "mixed_precision" in options:

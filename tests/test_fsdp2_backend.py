@@ -91,9 +91,11 @@ def test_same_as_plain_fsdp2(dist_pool: PoolFactory, world_size: int, options: d
         per_unit = 2 if "hsdp" in options else 1
         assert stats.reduce_calls == per_unit * (units + 1)
         assert stats.skipped_bytes > 0 or units == len(GATED.inner)
-        # Forward: root and each block that ran; backward: each block again unless kept.
-        kept = options.get("reshard_after_forward") is False
-        assert gathers == (units + 1 if kept else 2 * units + 1)
+        # Forward: root and each block that ran; backward: each block again unless kept
+        # (the root too when told to reshard: by default it keeps its parameters).
+        reshard = options.get("reshard_after_forward")
+        expected = {False: units + 1, None: 2 * units + 1}.get(reshard, 2 * (units + 1))
+        assert gathers == expected
 
 
 def test_equivalent_hybrid(dist_pool: PoolFactory) -> None:
