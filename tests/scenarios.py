@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -685,7 +686,7 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
         blocks = [fully_shard(block, **kwargs) for block in net.body]
     model: Any = fully_shard(net, **kwargs)
     if prefetch:
-        for before, after in zip(blocks, blocks[1:], strict=False):
+        for before, after in itertools.pairwise(blocks):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
     assert not options, f"unknown FSDP2 options {options}"

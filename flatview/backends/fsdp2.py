@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -68,65 +68,20 @@ from torch import nn
 
 from flatview.backends._common import AdapterBase
 from flatview.backends.base import PlainSpec, UnitSpec
-from flatview.backends.fsdp2_hooks import CountingAllGather, CountingReduceScatter, steer
+from flatview.backends.fsdp2_hooks import (
+    STATE_ATTRS,
+    CountingAllGather,
+    CountingReduceScatter,
+    check_attrs,
+    check_group,
+    exchange_flags,
+    shard_layout,
+    steer_prefetch,
+)
 from flatview.errors import SkippedParameterUsedError, StateError, UndeclaredUnusedError, WrapError
-from flatview.layout import FlatLayout, Segment
 
 if TYPE_CHECKING:
     from flatview.core import FlatView
-
-_STATE_ATTRS = (
-    "_lazy_init",
-    "_is_root",
-    "_fsdp_param_groups",
-    "_training_state",
-    "_states_to_forward_prefetch",
-    "_states_to_backward_prefetch",
-    "_root_post_backward_final_callback",
-)
-_GROUP_ATTRS = (
-    "fsdp_params",
-    "mesh_info",
-    "post_backward",
-    "reduce_grads",
-    "all_reduce_grads",
-    "reduce_scatter_unused_params",
-    "_all_gather_comm",
-    "_reduce_scatter_comm",
-)
-_PARAM_ATTRS = ("sharded_param", "_orig_size", "fsdp_placement", "is_dtensor", "offload_to_cpu")
-
-
-def is_fsdp2_root(model: object) -> bool:
-    """Whether ``model`` itself was sharded with ``fully_shard``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(model, FSDPModule)
-
-
-def shard_layout(shape: tuple[int, ...], shards: int) -> FlatLayout:
-    """The layout of a parameter FSDP2 shards on dim 0 over ``shards`` ranks: rank ``r``
-    holds rows ``[r * c, (r + 1) * c)`` with ``c = ceil(rows / shards)`` (fewer, or none, at
-    the end), which is a one-segment flat layout padded to ``shards * c`` rows."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    rows = shape[0] if shape else 1
-    per_row = numel // rows if rows else 0
-    chunk = -(-rows // shards)
-    padded = max(chunk * per_row * shards, numel)
-    return FlatLayout((Segment(0, numel, shape),), padded, shards)
-
-
-def _check_attrs(obj: object, attrs: tuple[str, ...], what: str) -> None:
-    missing = [a for a in attrs if not hasattr(obj, a)]
-    if missing:
-        raise WrapError(
-            f"this torch's FSDP2 {what} lacks {', '.join(missing)}, which flatview relies on "
-            f"(torch {torch.__version__})"
-        )
 
 
 class _Unit:
@@ -161,17 +116,17 @@ class FSDP2Adapter(AdapterBase):
         from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState
 
         self._idle = TrainingState.IDLE
-        root: Any = model
-        if not isinstance(root, FSDPModule):
+        if not isinstance(model, FSDPModule):
             raise WrapError(
                 "flatview.wrap was given a model whose submodules are sharded with FSDP2 "
                 "but which is not itself: call fully_shard(model) on the root too, then "
                 "wrap the root"
             )
+        root: Any = model
         self.root = root
-        _check_attrs(root, ("_get_fsdp_state",), "module")
+        check_attrs(root, ("_get_fsdp_state",), "module")
         root_state = root._get_fsdp_state()
-        _check_attrs(root_state, _STATE_ATTRS, "state")
+        check_attrs(root_state, STATE_ATTRS, "state")
         if root_state._is_root is False:
             raise WrapError(
                 "flatview.wrap was given a nested FSDP2 module; wrap the outermost "
@@ -190,13 +145,13 @@ class FSDP2Adapter(AdapterBase):
             if id(state) in seen:
                 continue
             seen.add(id(state))
-            _check_attrs(state, _STATE_ATTRS, "state")
+            check_attrs(state, STATE_ATTRS, "state")
             if state._training_state is not self._idle:
                 raise StateError(
                     f"FSDP2 unit {name or '<root>'!r} is in state {state._training_state.name}; "
                     "wrap the model between iterations"
                 )
-            unit = _Unit(name, module, state)
+            unit = _Unit(name, cast(nn.Module, module), state)
             if len(unit.groups) > 1:
                 raise WrapError(
                     f"FSDP2 unit {name or '<root>'!r} has {len(unit.groups)} parameter groups "
@@ -206,7 +161,7 @@ class FSDP2Adapter(AdapterBase):
         groups = [g for u in self.units for g in u.groups]
         for unit in self.units:
             for group in unit.groups:
-                self._check_group(unit.name, group, CPUOffloadPolicy)
+                check_group(unit.name, group, CPUOffloadPolicy)
         mesh_infos = [g.mesh_info for g in groups]
         self.hybrid = bool(mesh_infos) and isinstance(mesh_infos[0], HSDPMeshInfo)
         if mesh_infos:
@@ -252,28 +207,6 @@ class FSDP2Adapter(AdapterBase):
         self._in_flight = False
         self._prefetch: dict[int, tuple[Any, Any, Any, Any]] = {}
 
-    def _check_group(self, unit: str, group: Any, offload: type) -> None:
-        _check_attrs(group, _GROUP_ATTRS, "parameter group")
-        where = unit or "<root>"
-        if isinstance(group.offload_policy, offload):
-            raise WrapError(
-                f"FSDP2 unit {where!r} uses CPUOffloadPolicy, which flatview does not "
-                "support (its gradients move to the CPU in the reduction flatview checks)"
-            )
-        for fsdp_param in group.fsdp_params:
-            _check_attrs(fsdp_param, _PARAM_ATTRS, "parameter")
-            if fsdp_param.is_dtensor:
-                raise WrapError(
-                    f"FSDP2 unit {where!r} shards a parameter that was already a DTensor "
-                    "(tensor parallelism); flatview supports data-parallel meshes only"
-                )
-            if fsdp_param.fsdp_placement.dim != 0:
-                raise WrapError(
-                    f"FSDP2 unit {where!r} shards a parameter on dim "
-                    f"{fsdp_param.fsdp_placement.dim} (shard_placement_fn); flatview "
-                    "supports Shard(0) only"
-                )
-
     @staticmethod
     def clean_name(name: str) -> str:
         return name
@@ -290,7 +223,9 @@ class FSDP2Adapter(AdapterBase):
                     param = fsdp_param.sharded_param
                     managed.add(id(param))
                     plain.append(self._plain(param, tuple(int(d) for d in fsdp_param._orig_size)))
-            specs.append(UnitSpec(unit.name, unit.module, (), tuple(plain), unit.module is self.root))
+            specs.append(
+                UnitSpec(unit.name, unit.module, (), tuple(plain), unit.module is self.root)
+            )
         # Parameters FSDP2 does not manage (ignored_params): every rank holds them whole.
         extra = tuple(
             PlainSpec(self._names[id(p)], p, tuple(p.shape), aliases=tuple(self._aliases[id(p)]))
@@ -330,7 +265,9 @@ class FSDP2Adapter(AdapterBase):
         for unit in self.units:
             # FSDP queues the callback of whichever state's pre-backward fires first.
             self._patch(
-                unit.state, "_root_post_backward_final_callback", self._final_callback_of(unit.state)
+                unit.state,
+                "_root_post_backward_final_callback",
+                self._final_callback_of(unit.state),
             )
         self._params_of = [
             [
@@ -402,22 +339,7 @@ class FSDP2Adapter(AdapterBase):
 
     def _steer_prefetch(self) -> None:
         skipped = {id(u.state) for i, u in enumerate(self.units) if self.core.unit_skipped(i)}
-        order = [u.state for u in self.units]
-        for unit in self.units:
-            state = unit.state
-            saved = self._prefetch.get(id(state))
-            forward, backward = state._states_to_forward_prefetch, state._states_to_backward_prefetch
-            if saved is not None:
-                # Lists the user set since (not the steered ones) replace the saved ones.
-                forward = saved[0] if forward is saved[1] else forward
-                backward = saved[2] if backward is saved[3] else backward
-            if not forward and not backward:
-                continue
-            steered_f = steer(forward, order, skipped, state, +1)
-            steered_b = steer(backward, order, skipped, state, -1)
-            state._states_to_forward_prefetch = steered_f
-            state._states_to_backward_prefetch = steered_b
-            self._prefetch[id(state)] = (forward, steered_f, backward, steered_b)
+        steer_prefetch([u.state for u in self.units], skipped, self._prefetch)
 
     def _post_backward_of(self, index: int, group: Any) -> Any:
         original = group.post_backward
@@ -502,11 +424,11 @@ class FSDP2Adapter(AdapterBase):
             self._reset_round()
         else:
             self._versions = {}
-            for unit in self._params_of:
-                for fsdp_param, index in unit:
+            for entries in self._params_of:
+                for fsdp_param, position in entries:
                     grad = getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None)
-                    if index is not None and grad is not None:
-                        self._versions[index] = (id(grad), grad._version)
+                    if position is not None and grad is not None:
+                        self._versions[position] = (id(grad), grad._version)
         core.end_backward(synced=synced)
         if missing:
             names = ", ".join(repr(core.name(i)) for i in missing[:8])
@@ -519,24 +441,13 @@ class FSDP2Adapter(AdapterBase):
             )
 
     def _exchange_missing(self) -> tuple[list[int], list[int]]:
-        """(parameters some rank's backward gave no gradient although not skipped, those
-        no rank gave one): one all-reduce of two flags per parameter over every rank."""
-        count = len(self._names) + 1
         missing = sorted(self._window_used - self._got)
-        if self.agreement_world() == 1:
+        if dist.get_world_size(self.agreement_group) == 1:
             return missing, missing
-        flags = torch.zeros(2, count, dtype=torch.int32, device=self.device)
-        if missing:
-            flags[0, missing] = 1
-        if self._got:
-            flags[1, sorted(self._got)] = 1
-        self.core.ledger.record("flags", flags)
-        dist.all_reduce(flags, group=self.agreement_group)
-        found = flags[0].nonzero().flatten().tolist()
-        return [int(i) for i in found], [int(i) for i in found if int(flags[1, i]) == 0]
-
-    def agreement_world(self) -> int:
-        return int(dist.get_world_size(self.agreement_group))
+        count = len(self._names) + 1
+        return exchange_flags(
+            missing, self._got, count, self.agreement_group, self.core.ledger, self.device
+        )
 
     def _reset_round(self) -> None:
         self._got.clear()

@@ -1,10 +1,13 @@
-"""Pieces of the FSDP2 adapter that stand in FSDP2's runtime: counting communication
-objects and the steering of explicit prefetching (see :mod:`flatview.backends.fsdp2`).
+"""Pieces of the FSDP2 adapter (see :mod:`flatview.backends.fsdp2`): what it checks at
+wrap time, parameter layouts, counting communication objects, the steering of explicit
+prefetching and the exchange of unused-parameter flags.
 
 torch privates touched: the ``allocate`` / ``__call__`` protocol of FSDP2's ``AllGather``
 and ``ReduceScatter`` objects (``torch.distributed.fsdp._fully_shard._fsdp_api``, which
-``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` accept), and
-``FSDPParamGroup.all_reduce_grads``.
+``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` accept);
+``FSDPParamGroup.all_reduce_grads``, ``offload_policy``; ``FSDPState``'s
+``_states_to_forward_prefetch`` / ``_states_to_backward_prefetch``; ``FSDPParam``'s
+``is_dtensor`` and ``fsdp_placement``.
 """
 
 from __future__ import annotations
@@ -13,8 +16,88 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from flatview.comm.ledger import Ledger
+from flatview.errors import WrapError
+from flatview.layout import FlatLayout, Segment
+
+STATE_ATTRS = (
+    "_lazy_init",
+    "_is_root",
+    "_fsdp_param_groups",
+    "_training_state",
+    "_states_to_forward_prefetch",
+    "_states_to_backward_prefetch",
+    "_root_post_backward_final_callback",
+)
+_GROUP_ATTRS = (
+    "fsdp_params",
+    "mesh_info",
+    "post_backward",
+    "reduce_grads",
+    "all_reduce_grads",
+    "reduce_scatter_unused_params",
+    "_all_gather_comm",
+    "_reduce_scatter_comm",
+)
+_PARAM_ATTRS = ("sharded_param", "_orig_size", "fsdp_placement", "is_dtensor", "offload_to_cpu")
+
+
+def is_fsdp2_root(model: object) -> bool:
+    """Whether ``model`` itself was sharded with ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def shard_layout(shape: tuple[int, ...], shards: int) -> FlatLayout:
+    """The layout of a parameter FSDP2 shards on dim 0 over ``shards`` ranks: rank ``r``
+    holds rows ``[r * c, (r + 1) * c)`` with ``c = ceil(rows / shards)`` (fewer, or none, at
+    the end), which is a one-segment flat layout padded to ``shards * c`` rows."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    rows = shape[0] if shape else 1
+    per_row = numel // rows if rows else 0
+    chunk = -(-rows // shards)
+    padded = max(chunk * per_row * shards, numel)
+    return FlatLayout((Segment(0, numel, shape),), padded, shards)
+
+
+def check_attrs(obj: object, attrs: tuple[str, ...], what: str) -> None:
+    missing = [a for a in attrs if not hasattr(obj, a)]
+    if missing:
+        raise WrapError(
+            f"this torch's FSDP2 {what} lacks {', '.join(missing)}, which flatview relies on "
+            f"(torch {torch.__version__})"
+        )
+
+
+def check_group(unit: str, group: Any, offload: type) -> None:
+    """Refuse what flatview cannot serve in one FSDP2 parameter group."""
+    check_attrs(group, _GROUP_ATTRS, "parameter group")
+    where = unit or "<root>"
+    if isinstance(group.offload_policy, offload):
+        raise WrapError(
+            f"FSDP2 unit {where!r} uses CPUOffloadPolicy, which flatview does not "
+            "support (its gradients move to the CPU in the reduction flatview checks)"
+        )
+    for fsdp_param in group.fsdp_params:
+        check_attrs(fsdp_param, _PARAM_ATTRS, "parameter")
+        if fsdp_param.is_dtensor:
+            raise WrapError(
+                f"FSDP2 unit {where!r} shards a parameter that was already a DTensor "
+                "(tensor parallelism); flatview supports data-parallel meshes only"
+            )
+        if fsdp_param.fsdp_placement.dim != 0:
+            raise WrapError(
+                f"FSDP2 unit {where!r} shards a parameter on dim "
+                f"{fsdp_param.fsdp_placement.dim} (shard_placement_fn); flatview "
+                "supports Shard(0) only"
+            )
 
 
 class CountingAllGather:
@@ -83,3 +166,49 @@ def steer(
             continue
         steered.append(candidate)
     return steered
+
+
+Steered = dict[int, tuple[Any, Any, Any, Any]]
+"""Per FSDP state: (the user's forward list, the steered one, backward, steered)."""
+
+
+def steer_prefetch(order: Sequence[Any], skipped: set[int], saved: Steered) -> None:
+    """Point every state's explicit prefetch lists (``_states_to_forward_prefetch``,
+    ``_states_to_backward_prefetch``) away from the ``skipped`` states, remembering the
+    user's lists in ``saved`` (a list the user set since replaces the saved one)."""
+    for state in order:
+        before = saved.get(id(state))
+        forward = state._states_to_forward_prefetch
+        backward = state._states_to_backward_prefetch
+        if before is not None:
+            forward = before[0] if forward is before[1] else forward
+            backward = before[2] if backward is before[3] else backward
+        if not forward and not backward:
+            continue
+        steered_f = steer(forward, order, skipped, state, +1)
+        steered_b = steer(backward, order, skipped, state, -1)
+        state._states_to_forward_prefetch = steered_f
+        state._states_to_backward_prefetch = steered_b
+        saved[id(state)] = (forward, steered_f, backward, steered_b)
+
+
+def exchange_flags(
+    missing: Sequence[int],
+    got: set[int],
+    count: int,
+    group: Any,
+    ledger: Ledger,
+    device: torch.device,
+) -> tuple[list[int], list[int]]:
+    """(parameters some rank's backward gave no gradient although not skipped, those no
+    rank gave one): one all-reduce (a sum) of two flags per parameter over ``group``."""
+    flags = torch.zeros(2, count, dtype=torch.int32, device=device)
+    if missing:
+        flags[0, list(missing)] = 1
+    if got:
+        flags[1, sorted(got)] = 1
+    ledger.record("flags", flags)
+    dist.all_reduce(flags, group=group)
+    flags = flags.cpu()
+    found = [int(i) for i in flags[0].nonzero().flatten().tolist()]
+    return found, [i for i in found if int(flags[1, i]) == 0]
