@@ -50,19 +50,21 @@ def against_plain(scenario: Scenario) -> dict[str, Any]:
     }
 
 
-def mismatch(per_block: bool, declare: bool) -> dict[str, Any]:
-    """Ranks skip different blocks (rank r skips block r % 2). With flatview
-    (``declare``): the error each rank raised; without: how far plain FSDP2's gradients
-    are from the correct ones (each rank's own forward, averaged)."""
+def mismatch(per_block: bool, declare: bool, hsdp: bool = False) -> dict[str, Any]:
+    """Ranks skip different blocks (rank r skips block r % 2; with ``hsdp``, on a 2 x 2
+    mesh, replica r // 2 skips block r // 2: the shard groups agree within). With
+    flatview (``declare``): the error each rank raised; without: how far plain FSDP2's
+    gradients are from the correct ones (each rank's own forward, averaged)."""
     scenario = Scenario(
         backend="fsdp2",
         world_size=dist.get_world_size(),
         inner=(4, 4),
         norms=(False, False),
         nested=per_block,
+        options={"hsdp": 2} if hsdp else {},
     )
     rank = dist.get_rank()
-    skip = (f"body.{rank % 2}",)
+    skip = (f"body.{rank // 2 if hsdp else rank % 2}",)
     xs, ys = local_batch(scenario, 0)
     if declare:
         model, fv, _ = distributed_model(scenario)

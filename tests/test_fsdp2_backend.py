@@ -126,6 +126,13 @@ def test_mismatch_raises_everywhere(dist_pool: PoolFactory, per_block: bool) -> 
     assert [r["error"] for r in results] == ["SkipSetMismatchError"] * 2
 
 
+def test_hybrid_mismatch_across_replicas(dist_pool: PoolFactory) -> None:
+    """HSDP: replicas that skip different blocks (each shard group agreeing within) raise
+    on every rank: the check spans the whole mesh, not only the shard group."""
+    results = dist_pool(4).run(w.mismatch, True, True, True, timeout=TIMEOUT)
+    assert [r["error"] for r in results] == ["SkipSetMismatchError"] * 4
+
+
 def test_plain_fsdp2_mismatch_is_silent(dist_pool: PoolFactory) -> None:
     """The hazard the check exists for: plain FSDP2 with ranks skipping different
     blocks raises nothing and computes wrong gradients."""
