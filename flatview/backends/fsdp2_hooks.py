@@ -44,15 +44,6 @@ _GROUP_ATTRS = (
 _PARAM_ATTRS = ("sharded_param", "_orig_size", "fsdp_placement", "is_dtensor", "offload_to_cpu")
 
 
-def is_fsdp2_root(model: object) -> bool:
-    """Whether ``model`` itself was sharded with ``fully_shard``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(model, FSDPModule)
-
-
 def shard_layout(shape: tuple[int, ...], shards: int) -> FlatLayout:
     """The layout of a parameter FSDP2 shards on dim 0 over ``shards`` ranks: rank ``r``
     holds rows ``[r * c, (r + 1) * c)`` with ``c = ceil(rows / shards)`` (fewer, or none, at
