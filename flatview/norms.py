@@ -49,6 +49,7 @@ from torch import nn
 from flatview.comm.norms import COLUMNS, NormExchange, request_code
 from flatview.errors import FlatViewError, NormError, StateError
 from flatview.layout import Placement
+from flatview.local_tensors import local_tensor
 from flatview.phase import Phase
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ def local_elements(placement: Placement, tensor: torch.Tensor) -> torch.Tensor |
     """This rank's elements of the parameter in ``tensor`` (laid out like its local
     tensor, or, on a sharded parameter, like the whole parameter), 1-D; ``None`` if
     ``tensor`` has neither size."""
-    flat = tensor.detach().reshape(-1)
+    flat = local_tensor(tensor).detach().reshape(-1)
     if flat.numel() == placement.local_numel:
         start, end = placement.local_interval
     elif placement.sharded and flat.numel() == placement.numel:

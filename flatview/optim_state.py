@@ -65,6 +65,7 @@ from flatview.backends.base import Adapter
 from flatview.comm.consolidate import exchange
 from flatview.errors import OptimStateError
 from flatview.layout import Placement
+from flatview.local_tensors import like_param, local_tensor
 from flatview.sharded_tensors import is_sharded, local_of_sharded
 from flatview.state_gather import Kind, gather
 from flatview.table import ParamRecord, ParamTable
@@ -181,6 +182,10 @@ def local_facts(
     consolidated whatever the other ranks hold."""
     groups = _optimizer_params(table, optimizer)
     saved = optimizer.state_dict()
+    for entry in saved["state"].values():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                entry[key] = local_tensor(value)
     # Optimizer.state_dict() numbers the parameters in group order: position k is the
     # k-th parameter over all groups.
     order = [index for group in groups for index in group]
@@ -478,7 +483,10 @@ def load(
                         f"optimizer state {key!r} of parameter {home.name!r} has shape "
                         f"{tuple(value.shape)}, but the parameter's shape is {home.shape}"
                     )
-                local[key] = local_part(home, value, params[index].tensor)
+                local[key] = like_param(
+                    local_part(home, value, local_tensor(params[index].tensor)),
+                    params[index].tensor,
+                )
             else:
                 local[key] = snapshot(value)
         internal_state[position_of[index]] = local

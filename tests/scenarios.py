@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,7 +57,7 @@ class BackendConfig:
     rank) computes on flatview's views."""
 
     def __str__(self) -> str:
-        if self.backend in ("fairscale", "ddp"):
+        if self.backend in ("fairscale", "ddp", "fsdp2"):
             return self.backend
         name = f"torch-{self.strategy.lower().replace('_', '-')}"
         return f"{name}-runtime" if self.runtime else name
@@ -648,6 +649,8 @@ def wrap_fsdp(scenario: Scenario, net: Net) -> nn.Module:
             for i in range(len(net.body)):
                 net.body[i] = TorchFSDP(net.body[i], **kwargs)
         return TorchFSDP(net, **kwargs)
+    if scenario.backend == "fsdp2":
+        return _fully_shard(scenario, net)
     if scenario.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -655,6 +658,55 @@ def wrap_fsdp(scenario: Scenario, net: Net) -> nn.Module:
         options = {k: v for k, v in scenario.options.items() if k != "overlap"}
         return DistributedDataParallel(net, **options)
     raise ValueError(f"unknown backend {scenario.backend}")
+
+
+def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
+    """FSDP2: ``fully_shard`` each block (when nested) and the root. Options:
+    ``hsdp`` (replicas: a 2-D mesh of that many replicas of ``world_size / hsdp``
+    shards), ``reshard_after_forward``, ``mixed_precision`` ((param, reduce) dtype
+    names) and ``prefetch`` (explicit forward and backward prefetching of neighbours)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    options = dict(scenario.options)
+    replicas = options.pop("hsdp", None)
+    shape = (replicas, scenario.world_size // replicas) if replicas else (scenario.world_size,)
+    names = ("replicate", "shard") if replicas else ("shard",)
+    kwargs: dict[str, Any] = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=names)}
+    if "reshard_after_forward" in options:
+        kwargs["reshard_after_forward"] = options.pop("reshard_after_forward")
+    if "mixed_precision" in options:
+        param, reduce = (
+            None if d is None else getattr(torch, d) for d in options.pop("mixed_precision")
+        )
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+    prefetch = options.pop("prefetch", False)
+    blocks: list[Any] = []
+    if scenario.nested:
+        blocks = [fully_shard(block, **kwargs) for block in net.body]
+    model: Any = fully_shard(net, **kwargs)
+    if prefetch:
+        for before, after in itertools.pairwise(blocks):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+    assert not options, f"unknown FSDP2 options {options}"
+    return model  # type: ignore[no-any-return]
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """``model.no_sync()``, or for FSDP2 ``set_requires_gradient_sync(False)`` until exit."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync()  # type: ignore[no-any-return,operator]
+    return _fsdp2_no_sync(model)
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def full_state(model: nn.Module, scenario: Scenario) -> dict[str, np.ndarray] | None:
@@ -670,6 +722,8 @@ def full_state(model: nn.Module, scenario: Scenario) -> dict[str, np.ndarray] | 
             state = model.state_dict()
     elif scenario.backend == "ddp":
         state = model.module.state_dict()
+    elif scenario.backend == "fsdp2":
+        state = {k: v.full_tensor() for k, v in model.state_dict().items()}
     else:
         state = model.state_dict()
     if dist.get_rank() != 0:
@@ -707,7 +761,7 @@ def synced_backward(
     for micro in micros:
         xs, ys = local_batch(scenario, micro)
         skip = skip_names(scenario, micro)
-        sync = contextlib.nullcontext() if micro == micros[-1] else model.no_sync()
+        sync = contextlib.nullcontext() if micro == micros[-1] else no_sync(model)
         declared = (
             fv.step(skip=list(skip))
             if scenario.declare and fv is not None
@@ -776,7 +830,11 @@ def run_distributed(scenario: Scenario) -> Outcome:
                 on_modules.append(held() == {id(p) for p in fv.parameters()})
             else:
                 none_grads.append(_none_grads(fv.named_parameters()))
-        if not _wrapper_views(scenario) and scenario.unwrap_after is None:
+        if (
+            not _wrapper_views(scenario)
+            and scenario.unwrap_after is None
+            and not (scenario.backend == "fsdp2" and scenario.evaluate)
+        ):
             # Also after the evaluation passes. torch's own per-parameter views are not
             # checked here: after a forward without backward, SHARD_GRAD_OP leaves its
             # unsharded parameters on the modules until the next pass.
@@ -796,7 +854,7 @@ def _wrapper_views(scenario: Scenario) -> bool:
 def _original_tree(model: nn.Module) -> Any:
     """The user's module inside the outermost wrapper: ``model.module`` for torch, one
     level further (the flattening wrapper's ``module``) for fairscale."""
-    inner = model.module
+    inner = getattr(model, "module", model)  # FSDP2: the model itself
     return getattr(inner, "module", inner)
 
 

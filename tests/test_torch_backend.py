@@ -207,7 +207,6 @@ def test_backward_prefetch_never_gathers_skipped_units(
 @pytest.mark.parametrize(
     ("case", "match"),
     [
-        ("fsdp2", "FSDP2.*no flat parameters"),
         ("nested", "nested FSDP unit"),
         ("version", "torch 1[.]0[.]x; found torch .*FLATVIEW_ALLOW_UNTESTED_TORCH=1"),
         ("comm_hook", "already has a communication hook"),

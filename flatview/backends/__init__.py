@@ -34,7 +34,7 @@ def detect(
 
 
 def _choose(model: object, compute_on_views: bool | None, options: ReduceOptions) -> Adapter:
-    from flatview.backends import ddp, fairscale, torch_fsdp, torch_replicated
+    from flatview.backends import ddp, fairscale, fsdp2, torch_fsdp, torch_replicated
 
     if torch_fsdp.is_torch_fsdp(model):
         assert isinstance(model, nn.Module)
@@ -63,7 +63,8 @@ def _choose(model: object, compute_on_views: bool | None, options: ReduceOptions
         assert isinstance(model, nn.Module)
         return ddp.DDPAdapter(model, options)
     if torch_fsdp.is_fsdp2(model):
-        raise WrapError(torch_fsdp.FSDP2_MESSAGE)
+        assert isinstance(model, nn.Module)
+        return fsdp2.FSDP2Adapter(model, options)
     raise WrapError(
         "flatview.wrap expects the outermost FullyShardedDataParallel model (fairscale's, or "
         "torch's FSDP1) or a DistributedDataParallel model, got"

@@ -72,6 +72,9 @@ class PlainSpec:
     """flatview all-reduces its gradient itself (DDP): counted in ``FlatView.stats``."""
     aliases: tuple[str, ...] = ()
     """Its other original names: a tied parameter is registered at several places."""
+    whole_shard: bool = True
+    """With ``layout``: the parameter holds rank ``rank``'s whole padded shard (True), or
+    only its piece of the segment, unpadded (False: FSDP2's ``DTensor`` local tensors)."""
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,25 @@ UNTESTED_TORCH_ENV = "FLATVIEW_ALLOW_UNTESTED_TORCH"
 """Set to ``1`` to wrap torch FSDP1 models on a torch outside :data:`TESTED_TORCH` (with a
 warning): the internals read are checked attribute by attribute at wrap time, so a torch
 that moved them still fails there, but one that changed their meaning would not."""
+
+
+def check_torch_version(relies: str) -> str:
+    """Refuse a torch outside :data:`TESTED_TORCH` (unless :data:`UNTESTED_TORCH_ENV` is
+    set: then warn) for the adapter whose ``relies`` (e.g. ``"FSDP2 backend relies on
+    fully_shard"``) names what it depends on; return the "checked against ... found ..."
+    phrase the internals checks quote."""
+    tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
+    found = f"torch {tested}; found torch {torch.__version__}"
+    if torch_version() not in TESTED_TORCH:
+        message = f"flatview's {relies} internals checked against {found}"
+        if os.environ.get(UNTESTED_TORCH_ENV) != "1":
+            raise WrapError(f"{message} (set {UNTESTED_TORCH_ENV}=1 to try it anyway)")
+        # Points at the user's flatview.wrap call: this function, the adapter's __init__,
+        # backends._choose, backends.detect, flatview.wrap, the caller.
+        warnings.warn(f"{message}; going ahead ({UNTESTED_TORCH_ENV}=1)", stacklevel=6)
+    return found
+
+
 # The hook reduces at once, so nothing waits in the reductions' buckets between units (see
 # TorchFSDPAdapter.reduce); the bucket size only has to exceed any one gradient.
 _NO_BUCKETING = 2**62
@@ -134,16 +153,7 @@ class TorchFSDPAdapter(TorchSkipping):
     def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
         super().__init__()
         self.options = options if options is not None else ReduceOptions()
-        tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
-        if torch_version() not in TESTED_TORCH:
-            message = (
-                f"flatview's torch FSDP backend relies on FSDP1 internals checked against "
-                f"torch {tested}; found torch {torch.__version__}"
-            )
-            if os.environ.get(UNTESTED_TORCH_ENV) != "1":
-                raise WrapError(f"{message} (set {UNTESTED_TORCH_ENV}=1 to try it anyway)")
-            warnings.warn(f"{message}; going ahead ({UNTESTED_TORCH_ENV}=1)", stacklevel=3)
-        found = f"torch {tested}; found torch {torch.__version__}"
+        found = check_torch_version("torch FSDP backend relies on FSDP1")
         fsdp = fsdp_class()
         assert fsdp is not None
         # torch's FSDP internals are untyped: they are reached through ``Any``.

@@ -1,0 +1,205 @@
+"""Pieces of the FSDP2 adapter (see :mod:`flatview.backends.fsdp2`): what it checks at
+wrap time, parameter layouts, counting communication objects, the steering of explicit
+prefetching and the exchange of unused-parameter flags.
+
+torch privates touched: the ``allocate`` / ``__call__`` protocol of FSDP2's ``AllGather``
+and ``ReduceScatter`` objects (``torch.distributed.fsdp._fully_shard._fsdp_api``, which
+``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` accept);
+``FSDPParamGroup.all_reduce_grads``, ``offload_policy``; ``FSDPState``'s
+``_states_to_forward_prefetch`` / ``_states_to_backward_prefetch``; ``FSDPParam``'s
+``is_dtensor`` and ``fsdp_placement``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flatview.comm.ledger import Ledger
+from flatview.errors import WrapError
+from flatview.layout import FlatLayout, Segment
+
+STATE_ATTRS = (
+    "_lazy_init",
+    "_is_root",
+    "_fsdp_param_groups",
+    "_training_state",
+    "_states_to_forward_prefetch",
+    "_states_to_backward_prefetch",
+    "_root_post_backward_final_callback",
+)
+_GROUP_ATTRS = (
+    "fsdp_params",
+    "mesh_info",
+    "post_backward",
+    "reduce_grads",
+    "all_reduce_grads",
+    "reduce_scatter_unused_params",
+    "_all_gather_comm",
+    "_reduce_scatter_comm",
+)
+_PARAM_ATTRS = ("sharded_param", "_orig_size", "fsdp_placement", "is_dtensor", "offload_to_cpu")
+
+
+def shard_layout(shape: tuple[int, ...], shards: int) -> FlatLayout:
+    """The layout of a parameter FSDP2 shards on dim 0 over ``shards`` ranks: rank ``r``
+    holds rows ``[r * c, (r + 1) * c)`` with ``c = ceil(rows / shards)`` (fewer, or none, at
+    the end), which is a one-segment flat layout padded to ``shards * c`` rows."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    rows = shape[0] if shape else 1
+    per_row = numel // rows if rows else 0
+    chunk = -(-rows // shards)
+    padded = max(chunk * per_row * shards, numel)
+    return FlatLayout((Segment(0, numel, shape),), padded, shards)
+
+
+def check_attrs(obj: object, attrs: tuple[str, ...], what: str) -> None:
+    missing = [a for a in attrs if not hasattr(obj, a)]
+    if missing:
+        raise WrapError(
+            f"this torch's FSDP2 {what} lacks {', '.join(missing)}, which flatview relies on "
+            f"(torch {torch.__version__})"
+        )
+
+
+def check_group(unit: str, group: Any, offload: type) -> None:
+    """Refuse what flatview cannot serve in one FSDP2 parameter group."""
+    check_attrs(group, _GROUP_ATTRS, "parameter group")
+    where = unit or "<root>"
+    if isinstance(group.offload_policy, offload):
+        raise WrapError(
+            f"FSDP2 unit {where!r} uses CPUOffloadPolicy, which flatview does not "
+            "support (its gradients move to the CPU in the reduction flatview checks)"
+        )
+    for fsdp_param in group.fsdp_params:
+        check_attrs(fsdp_param, _PARAM_ATTRS, "parameter")
+        if fsdp_param.is_dtensor:
+            raise WrapError(
+                f"FSDP2 unit {where!r} shards a parameter that was already a DTensor "
+                "(tensor parallelism); flatview supports data-parallel meshes only"
+            )
+        if fsdp_param.fsdp_placement.dim != 0:
+            raise WrapError(
+                f"FSDP2 unit {where!r} shards a parameter on dim "
+                f"{fsdp_param.fsdp_placement.dim} (shard_placement_fn); flatview "
+                "supports Shard(0) only"
+            )
+
+
+class CountingAllGather:
+    """Delegates to FSDP2's all-gather object, counting its input in the ledger."""
+
+    def __init__(self, inner: Any, ledger: Ledger) -> None:
+        self.inner = inner
+        self.ledger = ledger
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor: torch.Tensor = self.inner.allocate(*args, **kwargs)
+        return tensor
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        source = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+        if isinstance(source, torch.Tensor):
+            self.ledger.record("all_gather", source)
+        return self.inner(*args, **kwargs)
+
+
+class CountingReduceScatter:
+    """Delegates to FSDP2's reduce-scatter object, counting its input in the ledger; with
+    ``group`` (HSDP) also the all-reduce FSDP2 runs next over the replicate dimension,
+    whose input is this reduce-scatter's output."""
+
+    def __init__(self, inner: Any, ledger: Ledger, group: Any | None) -> None:
+        self.inner = inner
+        self.ledger = ledger
+        self.group = group
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor: torch.Tensor = self.inner.allocate(*args, **kwargs)
+        return tensor
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = kwargs.get("output_tensor", args[0] if args else None)
+        source = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+        if isinstance(source, torch.Tensor):
+            self.ledger.record("reduce_scatter", source)
+        if self.group is not None and self.group.all_reduce_grads and output is not None:
+            self.ledger.record("all_reduce", output)
+        return self.inner(*args, **kwargs)
+
+
+def steer(
+    targets: Sequence[Any], order: Sequence[Any], skipped: set[int], own: Any, direction: int
+) -> list[Any]:
+    """``targets`` (FSDP states to prefetch) with each skipped one replaced by the next
+    state in ``order`` (``direction`` +1: forward, -1: backward) that the step does not
+    skip, leaving out ``own``, states already listed and states past the end."""
+    steered: list[Any] = []
+    position = {id(state): i for i, state in enumerate(order)}
+    for target in targets:
+        candidate = target
+        if id(candidate) in skipped:
+            i = position.get(id(candidate))
+            candidate = None
+            while i is not None:
+                i += direction
+                if not 0 <= i < len(order):
+                    break
+                if id(order[i]) not in skipped:
+                    candidate = order[i]
+                    break
+        if candidate is None or candidate is own or any(candidate is s for s in steered):
+            continue
+        steered.append(candidate)
+    return steered
+
+
+Steered = dict[int, tuple[Any, Any, Any, Any]]
+"""Per FSDP state: (the user's forward list, the steered one, backward, steered)."""
+
+
+def steer_prefetch(order: Sequence[Any], skipped: set[int], saved: Steered) -> None:
+    """Point every state's explicit prefetch lists (``_states_to_forward_prefetch``,
+    ``_states_to_backward_prefetch``) away from the ``skipped`` states, remembering the
+    user's lists in ``saved`` (a list the user set since replaces the saved one)."""
+    for state in order:
+        before = saved.get(id(state))
+        forward = state._states_to_forward_prefetch
+        backward = state._states_to_backward_prefetch
+        if before is not None:
+            forward = before[0] if forward is before[1] else forward
+            backward = before[2] if backward is before[3] else backward
+        if not forward and not backward:
+            continue
+        steered_f = steer(forward, order, skipped, state, +1)
+        steered_b = steer(backward, order, skipped, state, -1)
+        state._states_to_forward_prefetch = steered_f
+        state._states_to_backward_prefetch = steered_b
+        saved[id(state)] = (forward, steered_f, backward, steered_b)
+
+
+def exchange_flags(
+    missing: Sequence[int],
+    got: set[int],
+    count: int,
+    group: Any,
+    ledger: Ledger,
+    device: torch.device,
+) -> tuple[list[int], list[int]]:
+    """(parameters some rank's backward gave no gradient although not skipped, those no
+    rank gave one): one all-reduce (a sum) of two flags per parameter over ``group``."""
+    flags = torch.zeros(2, count, dtype=torch.int32, device=device)
+    if missing:
+        flags[0, list(missing)] = 1
+    if got:
+        flags[1, sorted(got)] = 1
+    ledger.record("flags", flags)
+    dist.all_reduce(flags, group=group)
+    flags = flags.cpu()
+    found = [int(i) for i in flags[0].nonzero().flatten().tolist()]
+    return found, [i for i in found if int(flags[1, i]) == 0]

@@ -1,0 +1,219 @@
+"""Worker tasks of test_fsdp2_backend.py (FSDP2 ``fully_shard``, HSDP included)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import flatview
+from flatview.errors import FlatViewError
+from tests.scenarios import (
+    Scenario,
+    distributed_model,
+    distributed_training,
+    full_state,
+    local_batch,
+    loss_of,
+    make_net,
+    optimizers,
+    reference_model,
+    reference_training,
+    synced_backward,
+    wrap_fsdp,
+)
+
+
+def against_plain(scenario: Scenario) -> dict[str, Any]:
+    """Train the scenario with FSDP2 + flatview and with plain FSDP2 (the same skip set on
+    every rank, which plain FSDP2 trains correctly) in the same processes: what each
+    communicated per step and their final parameters."""
+    model, fv, opts = distributed_model(scenario)
+    plain = wrap_fsdp(scenario, make_net(scenario))
+    plain_opts = optimizers(plain)
+    stats, gathers = [], []
+    for stepped in distributed_training(scenario, model, fv, opts):
+        if not stepped:
+            stats.append(fv.stats)
+            gathers.append(fv.ledger.calls.get("all_gather", 0))
+    for micros in [range(i, i + 1) for i in range(len(scenario.skips))]:
+        synced_backward(scenario, plain, None, micros)
+        for opt in plain_opts:
+            opt.step()
+            opt.zero_grad()
+    return {
+        "flatview": full_state(model, scenario),
+        "plain": full_state(plain, scenario),
+        "stats": stats,
+        "gathers": gathers,
+    }
+
+
+def mismatch(per_block: bool, declare: bool, hsdp: bool = False) -> dict[str, Any]:
+    """Ranks skip different blocks (rank r skips block r % 2; with ``hsdp``, on a 2 x 2
+    mesh, replica r // 2 skips block r // 2: the shard groups agree within). With
+    flatview (``declare``): the error each rank raised; without: how far plain FSDP2's
+    gradients are from the correct ones (each rank's own forward, averaged)."""
+    scenario = Scenario(
+        backend="fsdp2",
+        world_size=dist.get_world_size(),
+        inner=(4, 4),
+        norms=(False, False),
+        nested=per_block,
+        options={"hsdp": 2} if hsdp else {},
+    )
+    rank = dist.get_rank()
+    skip = (f"body.{rank // 2 if hsdp else rank % 2}",)
+    xs, ys = local_batch(scenario, 0)
+    if declare:
+        model, fv, _ = distributed_model(scenario)
+        try:
+            with fv.step(skip=list(skip)):
+                loss_of(model(xs, skip), ys).backward()
+        except FlatViewError as error:
+            return {"error": type(error).__name__, "message": str(error)}
+        return {"error": None}
+    model = wrap_fsdp(scenario, make_net(scenario))
+    loss_of(model(xs, skip), ys).backward()
+    reference = make_net(scenario)
+    loss_of(reference(xs, skip), ys).backward()
+    worst = 0.0
+    world = dist.get_world_size()
+    for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        want = q.grad if q.grad is not None else torch.zeros_like(q)
+        dist.all_reduce(want)
+        want /= world
+        rows = -(-want.shape[0] // world)
+        mine = want[rank * rows : (rank + 1) * rows]
+        got = p.grad.to_local() if p.grad is not None else torch.zeros_like(mine)
+        if mine.numel():
+            worst = max(worst, float((got - mine).abs().max()))
+    return {"error": None, "worst": worst}
+
+
+def undeclared(everywhere: bool) -> dict[str, Any]:
+    """Block 1's gate gets no gradient (its forward skips the gate) without being declared
+    skipped: on rank 0 only, or on every rank."""
+    scenario = Scenario(backend="fsdp2", world_size=dist.get_world_size(), gates=(True, True))
+    model, fv, _ = distributed_model(scenario)
+    xs, ys = local_batch(scenario, 0)
+    unused = ("body.1.gate",) if everywhere or dist.get_rank() == 0 else ()
+    out: dict[str, Any] = {}
+    try:
+        with fv.step():
+            loss_of(model(xs, unused), ys).backward()
+    except FlatViewError as error:
+        out["error"] = type(error).__name__
+        out["message"] = str(error)
+    gate = dict(fv.named_parameters())["body.1.gate.weight"]
+    out["gate_grad_none"] = gate.grad is None
+    # The next step trains on normally.
+    with fv.step(skip=["body.1.gate"]):
+        loss_of(model(xs, ("body.1.gate",)), ys).backward()
+    out["after"] = fv.stats is not None and fv.stats.params_skipped == 2
+    return out
+
+
+def skipped_used() -> str | None:
+    """A parameter declared skipped that the model uses."""
+    scenario = Scenario(backend="fsdp2", world_size=dist.get_world_size(), gates=(True, True))
+    model, fv, _ = distributed_model(scenario)
+    xs, ys = local_batch(scenario, 0)
+    try:
+        with fv.step(skip=["body.0.gate"]):
+            loss_of(model(xs), ys).backward()
+    except FlatViewError as error:
+        return type(error).__name__
+    return None
+
+
+def skipped_unit_called() -> str | None:
+    scenario = Scenario(backend="fsdp2", world_size=dist.get_world_size())
+    model, fv, _ = distributed_model(scenario)
+    xs, _ = local_batch(scenario, 0)
+    try:
+        with fv.step(skip=["body.1"]):
+            model(xs)
+    except FlatViewError as error:
+        return type(error).__name__
+    return None
+
+
+def norms_and_state(scenario: Scenario) -> dict[str, Any]:
+    """After training: param and grad norms and the consolidated optimizer state, against
+    the single-process reference; the state loaded back consolidates to the same."""
+    model, fv, opts = distributed_model(scenario)
+    ref, ref_opts = reference_model(scenario)
+    reference = reference_training(scenario, ref, ref_opts)
+    worst: dict[str, float] = {"param": 0.0, "grad": 0.0, "state": 0.0}
+    for stepped in distributed_training(scenario, model, fv, opts):
+        if stepped:
+            continue
+        next(reference)  # the reference's backward of the same step
+        want = dict(ref.named_parameters())
+        for name, norm in fv.param_norms().items():
+            worst["param"] = max(worst["param"], abs(float(norm) - float(want[name].norm())))
+        for name, norm in fv.grad_norms().items():
+            grad = want[name].grad
+            assert (norm is None) == (grad is None), name
+            if norm is not None and grad is not None:
+                worst["grad"] = max(worst["grad"], abs(float(norm) - float(grad.norm())))
+    for _ in reference:
+        pass
+    for opt, ref_opt in zip(opts, ref_opts, strict=True):
+        state = fv.optim_state_dict(opt)
+        names = {id(p): n for n, p in ref.named_parameters()}
+        for p, entry in ref_opt.state.items():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    got = state["state"][names[id(p)]][key]
+                    worst["state"] = max(worst["state"], float((got - value).abs().max()))
+        fv.load_optim_state_dict(opt, state)
+        again = fv.optim_state_dict(opt)
+        for name, entry in state["state"].items():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(value, again["state"][name][key]), (name, key)
+    return worst
+
+
+def hybrid_stats() -> list[dict[str, int]]:
+    """HSDP 2 x 2, per-block: per step, the ledger's calls and bytes by kind, with block 1
+    skipped and with nothing skipped."""
+    scenario = Scenario(
+        backend="fsdp2", world_size=4, inner=(4, 4, 4), norms=(False,) * 3, options={"hsdp": 2}
+    )
+    model, fv, _ = distributed_model(scenario)
+    out = []
+    for skip in ((), ("body.1",), ("body.0", "body.2")):
+        xs, ys = local_batch(scenario, 0)
+        with fv.step(skip=list(skip)):
+            loss_of(model(xs, skip), ys).backward()
+        out.append(
+            {
+                **{f"calls.{k}": v for k, v in fv.ledger.calls.items()},
+                **{f"bytes.{k}": v for k, v in fv.ledger.bytes.items()},
+                "reduced_bytes": fv.stats.reduced_bytes if fv.stats else -1,
+            }
+        )
+    return out
+
+
+def refused(kind: str) -> str:
+    """The WrapError message for an FSDP2 configuration flatview does not support."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    net = make_net(Scenario(backend="fsdp2"))
+    if kind == "offload":
+        fully_shard(net, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        target: Any = net
+    else:  # only the blocks sharded, not the root
+        for block in net.body:
+            fully_shard(block)
+        target = net
+    try:
+        flatview.wrap(target)
+    except flatview.WrapError as error:
+        return str(error)
+    return ""

@@ -1,0 +1,201 @@
+"""torch FSDP2 (``fully_shard``) and FSDP2 HSDP: skip sets, the agreement check, errors,
+stats at the collectives, norms and optimizer state, against a single-process reference
+and against plain FSDP2 in the same processes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatview.backends import torch_fsdp
+from tests import fsdp2_workers as w
+from tests.scenarios import (
+    GATED,
+    BackendConfig,
+    Scenario,
+    check_equivalent,
+    compare,
+    scenarios,
+)
+
+if TYPE_CHECKING:
+    from tests.conftest import PoolFactory
+
+pytestmark = pytest.mark.skipif(
+    torch_fsdp.torch_version() not in torch_fsdp.TESTED_TORCH,
+    reason=f"flatview's FSDP2 backend is tested with torch {torch_fsdp.TESTED_TORCH}",
+)
+
+TIMEOUT = 120.0
+FSDP2 = BackendConfig("fsdp2")
+# Whole units, parameters inside units and root parameters skipped, varying per step.
+SKIPS = GATED.skips
+
+
+@pytest.mark.parametrize(
+    ("world_size", "nested"),
+    [
+        (2, True),
+        (2, False),
+        (3, True),
+        pytest.param(1, True, marks=pytest.mark.slow),
+        pytest.param(4, True, marks=pytest.mark.slow),
+        pytest.param(4, False, marks=pytest.mark.slow),
+    ],
+)
+def test_equivalent(dist_pool: PoolFactory, world_size: int, nested: bool) -> None:
+    """Per-block units and one unit train like the unwrapped model, skip sets varying
+    per step (whole blocks, gates inside blocks, root parameters)."""
+    scenario = FSDP2.scenario(GATED, world_size=world_size, nested=nested, tie=True)
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+def test_accumulation_with_different_skips(dist_pool: PoolFactory) -> None:
+    """``set_requires_gradient_sync(False)`` micro-batches skipping different blocks: what
+    each accumulated is reduced at the synchronising one (block 3 skipped throughout the
+    first step keeps ``None``)."""
+    scenario = FSDP2.scenario(
+        GATED,
+        skips=((0, 3, "body.1.gate"), (1, 3, "aux"), (2, "body.0.gate"), (0, 2, "aux")),
+        accumulate=2,
+        evaluate=True,
+    )
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "options"),
+    [
+        (2, {"mixed_precision": ("bfloat16", "float32")}),
+        (2, {"reshard_after_forward": False, "prefetch": True}),
+        (4, {"reshard_after_forward": 2}),
+        (4, {"hsdp": 2, "prefetch": True}),
+    ],
+    ids=["bf16-params", "no-reshard-prefetch", "reshard-to-2", "hsdp-2x2"],
+)
+def test_same_as_plain_fsdp2(dist_pool: PoolFactory, world_size: int, options: dict) -> None:
+    """With the same skip set on every rank plain FSDP2 trains correctly: flatview on top
+    ends at exactly its parameters; skipped blocks are never gathered (explicit prefetch
+    steered away from them) and cost no reduction."""
+    scenario = FSDP2.scenario(GATED, world_size=world_size, options=options)
+    results = dist_pool(world_size).run(w.against_plain, scenario, timeout=TIMEOUT)
+    compare(results[0]["flatview"], results[0]["plain"], tolerance=0.0)
+    ran = [len(GATED.inner) - sum(isinstance(s, int) for s in skip) for skip in SKIPS]
+    for stats, gathers, units in zip(results[0]["stats"], results[0]["gathers"], ran, strict=True):
+        # One reduce-scatter per unit that ran (root included), with HSDP one all-reduce
+        # more each; the skipped blocks' bytes are not reduced.
+        per_unit = 2 if "hsdp" in options else 1
+        assert stats.reduce_calls == per_unit * (units + 1)
+        assert stats.skipped_bytes > 0 or units == len(GATED.inner)
+        # Forward: root and each block that ran; backward: each block again unless kept
+        # (the root too when told to reshard: by default it keeps its parameters).
+        reshard = options.get("reshard_after_forward")
+        expected = {False: units + 1, None: 2 * units + 1}.get(reshard, 2 * (units + 1))
+        assert gathers == expected
+
+
+def test_equivalent_hybrid(dist_pool: PoolFactory) -> None:
+    """HSDP on a 2 x 2 mesh (shard 2, replicate 2) against the single-process reference."""
+    scenario = FSDP2.scenario(GATED, world_size=4, options={"hsdp": 2})
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+def test_hybrid_stats(dist_pool: PoolFactory) -> None:
+    """HSDP: a skipped block costs nothing in the shard group (reduce-scatter) nor across
+    replicas (all-reduce); both are counted."""
+    full, one, two = dist_pool(4).run(w.hybrid_stats, timeout=TIMEOUT)[0]
+    assert full["calls.reduce_scatter"] == full["calls.all_reduce"] == 4
+    assert one["calls.reduce_scatter"] == one["calls.all_reduce"] == 3
+    assert two["calls.reduce_scatter"] == two["calls.all_reduce"] == 2
+    assert full["calls.all_gather"] == 7 and one["calls.all_gather"] == 5
+    for stats in (full, one, two):
+        # The all-reduce moves the reduce-scatter's output: half its input on 2 shards.
+        assert stats["bytes.all_reduce"] * 2 == stats["bytes.reduce_scatter"]
+        assert stats["reduced_bytes"] == stats["bytes.reduce_scatter"] + stats["bytes.all_reduce"]
+
+
+@pytest.mark.parametrize("per_block", [True, False], ids=["per-block", "one-unit"])
+def test_mismatch_raises_everywhere(dist_pool: PoolFactory, per_block: bool) -> None:
+    """Ranks that skip different blocks raise SkipSetMismatchError on every rank, before
+    any all-gather could pair up wrongly."""
+    results = dist_pool(2).run(w.mismatch, per_block, True, timeout=TIMEOUT)
+    assert [r["error"] for r in results] == ["SkipSetMismatchError"] * 2
+
+
+def test_hybrid_mismatch_across_replicas(dist_pool: PoolFactory) -> None:
+    """HSDP: replicas that skip different blocks (each shard group agreeing within) raise
+    on every rank: the check spans the whole mesh, not only the shard group."""
+    results = dist_pool(4).run(w.mismatch, True, True, True, timeout=TIMEOUT)
+    assert [r["error"] for r in results] == ["SkipSetMismatchError"] * 4
+
+
+def test_plain_fsdp2_mismatch_is_silent(dist_pool: PoolFactory) -> None:
+    """The hazard the check exists for: plain FSDP2 with ranks skipping different
+    blocks raises nothing and computes wrong gradients."""
+    results = dist_pool(2).run(w.mismatch, True, False, timeout=TIMEOUT)
+    assert all(r["error"] is None for r in results)
+    assert max(r["worst"] for r in results) > 1e-3
+
+
+@pytest.mark.parametrize("everywhere", [False, True], ids=["one-rank", "every-rank"])
+def test_undeclared_unused(dist_pool: PoolFactory, everywhere: bool) -> None:
+    """A parameter not declared skipped that gets no gradient raises
+    UndeclaredUnusedError on every rank (on one rank only: the others' reduce-scatters
+    still pair, with zeros from it); training goes on afterwards."""
+    results = dist_pool(2).run(w.undeclared, everywhere, timeout=TIMEOUT)
+    for r in results:
+        assert r["error"] == "UndeclaredUnusedError"
+        assert "body.1.gate.weight" in r["message"]
+        assert r["gate_grad_none"] is everywhere
+        assert r["after"]
+
+
+def test_skipped_used_and_skipped_unit_called(dist_pool: PoolFactory) -> None:
+    pool = dist_pool(2)
+    assert pool.run(w.skipped_used, timeout=TIMEOUT) == ["SkippedParameterUsedError"] * 2
+    assert pool.run(w.skipped_unit_called, timeout=TIMEOUT) == ["SkippedParameterUsedError"] * 2
+
+
+@pytest.mark.parametrize("options", [{}, {"hsdp": 2}], ids=["fsdp", "hsdp"])
+def test_norms_and_optimizer_state(dist_pool: PoolFactory, options: dict) -> None:
+    """Norms of whole parameters and gradients from the DTensor pieces, and the
+    consolidated optimizer state, equal the reference's; loading it back round-trips."""
+    scenario = FSDP2.scenario(GATED, world_size=4 if options else 3, options=options)
+    results = dist_pool(scenario.world_size).run(w.norms_and_state, scenario, timeout=TIMEOUT)
+    for worst in results:
+        assert max(worst.values()) < 1e-5, worst
+
+
+@pytest.mark.parametrize("kind", ["offload", "unsharded-root"])
+def test_refused(dist_pool: PoolFactory, kind: str) -> None:
+    messages = dist_pool(1).run(w.refused, kind, timeout=TIMEOUT)
+    expected = "CPUOffloadPolicy" if kind == "offload" else "fully_shard(model)"
+    assert expected in messages[0]
+
+
+@settings(max_examples=4)
+@given(data=st.data())
+def test_equivalent_random(dist_pool: PoolFactory, data: st.DataObject) -> None:
+    """Random models, skip sets, accumulation and FSDP2 options (a few draws in CI, many
+    in the thorough profile)."""
+    scenario = data.draw(scenarios(world_sizes=(2, 3, 1), configs=(FSDP2,)))
+    option = data.draw(st.sampled_from(({}, {"reshard_after_forward": False}, {"prefetch": True})))
+    scenario = replace(scenario, options={**scenario.options, **option})
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+@settings(max_examples=20)
+@given(data=st.data())
+def test_equivalent_random_hybrid(dist_pool: PoolFactory, data: st.DataObject) -> None:
+    scenario = data.draw(scenarios(world_sizes=(4,), configs=(FSDP2,)))
+    scenario = replace(scenario, options={**scenario.options, "hsdp": 2})
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+def test_scenario_default_is_not_fsdp2() -> None:
+    assert Scenario().backend != "fsdp2"
