@@ -189,6 +189,9 @@ class Approach:
     """Needs fairscale's FSDP (run under flatview.testing.fairscale_on_cpu on CPU)."""
     expect: str = "ok"
     """``crash`` for approaches known to fail with skipped blocks."""
+    min_world: int = 1
+    """Fewest processes it runs on (hybrid layouts: shards of 2 and 2+ replicas); left
+    out of runs on fewer."""
 
 
 def _sgd(params: Any, cfg: Config) -> torch.optim.Optimizer:
@@ -286,7 +289,8 @@ def build_torch_fsdp1_orig(cfg: Config) -> Trainer:
     return Trainer(_loop(model, _sgd(model.parameters(), cfg)))
 
 
-def build_torch_fsdp2(cfg: Config) -> Trainer:
+def _fsdp2_model(cfg: Config) -> nn.Module:
+    """FSDP2 per block: each block its own ``fully_shard`` unit, then the model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -295,7 +299,59 @@ def build_torch_fsdp2(cfg: Config) -> Trainer:
     for block in net.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
+    return net
+
+
+def build_torch_fsdp2(cfg: Config) -> Trainer:
+    net = _fsdp2_model(cfg)
     return Trainer(_loop(net, _sgd(net.parameters(), cfg)))
+
+
+def _flatview_fsdp2(check: bool) -> Callable[[Config], Trainer]:
+    """flatview + FSDP2 per block: no views (FSDP2 keeps the original parameters), skip
+    sets, the agreement check and the flags that catch undeclared unused parameters."""
+
+    def build(cfg: Config) -> Trainer:
+        return _with_flatview(_fsdp2_model(cfg), cfg, check, "auto")
+
+    return build
+
+
+def _hybrid_mesh() -> Any:
+    """A (replicate, shard) mesh with shards of 2 ranks (4 processes: 2 x 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world < 4 or world % 2:
+        raise RuntimeError(f"hybrid rows need an even world size of at least 4, got {world}")
+    return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _flatview_torch_hybrid(cfg: Config) -> Trainer:
+    """flatview + torch FSDP1 HYBRID_SHARD per block over a (replicate, shard) mesh."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = FSDP(
+        make_net(cfg),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        device_mesh=_hybrid_mesh(),
+    )
+    return _with_flatview(model, cfg, True, "auto")
+
+
+def _flatview_fsdp2_hsdp(cfg: Config) -> Trainer:
+    """flatview + FSDP2 HSDP per block over a (replicate, shard) mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _hybrid_mesh()
+    net = make_net(cfg)
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return _with_flatview(net, cfg, True, "auto")
 
 
 def _with_flatview(
@@ -421,6 +477,22 @@ APPROACHES: tuple[Approach, ...] = (
         build_torch_fsdp1_orig,
     ),
     Approach("torch_fsdp2", "torch FSDP2 (fully_shard) per block", build_torch_fsdp2),
+    Approach("flatview_fsdp2", "flatview + FSDP2 per block, check on", _flatview_fsdp2(True)),
+    Approach(
+        "flatview_fsdp2_nocheck", "flatview + FSDP2 per block, check off", _flatview_fsdp2(False)
+    ),
+    Approach(
+        "flatview_torch_hybrid",
+        "flatview + torch FSDP1 HYBRID_SHARD per block, shards of 2 (4+ processes)",
+        _flatview_torch_hybrid,
+        min_world=4,
+    ),
+    Approach(
+        "flatview_fsdp2_hsdp",
+        "flatview + FSDP2 HSDP per block, shards of 2 (4+ processes)",
+        _flatview_fsdp2_hsdp,
+        min_world=4,
+    ),
     Approach(
         "flatview_fairscale_rs_check",
         "flatview + fairscale per block, reduce_scatter, check on",
@@ -520,6 +592,35 @@ class Pair:
 
 
 PAIRS: tuple[Pair, ...] = (
+    Pair(
+        "fsdp2_skipping",
+        "FSDP2 per block, skipping: plain FSDP2 (every rank skips the same blocks) vs "
+        "wrapped by flatview (check on)",
+        ("plain FSDP2", build_torch_fsdp2),
+        ("flatview", _flatview_fsdp2(True)),
+        skip=True,
+    ),
+    Pair(
+        "fsdp2_nothing_skipped",
+        "FSDP2 per block, nothing skipped: plain FSDP2 vs wrapped by flatview (check on)",
+        ("plain FSDP2", build_torch_fsdp2),
+        ("flatview", _flatview_fsdp2(True)),
+        skip=False,
+    ),
+    Pair(
+        "fsdp2_nothing_skipped_nocheck",
+        "FSDP2 per block, nothing skipped: plain FSDP2 vs wrapped by flatview (check off)",
+        ("plain FSDP2", build_torch_fsdp2),
+        ("flatview", _flatview_fsdp2(False)),
+        skip=False,
+    ),
+    Pair(
+        "fsdp2_vs_ideal",
+        "FSDP2 per block, skipping: the ideal vs flatview + FSDP2 (check on)",
+        ("ideal", build_ideal),
+        ("flatview + FSDP2", _flatview_fsdp2(True)),
+        skip=True,
+    ),
     Pair(
         "views_cost_nothing",
         "Views must cost nothing: fairscale FSDP per block, nothing skipped, plain vs wrapped "
@@ -1265,7 +1366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{pair.name:32s} {pair.title}")
         return 0
     only = set(args.only.split(",")) if args.only else None
-    chosen = [a for a in APPROACHES if only is None or a.name in only]
+    chosen = [
+        a for a in APPROACHES if (only is None or a.name in only) and cfg.world_size >= a.min_world
+    ]
     if only is not None and "ideal" not in only:
         chosen.insert(0, APPROACHES[0])  # ratios need it
     pairs = [p for p in PAIRS if only is None or p.name in only]
