@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flatview
 from flatview.comm.hybrid import HybridGroups, check_grid, hybrid_reduce
 from flatview.comm.ledger import Ledger
-from flatview.comm.reduce import Strategy
+from flatview.comm.options import Strategy
 from flatview.errors import FlatViewError
 from flatview.layout import FlatLayout, MaskPlan, Segment
 from tests.scenarios import (

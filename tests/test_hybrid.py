@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatview.comm.hybrid import REPLICA_ALL_REDUCE, check_grid
-from flatview.comm.reduce import Strategy, choose_strategy
+from flatview.comm.options import Strategy
+from flatview.comm.sharded import choose_strategy
 from tests import hybrid_workers as hw
 from tests.scenarios import (
     GATED,

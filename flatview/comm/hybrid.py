@@ -10,7 +10,7 @@ shard in the replica group.
 :func:`hybrid_reduce` does the same moving only a :class:`~flatview.layout.MaskPlan`'s
 used elements on either group: packed per destination shard rank and reduced in the
 shard group (padded reduce-scatter or exact all-to-all, as
-:func:`~flatview.comm.reduce.choose_strategy` picks for plain sharding), then the packed
+:func:`~flatview.comm.sharded.choose_strategy` picks for plain sharding), then the packed
 used elements of this rank's shard all-reduced in the replica group. Several gradients
 may go together, one collective per group for all. Nothing used: no collective at all;
 a shard rank that owns no used element skips the replica all-reduce, as do its peers.
@@ -32,7 +32,8 @@ import torch.distributed as dist
 from flatview.comm._compat import reduce_scatter_single
 from flatview.comm.ledger import Ledger
 from flatview.comm.packing import PlanIndex
-from flatview.comm.reduce import Strategy, choose_strategy
+from flatview.comm.options import Strategy
+from flatview.comm.sharded import choose_strategy
 from flatview.layout import MaskPlan
 
 REPLICA_ALL_REDUCE = "replica_all_reduce"
