@@ -3,16 +3,17 @@
 The masked hybrid reduction (:mod:`flatview.comm.hybrid`) against hand-computed sums,
 with its bytes measured per group at the collectives; the grid check on torch's own
 groups; plain torch FSDP1 hybrid training against the single-process reference (which
-shows the harness's hybrid models are right). The tests marked ``xfail`` are those that
-must pass once flatview's torch FSDP1 adapter serves ``HYBRID_SHARD`` and
-``_HYBRID_SHARD_ZERO2`` (HYBRID_PLAN.md): the reference equivalence with skip sets,
-bytes per group, the skip-set check across replica groups, and refused layouts.
+shows the harness's hybrid models are right). Then flatview on torch FSDP1
+``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2``: the reference equivalence with skip sets,
+bytes per group (through ``fv.stats`` and at the collectives), the skip-set check across
+replica groups, refused layouts, norms, and optimizer state (``rank0_only`` is global
+rank 0; checkpoints move to and from non-hybrid layouts).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from flatview.comm.hybrid import REPLICA_ALL_REDUCE, check_grid
 from flatview.comm.options import Strategy
 from flatview.comm.sharded import choose_strategy
 from tests import hybrid_workers as hw
+from tests import optim_workers as ow
 from tests.scenarios import (
     GATED,
     HYBRID_CONFIGS,
@@ -37,14 +39,16 @@ from tests.scenarios import (
     make_net,
     scenarios,
 )
+from tests.test_norms import check_training
+from tests.test_optim_state import assert_same_state, check_round_trip
 
 if TYPE_CHECKING:
     from tests.conftest import PoolFactory
 
 TIMEOUT = 120.0
 WORLD = 4
-NOT_INTEGRATED = pytest.mark.xfail(strict=False, reason="hybrid adapter not integrated yet")
 HYBRID_SHARD, ZERO2 = HYBRID_CONFIGS
+FULL_SHARD = BackendConfig("torch", "FULL_SHARD")
 
 # ------------------------------------------------------------------ the grid check
 
@@ -196,7 +200,6 @@ EQUIVALENCE = [
 ]
 
 
-@NOT_INTEGRATED
 @pytest.mark.parametrize(("config", "kind", "variant"), EQUIVALENCE)
 def test_hybrid_trains_like_the_reference(
     dist_pool: PoolFactory, config: BackendConfig, kind: str, variant: str
@@ -207,7 +210,6 @@ def test_hybrid_trains_like_the_reference(
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
-@NOT_INTEGRATED
 @pytest.mark.slow
 @given(data=st.data())
 @settings(max_examples=max(2, settings().max_examples // 2))
@@ -223,7 +225,6 @@ def _numel(scenario: Scenario, prefixes: tuple[str, ...]) -> int:
     return sum(p.numel() for n, p in net.named_parameters() if n.startswith(prefixes))
 
 
-@NOT_INTEGRATED
 def test_hybrid_bytes_per_group(dist_pool: PoolFactory) -> None:
     """Each group moves only used gradients, counted at the collectives: every rank's
     shard group its used elements (an exact all-to-all), its replica group those of
@@ -257,7 +258,6 @@ def test_hybrid_bytes_per_group(dist_pool: PoolFactory) -> None:
         assert replica_bytes[0] + replica_bytes[1] == used, (skip, replica_bytes)
 
 
-@NOT_INTEGRATED
 def test_replica_groups_that_skip_differently_raise(dist_pool: PoolFactory) -> None:
     """Shard group {0, 1} skips body.0, {2, 3} skips body.1: each shard group agrees
     within itself, so only a check spanning the world sees it (a replica all-reduce
@@ -269,7 +269,6 @@ def test_replica_groups_that_skip_differently_raise(dist_pool: PoolFactory) -> N
     assert set(err.errors) == set(range(WORLD))
 
 
-@NOT_INTEGRATED
 @pytest.mark.parametrize(
     ("case", "match"),
     [
@@ -280,3 +279,60 @@ def test_replica_groups_that_skip_differently_raise(dist_pool: PoolFactory) -> N
 def test_hybrid_layouts_flatview_refuses(dist_pool: PoolFactory, case: str, match: str) -> None:
     for message in dist_pool(WORLD).run(hw.wrap_refused, case, timeout=60.0):
         assert match in message, message
+
+
+# ------------------------------------------------ norms and optimizer state
+
+
+def test_hybrid_norms_count_each_element_once(dist_pool: PoolFactory) -> None:
+    """Replica peers hold the same shards: norms combine the shard group's pieces only
+    (over the world each element would count twice, off by sqrt(2) for 2-norms)."""
+    scenario = HYBRID_SHARD.scenario(
+        GATED, world_size=WORLD, skips=GATED.skips[:3], options={"hybrid": "tuple"}
+    )
+    check_training(dist_pool, scenario)
+
+
+def test_hybrid_rank0_only_is_global_rank0(dist_pool: PoolFactory) -> None:
+    """The consolidated optimizer state equals the reference on every rank; with
+    ``rank0_only`` only global rank 0 gets it, not shard rank 0 of the other replica
+    (global rank 2); every rank issues the same collectives."""
+    scenario = ZERO2.scenario(GATED, world_size=WORLD, options={"hybrid": "mesh"})
+    results = dist_pool(WORLD).run(ow.both_ways, scenario, timeout=TIMEOUT)
+    _, want = ow.reference(scenario)
+    assert len({calls for _, _, calls in results}) == 1
+    for rank, (everywhere, only, _) in enumerate(results):
+        for index, state in enumerate(everywhere):
+            assert_same_state(state, want[index], (rank, index))
+        for index, state in enumerate(only):
+            if rank == 0:
+                assert_same_state(state, want[index], (rank, index))
+            else:
+                assert state["state"] == {}, rank
+                assert state["param_groups"] == want[index]["param_groups"]
+
+
+@pytest.mark.parametrize(
+    ("saved_on", "resumed_on"),
+    [
+        pytest.param((HYBRID_SHARD, WORLD, {"hybrid": "tuple"}), (FULL_SHARD, 2, {}), id="to-full"),
+        pytest.param(
+            (FULL_SHARD, 2, {"use_orig_params": True}),
+            (ZERO2, WORLD, {"hybrid": "mesh", "use_orig_params": True}),
+            id="from-full",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_hybrid_optimizer_state_moves_across_layouts(
+    dist_pool: PoolFactory,
+    saved_on: tuple[BackendConfig, int, dict[str, Any]],
+    resumed_on: tuple[BackendConfig, int, dict[str, Any]],
+) -> None:
+    """Two steps on one layout, checkpoint (parameters, consolidated optimizer state on
+    rank 0), the other steps on the other: the reference's parameters and state."""
+    saved, resumed = (
+        config.scenario(GATED, world_size=ws, batch_per_rank=4 // ws, options=options)
+        for config, ws, options in (saved_on, resumed_on)
+    )
+    check_round_trip(dist_pool, saved, resumed, steps=2)

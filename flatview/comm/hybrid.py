@@ -30,14 +30,13 @@ import torch
 import torch.distributed as dist
 
 from flatview.comm._compat import reduce_scatter_single
-from flatview.comm.ledger import Ledger
-from flatview.comm.packing import PlanIndex
+from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
 from flatview.comm.options import Strategy
+from flatview.comm.packing import PlanIndex
 from flatview.comm.sharded import choose_strategy
 from flatview.layout import MaskPlan
 
-REPLICA_ALL_REDUCE = "replica_all_reduce"
-"""Ledger kind of the all-reduce across the replica group."""
+__all__ = ["REPLICA_ALL_REDUCE", "HybridGroups", "check_grid", "hybrid_reduce"]
 
 
 @dataclass(frozen=True)
