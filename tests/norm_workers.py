@@ -155,8 +155,9 @@ def _assembled(
     norm_type: float = 2.0,
 ) -> dict[str, float | None]:
     """Norms of ``pieces`` computed the slow way: every rank's piece gathered (one copy
-    where every rank holds the whole, one shard group's under hybrid sharding), concatenated, and measured in float64. Padding
-    in a piece is zeros, which no norm sees."""
+    where every rank holds the whole, one shard group's under hybrid sharding),
+    concatenated, and measured in float64. Padding in a piece is zeros, which no norm
+    sees."""
     gathered: list[dict[str, np.ndarray | None]] = [{} for _ in range(dist.get_world_size())]
     mine = {n: None if t is None else t.detach().reshape(-1).numpy() for n, t in pieces.items()}
     dist.all_gather_object(gathered, mine)
