@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flatview.comm.ledger import REPLICA_ALL_REDUCE
 from flatview.stats import StepStats
 from flatview.table import ParamTable
 
-REDUCE_KINDS = ("reduce_scatter", "all_to_all", "all_reduce")
+REDUCE_KINDS = ("reduce_scatter", "all_to_all", "all_reduce", REPLICA_ALL_REDUCE)
 """The ledger kinds that count as gradient reduction."""
 
 
@@ -27,14 +28,19 @@ class StatsSource:
     synced: bool
 
 
-def step_stats(table: ParamTable, source: StatsSource, *, wrapper_reduces: bool) -> StepStats:
-    """The figures of the backward ``source`` describes."""
+def step_stats(
+    table: ParamTable, source: StatsSource, *, wrapper_reduces: bool, replicas: int = 1
+) -> StepStats:
+    """The figures of the backward ``source`` describes; ``replicas`` > 1: hybrid
+    sharding, where the wrapper also all-reduces every shard across the replica group."""
     skipped, synced = source.skipped, source.synced
     dense = used = skipped_bytes = 0
     for flat in table.flats:
         layout = flat.spec.layout
         size = flat.spec.flat.element_size()
         dense += layout.padded_numel * size
+        if replicas > 1:
+            dense += layout.shard_numel * size
         for segment, index in zip(layout.segments, flat.params, strict=True):
             if index in skipped:
                 skipped_bytes += segment.numel * size
@@ -59,4 +65,5 @@ def step_stats(table: ParamTable, source: StatsSource, *, wrapper_reduces: bool)
         units=len(table.units),
         agreement_bytes=source.ledger_bytes.get("agreement", 0),
         synced=synced,
+        replica_bytes=source.ledger_bytes.get(REPLICA_ALL_REDUCE, 0),
     )

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from flatview import optim_state
+from flatview.backends.base import is_rank0
 from flatview.comm.consolidate import exchange
 from flatview.errors import FlatViewError, OptimStateError
 from flatview.layout import Placement
@@ -232,7 +233,7 @@ def _optim_state_dict(
             part = _sharded_optim_state(fv, optimizer, info.cpu_offload)
         merged["state"].update(part["state"])
         merged["param_groups"].extend(part["param_groups"])
-    if info.full_state_dict and info.cpu_offload and fv.adapter.rank != 0:
+    if info.full_state_dict and info.cpu_offload and not is_rank0(fv.adapter):
         # torch's convention: with cpu_offload the full dict lives on rank 0 only.
         return {}
     return merged

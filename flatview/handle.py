@@ -454,7 +454,8 @@ class FlatView:
                 (:meth:`parameters`, ``submodule.parameters()``).
             rank0_only: assemble the full tensors on rank 0 only (the others join the
                 collectives and receive nothing); other ranks get the same
-                ``param_groups`` and an empty ``state``.
+                ``param_groups`` and an empty ``state``. Under hybrid sharding rank 0
+                is global rank 0 (not every replica's first shard rank).
 
         Returns:
             The consolidated state dict, for :meth:`load_optim_state_dict`.

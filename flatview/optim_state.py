@@ -61,7 +61,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from flatview.backends.base import Adapter
+from flatview.backends.base import Adapter, is_rank0
 from flatview.comm.consolidate import exchange
 from flatview.errors import OptimStateError
 from flatview.layout import Placement
@@ -238,7 +238,7 @@ def consolidate(
         raise  # not reached: this rank's own report is among them
     states: dict[int, dict[Any, Any]] = saved["state"]
 
-    receiving = not rank0_only or adapter.rank == 0
+    receiving = not rank0_only or is_rank0(adapter)
     fulls: dict[tuple[int, Any], torch.Tensor] = {}
     plan: dict[int, dict[Any, Kind]] = {}
     if gathering:

@@ -48,9 +48,13 @@ class OptimizerChecks:
         """See :meth:`flatview.FlatView.check_param_groups`."""
         signature = self._shape_signature(optimizer)
         local = (self._group_keys(optimizer), signature.suspicious(), bool(signature.whole))
-        everyone: list[Any] = [None] * self.adapter.world_size
-        if self.adapter.world_size > 1:
-            dist.all_gather_object(everyone, local, group=self.adapter.group)
+        adapter = self.adapter
+        # Every rank of the run: under hybrid sharding replicas too, beyond the group.
+        group = adapter.agreement_group
+        size = adapter.world_size if adapter.replicas == 1 else dist.get_world_size(group)
+        everyone: list[Any] = [None] * size
+        if size > 1:
+            dist.all_gather_object(everyone, local, group=group)
         else:
             everyone = [local]
         gathered = [keys for keys, _, _ in everyone]

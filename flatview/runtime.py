@@ -489,6 +489,9 @@ class Runtime:
         """Communication figures of the last backward pass (``None`` before the first)."""
         if self._stats is None and self._stats_source is not None:
             self._stats = step_stats(
-                self.table, self._stats_source, wrapper_reduces=self.adapter.wrapper_reduces
+                self.table,
+                self._stats_source,
+                wrapper_reduces=self.adapter.wrapper_reduces,
+                replicas=self.adapter.replicas,
             )
         return self._stats

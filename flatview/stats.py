@@ -13,12 +13,14 @@ class StepStats:
     """
 
     reduced_bytes: int
-    """Input bytes of flatview's gradient-reduction collectives."""
+    """Input bytes of flatview's gradient-reduction collectives (under hybrid sharding
+    those of both groups: :attr:`replica_bytes` included)."""
     reduce_calls: int
     dense_bytes: int
     """What the wrapper's own reduce-scatters would take as input with nothing skipped:
     every flat parameter's padded gradient (0 where the wrapper communicates nothing:
-    fairscale on one rank)."""
+    fairscale on one rank). Under hybrid sharding, the padded gradient plus the shard
+    that the replica group all-reduces."""
     used_bytes: int
     """Gradient bytes of the parameters that took part (what an exact exchange moves; 0
     where nothing needs exchanging)."""
@@ -31,3 +33,6 @@ class StepStats:
     """Input bytes of the skip-set agreement check (0 when it is turned off)."""
     synced: bool
     """False for a backward under ``no_sync()``: gradients were only accumulated."""
+    replica_bytes: int = 0
+    """Under hybrid sharding, the part of :attr:`reduced_bytes` moved across the replica
+    group (the all-reduce of each rank's used shard elements); 0 otherwise."""

@@ -2,7 +2,8 @@
 
 With ``check_skip_agreement`` on, every checked step, and every iteration outside any
 step (as one skipping nothing), starts one tiny all-gather of a fingerprint of its skip
-set and frozen parameters (:mod:`flatview.comm.agreement`). Where the adapter allows
+set and frozen parameters (:mod:`flatview.comm.agreement`), on the adapter's
+``agreement_group`` (every rank of the run, replicas included). Where the adapter allows
 (``overlaps_agreement``) it runs alongside the forward and is settled before the first
 collective the skip set decides; otherwise it is settled at once.
 """
@@ -42,7 +43,7 @@ class SkipAgreement:
             agreement = Agreement(
                 fingerprint((), frozen),
                 list,
-                self.adapter.group,
+                self.adapter.agreement_group,
                 self.adapter.device,
                 self.ledger,
                 frozen=lambda: [params[i].name for i in sorted(frozen)],
@@ -52,7 +53,7 @@ class SkipAgreement:
             agreement = Agreement(
                 fingerprint(skipped, frozen),
                 lambda: [params[i].name for i in sorted(skipped)],
-                self.adapter.group,
+                self.adapter.agreement_group,
                 self.adapter.device,
                 self.ledger,
                 frozen=lambda: [params[i].name for i in sorted(frozen)],

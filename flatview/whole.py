@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatview.backends.base import is_rank0
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
 from flatview.layout import Interval
@@ -112,6 +113,7 @@ class Whole(torch.optim.Optimizer):
         adapter = fv.adapter
         self._group = adapter.group
         self._rank = adapter.rank
+        self._rank0 = is_rank0(adapter)
         self._world = adapter.world_size
         self._device = adapter.device
         user_groups: list[dict[str, Any]] = []
@@ -403,7 +405,7 @@ class Whole(torch.optim.Optimizer):
             gathered: list[Any] = [None] * self._world
             dist.all_gather_object(gathered, mine, group=self._group)
             everything = {k: v for part in gathered for k, v in part.items()}
-        if rank0_only and self._rank != 0:
+        if rank0_only and not self._rank0:
             everything = {}
         names = {id(m.tensor): m.name for m in self._members}
         groups = [

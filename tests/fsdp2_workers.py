@@ -195,6 +195,7 @@ def hybrid_stats() -> list[dict[str, int]]:
                 **{f"calls.{k}": v for k, v in fv.ledger.calls.items()},
                 **{f"bytes.{k}": v for k, v in fv.ledger.bytes.items()},
                 "reduced_bytes": fv.stats.reduced_bytes if fv.stats else -1,
+                "replica_bytes": fv.stats.replica_bytes if fv.stats else -1,
             }
         )
     return out

@@ -21,6 +21,8 @@ import flatview
 from flatview.optim import LARC, trust_ratios
 from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
+    HYBRID_SHARD_SIZE,
+    HYBRID_STRATEGIES,
     Scenario,
     _original_tree,
     backend_context,
@@ -153,11 +155,15 @@ def _assembled(
     norm_type: float = 2.0,
 ) -> dict[str, float | None]:
     """Norms of ``pieces`` computed the slow way: every rank's piece gathered (one copy
-    where every rank holds the whole), concatenated, and measured in float64. Padding
-    in a piece is zeros, which no norm sees."""
+    where every rank holds the whole, one shard group's under hybrid sharding),
+    concatenated, and measured in float64. Padding in a piece is zeros, which no norm
+    sees."""
     gathered: list[dict[str, np.ndarray | None]] = [{} for _ in range(dist.get_world_size())]
     mine = {n: None if t is None else t.detach().reshape(-1).numpy() for n, t in pieces.items()}
     dist.all_gather_object(gathered, mine)
+    if scenario.strategy in HYBRID_STRATEGIES:
+        # Replicas hold the same pieces: one shard group's (ranks 0, 1, ...) make the whole.
+        gathered = gathered[:HYBRID_SHARD_SIZE]
     out: dict[str, float | None] = {}
     for name in pieces:
         parts = [g[name] for g in gathered if g[name] is not None]

@@ -59,7 +59,7 @@ class BackendConfig:
     def __str__(self) -> str:
         if self.backend in ("fairscale", "ddp", "fsdp2"):
             return self.backend
-        name = f"torch-{self.strategy.lower().replace('_', '-')}"
+        name = f"torch-{self.strategy.lower().strip('_').replace('_', '-')}"
         return f"{name}-runtime" if self.runtime else name
 
     @property
@@ -96,6 +96,17 @@ BACKEND_CONFIGS: tuple[BackendConfig, ...] = (
     TORCH_NO_SHARD_RUNTIME,
     DDP,
 )
+
+
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+HYBRID_CONFIGS: tuple[BackendConfig, ...] = tuple(
+    BackendConfig("torch", strategy) for strategy in HYBRID_STRATEGIES
+)
+"""torch FSDP1 hybrid sharding, on a grid of shard groups of :data:`HYBRID_SHARD_SIZE`
+ranks (the option ``hybrid``, see :func:`hybrid_groups`). Not in :data:`BACKEND_CONFIGS`:
+it needs a world size that the shard size divides (4 in the suite)."""
+
+HYBRID_SHARD_SIZE = 2
 
 
 def torch_backend_tested() -> bool:
@@ -606,12 +617,14 @@ def _torch_kwargs(scenario: Scenario) -> dict[str, Any]:
     pickle and read well in test ids."""
     from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
-    # auto_wrap is the tests' own; compute_on_views and overlap are flatview's.
+    # auto_wrap and hybrid are the tests' own; compute_on_views and overlap are flatview's.
     options = {
         k: v
         for k, v in scenario.options.items()
-        if k not in ("auto_wrap", "compute_on_views", "overlap")
+        if k not in ("auto_wrap", "compute_on_views", "overlap", "hybrid")
     }
+    if scenario.strategy in HYBRID_STRATEGIES:
+        options.update(hybrid_groups(scenario.options.get("hybrid", "mesh")))
     if "backward_prefetch" in options:
         name = options["backward_prefetch"]
         options["backward_prefetch"] = None if name is None else BackwardPrefetch[name]
@@ -626,6 +639,44 @@ def _torch_kwargs(scenario: Scenario) -> dict[str, Any]:
         "device_id": torch.device("cpu"),
         **options,
     }
+
+
+# Per worker process, the hybrid grids made so far: made once (every rank of the world
+# takes part), kept for later tasks, so that tasks neither pay for new groups nor pile
+# them up. A respawned pool starts without.
+_HYBRID_GROUPS: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+
+def hybrid_groups(kind: str, shard_size: int = HYBRID_SHARD_SIZE) -> dict[str, Any]:
+    """torch FSDP1's hybrid-sharding argument for a grid of shard groups of ``shard_size``
+    consecutive ranks: a 2-D ``device_mesh`` (``kind="mesh"``, dimensions replicate x
+    shard) or a ``process_group=(shard group, replica group)`` pair (``kind="tuple"``).
+    Collective on first use per worker (every rank must call it)."""
+    world = dist.get_world_size()
+    key = (kind, shard_size, world)
+    if key not in _HYBRID_GROUPS:
+        if world % shard_size:
+            raise ValueError(f"a shard size of {shard_size} does not divide {world} ranks")
+        replicas = world // shard_size
+        if kind == "mesh":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(
+                "cpu", (replicas, shard_size), mesh_dim_names=("replicate", "shard")
+            )
+            _HYBRID_GROUPS[key] = {"device_mesh": mesh}
+        elif kind == "tuple":
+            rank = dist.get_rank()
+            rows = [[r * shard_size + s for s in range(shard_size)] for r in range(replicas)]
+            columns = [[r * shard_size + s for r in range(replicas)] for s in range(shard_size)]
+            # Every rank creates every group, in the same order.
+            made = [(dist.new_group(ranks), ranks) for ranks in rows + columns]
+            shard = next(g for g, ranks in made[:replicas] if rank in ranks)
+            replica = next(g for g, ranks in made[replicas:] if rank in ranks)
+            _HYBRID_GROUPS[key] = {"process_group": (shard, replica)}
+        else:
+            raise ValueError(f"unknown hybrid grid kind {kind!r}")
+    return _HYBRID_GROUPS[key]
 
 
 def wrap_fsdp(scenario: Scenario, net: Net) -> nn.Module:

@@ -108,14 +108,16 @@ def test_hybrid_stats(dist_pool: PoolFactory) -> None:
     """HSDP: a skipped block costs nothing in the shard group (reduce-scatter) nor across
     replicas (all-reduce); both are counted."""
     full, one, two = dist_pool(4).run(w.hybrid_stats, timeout=TIMEOUT)[0]
-    assert full["calls.reduce_scatter"] == full["calls.all_reduce"] == 4
-    assert one["calls.reduce_scatter"] == one["calls.all_reduce"] == 3
-    assert two["calls.reduce_scatter"] == two["calls.all_reduce"] == 2
+    rs, ar = "reduce_scatter", "replica_all_reduce"
+    assert full[f"calls.{rs}"] == full[f"calls.{ar}"] == 4
+    assert one[f"calls.{rs}"] == one[f"calls.{ar}"] == 3
+    assert two[f"calls.{rs}"] == two[f"calls.{ar}"] == 2
     assert full["calls.all_gather"] == 7 and one["calls.all_gather"] == 5
     for stats in (full, one, two):
         # The all-reduce moves the reduce-scatter's output: half its input on 2 shards.
-        assert stats["bytes.all_reduce"] * 2 == stats["bytes.reduce_scatter"]
-        assert stats["reduced_bytes"] == stats["bytes.reduce_scatter"] + stats["bytes.all_reduce"]
+        assert stats[f"bytes.{ar}"] * 2 == stats[f"bytes.{rs}"]
+        assert stats["reduced_bytes"] == stats[f"bytes.{rs}"] + stats[f"bytes.{ar}"]
+        assert stats["replica_bytes"] == stats[f"bytes.{ar}"]
 
 
 @pytest.mark.parametrize("per_block", [True, False], ids=["per-block", "one-unit"])

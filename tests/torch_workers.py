@@ -246,11 +246,18 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
 
         root.register_comm_hook(None, hook)
         target = root
+    elif case == "hybrid_shard_of_one":
+        # Replicated across both ranks, shards of one rank: torch switches the units to
+        # NO_SHARD and never reduces across the replicas.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import ShardingStrategy
+
+        mesh = init_device_mesh("cpu", (2, 1))
+        strategy = ShardingStrategy.HYBRID_SHARD
+        target = TorchFSDP(net, sharding_strategy=strategy, device_mesh=mesh, device_id="cpu")
     else:
-        # torch wants a process group or device mesh for hybrid strategies unless a
-        # wrap policy builds the units.
-        options = {**scenario.options, "auto_wrap": True}
-        target = wrap_fsdp(replace(scenario, strategy=case, options=options), net)
+        raise ValueError(case)
     try:
         flatview.wrap(target, **kwargs)
     except FlatViewError as err:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
@@ -166,8 +167,16 @@ class AdapterBase:
     class) or :meth:`_hook`, so that :meth:`uninstall` can take it all back."""
 
     root: Any
+    group: dist.ProcessGroup | None
     overlaps_agreement = False
     wrapper_reduces = True
+    replicas = 1
+
+    @property
+    def agreement_group(self) -> dist.ProcessGroup | None:
+        """The adapter's group, or the world where shards have replicas (see
+        :attr:`flatview.backends.base.Adapter.agreement_group`)."""
+        return self.group if self.replicas == 1 else None
 
     def __init__(self) -> None:
         self._core: Runtime | None = None

@@ -160,6 +160,16 @@ class Runtime(Protocol):
     def name(self, index: int) -> str: ...
 
 
+def is_rank0(adapter: Adapter) -> bool:
+    """Whether this rank gets "rank 0 only" results (``rank0_only=True``): rank 0 of the
+    adapter's group, and under hybrid sharding rank 0 of :attr:`Adapter.agreement_group`
+    (the world; the wrap checks that it is shard rank 0), not every replica's shard
+    rank 0."""
+    if adapter.rank != 0:
+        return False
+    return adapter.replicas == 1 or dist.get_rank(adapter.agreement_group) == 0
+
+
 class Adapter(Protocol):
     """The backend side of a :class:`~flatview.FlatView`."""
 
@@ -173,6 +183,17 @@ class Adapter(Protocol):
     """The wrapper communicates nothing the skip set decides before flatview's own
     gradient collectives, so the skip-set check may run alongside the forward; the
     adapter calls ``Runtime.settle_agreement`` before its first collective."""
+
+    replicas: int
+    """How many ranks hold each shard: hybrid sharding's replica-group size (``group``,
+    ``rank`` and ``world_size`` are then the shard group's), 1 otherwise."""
+
+    @property
+    def agreement_group(self) -> dist.ProcessGroup | None:
+        """The group every rank of the training run is in, on which the skip-set check and
+        the parameter-group check run: ``group``, except under hybrid sharding (the
+        world: replicas that skip differently must be caught too). Its rank 0 is the
+        rank that "rank 0 only" results go to."""
 
     wrapper_reduces: bool
     """The wrapper alone would communicate gradients (fairscale at world size 1 does not:

@@ -169,14 +169,12 @@ class FSDP2Adapter(AdapterBase):
                     "FSDP2 HSDP over a mesh that does not span every process: flatview's "
                     "skip-set check needs the mesh to cover the default process group"
                 )
-            self.agreement_group: dist.ProcessGroup | None = None if self.hybrid else self.group
             self.device = groups[0].device
         else:
             self.group = None
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
             replicas = 1
-            self.agreement_group = None
             self.device = torch.device("cpu")
         self.replicas = replicas
         self.wrapper_reduces = self.world_size * replicas > 1

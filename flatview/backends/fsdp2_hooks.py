@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatview.comm.ledger import Ledger
+from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
 from flatview.errors import WrapError
 from flatview.layout import FlatLayout, Segment
 
@@ -129,7 +129,7 @@ class CountingReduceScatter:
         if isinstance(source, torch.Tensor):
             self.ledger.record("reduce_scatter", source)
         if self.group is not None and self.group.all_reduce_grads and output is not None:
-            self.ledger.record("all_reduce", output)
+            self.ledger.record(REPLICA_ALL_REDUCE, output)
         return self.inner(*args, **kwargs)
 
 

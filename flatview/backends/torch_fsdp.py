@@ -22,7 +22,8 @@ torch, which is why :class:`TorchFSDPAdapter` refuses untested versions):
   (``hook(state, padded_unsharded_grad, sharded_out)``, which must fill ``sharded_out``
   before returning) and the ``NO_SHARD`` all-reduce (``hook(state, grad)``, in place)
   of every unit. torch passes each unit's own ``unit._comm_hook_state``, which this
-  adapter sets per unit so that the hook knows whose gradient it reduces.
+  adapter sets per unit so that the hook knows whose gradient it reduces (also
+  under hybrid sharding: :mod:`~flatview.backends.torch_hybrid`).
 * After a backward the root's final callback waits for the reductions, calls
   ``next_iter()`` on the execution-order record ``unit._exec_order_data`` (one object
   shared by every unit), and only then finalises each unit (the sharded gradient moves
@@ -66,12 +67,12 @@ from flatview.backends.torch_fsdp_checks import (
     fsdp_class,
     is_fsdp2,
     is_torch_fsdp,
-    refuse_hybrid,
     refuse_unit,
     torch_version,
 )
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
 from flatview.backends.torch_fsdp_skips import TorchSkipping
+from flatview.backends.torch_hybrid import hybrid_groups, replica_of, set_comm_hook
 from flatview.backends.torch_summon import SummonLending, summonable
 from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.comm.options import ReduceOptions
@@ -181,7 +182,9 @@ class TorchFSDPAdapter(TorchSkipping):
         if root._is_root is False or vars(root).get("_is_fsdp_managed_module", False):
             raise WrapError(nested_unit_message(root, fsdp, clean_name))
         self.units = units
-        self._check_units(TrainingState.IDLE, refuse_hybrid, refuse_unit)
+        self._check_units(TrainingState.IDLE, then=refuse_unit)
+        self.hybrid = hybrid_groups(root, units, found)  # collective: before any other
+        self.replicas = 1 if self.hybrid is None else self.hybrid.replica_size
         # Lazy initialisation creates the local shards the views alias and the shared
         # execution-order record; torch would run it at the first forward anyway.
         root.check_is_root()
@@ -236,9 +239,9 @@ class TorchFSDPAdapter(TorchSkipping):
         # NO_SHARD units' gradients go to the replicated reduction, the others' to the
         # sharded one; a model may mix both.
         reduction = (self.group, self.rank, self.world_size, core.ledger, self.options)
-        self._sharded = ShardedReduction(*reduction, self.bucket_numel)
+        self._sharded = ShardedReduction(*reduction, self.bucket_numel, replica_of(self.hybrid))
         self._replicated = ReplicatedReduction(*reduction, self.bucket_numel)
-        self.root.register_comm_hook(None, _reduce_hook)
+        set_comm_hook(self.root, self.units, _reduce_hook, self.hybrid)
         for index, (_, unit) in enumerate(self.units):
             # register_comm_hook gives every unit the same state; each gets its own so
             # that the hook knows whose gradient it is given.

@@ -2,9 +2,10 @@
 refuses at wrap time: torch internals it touches that are missing (every attribute it
 reads, calls or replaces, checked before anything is patched, so that a torch that
 renamed one is refused with the attribute named instead of failing in the middle of a
-backward), units it cannot drive (hybrid sharding, CPU
-offload, a communication hook of someone else's), flat parameters whose layout views
-cannot follow, and a model caught between a forward and its backward.
+backward), units it cannot drive (CPU offload, a communication hook of someone
+else's), flat parameters whose layout views cannot follow, and a model caught between a
+forward and its backward. Hybrid sharding's own checks are in
+:mod:`~flatview.backends.torch_hybrid`.
 
 Wrapping runs torch's lazy initialisation (it would otherwise run at the first forward).
 Before that every unit's ``_is_root`` is ``None``; a unit that another FSDP was
@@ -176,23 +177,6 @@ def check_initialised(root: Any, units: list[tuple[str, Any]], tested: str) -> N
         what = f"FSDP unit {name or '<root>'!r}"
         require_attrs(handle, _HANDLE_PRIVATES, f"the FlatParamHandle of {what}", tested)
         require_attrs(handle.flat_param, FLAT_PRIVATES, f"the flat parameter of {what}", tested)
-
-
-def refuse_hybrid(label: str, unit: Any) -> None:
-    """Hybrid sharding reduces over two process groups: torch's communication hooks,
-    through which flatview reduces, cover one."""
-    from torch.distributed.fsdp import ShardingStrategy
-
-    hybrid = {ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2}
-    # torch turns a hybrid strategy whose shard group has one rank into NO_SHARD
-    # but keeps the replica group; either way two groups would need reducing.
-    if unit.sharding_strategy in hybrid or hasattr(unit, "_inter_node_pg"):
-        raise WrapError(
-            f"FSDP unit {label!r} uses hybrid sharding; flatview's torch "
-            "backend supports FULL_SHARD, SHARD_GRAD_OP and NO_SHARD (hybrid sharding "
-            "reduces over two process groups, which torch's communication hooks "
-            "do not cover)"
-        )
 
 
 def refuse_unit(label: str, unit: Any) -> None:

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+REPLICA_ALL_REDUCE = "replica_all_reduce"
+"""Ledger kind of hybrid sharding's all-reduce across the replica group
+(:mod:`flatview.comm.hybrid`)."""
+
 
 @dataclass
 class Ledger:

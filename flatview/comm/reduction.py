@@ -37,6 +37,7 @@ Not thread-safe: driven from one backward at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,9 @@ class InPlace:
     """Unused runs of the target that must read zero afterwards (sharded)."""
     source: torch.Tensor | None = None
     """The collective's input, kept alive until it is done (sharded)."""
+    then: Callable[[], None] | None = None
+    """What runs once the collective is done, before anything else (hybrid sharding:
+    the all-reduce of the shard across the replica group)."""
 
 
 class Reduction:
@@ -170,6 +174,8 @@ class Reduction:
         in_place, self._in_place = self._in_place, []
         for op in in_place:
             op.work.wait()
+            if op.then is not None:
+                op.then()
             target = op.target
             if op.postdivide != 1.0:
                 target.div_(op.postdivide)

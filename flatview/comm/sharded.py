@@ -20,10 +20,19 @@ A padded unsharded gradient that the in-place rule takes (:mod:`flatview.comm.re
 is reduce-scattered straight into the caller's shard instead
 (:meth:`ShardedReduction.reduce_scatter_in_place`); its unused elements come out zero,
 as from a bucket.
+
+Hybrid sharding (:mod:`flatview.comm.hybrid`) gives the reduction a *replica group* too:
+what a bucket's collective brought this rank (the used elements of its shard) is then
+all-reduced across the replica group before it is placed, and a gradient reduced whole
+has its shard all-reduced there once its reduce-scatter is done; the ledger records those
+bytes under :data:`~flatview.comm.hybrid.REPLICA_ALL_REDUCE`. A rank whose shard holds
+no used element skips that all-reduce, and so do its replica peers (they hold the same
+shard rank).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from flatview.comm._compat import reduce_scatter_single
-from flatview.comm.ledger import Ledger
+from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
 from flatview.comm.options import ReduceOptions, Strategy
 from flatview.comm.packing import PlanIndex, plan_index
 from flatview.comm.reduction import InPlace, Reduction
@@ -69,7 +78,8 @@ class _Entry:
 class ShardedReduction(Reduction):
     """Packs, buckets and reduce-scatters (or all-to-alls) the unsharded gradients of
     partly used flat parameters; a bucket is reduced once it holds ``bucket_numel``
-    elements, the rest at :meth:`finish`."""
+    elements, the rest at :meth:`finish`. ``replica``: hybrid sharding's replica group
+    and its size (see the module docstring); ``group`` is then the shard group."""
 
     def __init__(
         self,
@@ -79,9 +89,11 @@ class ShardedReduction(Reduction):
         ledger: Ledger,
         options: ReduceOptions,
         bucket_numel: int,
+        replica: tuple[dist.ProcessGroup | None, int] | None = None,
     ) -> None:
         super().__init__(group, rank, world_size, ledger, options, bucket_numel)
         self._entries: list[_Entry] = []
+        self._replica = replica if replica is not None and replica[1] > 1 else None
 
     @torch.no_grad()
     def add(
@@ -150,7 +162,16 @@ class ShardedReduction(Reduction):
         self.ledger.record("reduce_scatter", whole)
         work = reduce_scatter_single(output, whole, group=self.group, async_op=True)
         assert work is not None
-        self._in_place.append(InPlace(output, work, postdivide, [], index.unused(self.rank), whole))
+        then = None if self._replica is None else functools.partial(self._across, output)
+        self._in_place.append(
+            InPlace(output, work, postdivide, [], index.unused(self.rank), whole, then)
+        )
+
+    def _across(self, mine: torch.Tensor) -> None:
+        """All-reduce ``mine`` (this rank's part of its shard) across the replica group."""
+        if self._replica is not None and mine.numel():
+            self.ledger.record(REPLICA_ALL_REDUCE, mine)
+            dist.all_reduce(mine, group=self._replica[0])
 
     # -------------------------------------------------------------- buckets
 
@@ -169,6 +190,7 @@ class ShardedReduction(Reduction):
             mine = self._reduce_scatter(entries, counts)
         else:
             mine = self._all_to_all(entries, counts)
+        self._across(mine)
         offset = 0
         for entry in entries:
             count = entry.plan.counts[self.rank]
