@@ -19,11 +19,12 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatview
-from flatview.comm.hybrid import HybridGroups, check_grid, hybrid_reduce
+from flatview.comm.hybrid import HybridGroups, check_grid
 from flatview.comm.ledger import Ledger
 from flatview.comm.options import Strategy
 from flatview.errors import FlatViewError
 from flatview.layout import FlatLayout, MaskPlan, Segment
+from tests.hybrid_reference import hybrid_reduce
 from tests.scenarios import (
     Scenario,
     as_names,
