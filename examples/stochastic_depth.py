@@ -374,11 +374,10 @@ def report(
         else "      n/a  (one rank: the wrapper communicates nothing)"
     )
     mean_skipped = sum(history.skipped_blocks) / len(history.skipped_blocks)
-    plain, everything = (
-        ("plain DDP", "every gradient")
-        if args.backend == "ddp"
-        else ("plain FSDP", "every flat gradient, padded")
-    )
+    plain, everything = {
+        "ddp": ("plain DDP", "every gradient"),
+        "fsdp2": ("plain FSDP2", "every gradient, padded, if no block were skipped"),
+    }.get(args.backend, ("plain FSDP", "every flat gradient, padded"))
     print(
         f"\n{args.steps} steps in {elapsed:.1f} s, {mean_skipped:.2f} of {args.depth} blocks "
         "skipped per step on average\n"
