@@ -135,12 +135,24 @@ def _wrappers(device: torch.device) -> dict[str, Callable[[nn.Module], nn.Module
             device_id=device,
         )
 
+    def fsdp2_per_block(net: nn.Module) -> nn.Module:
+        # FSDP2 keeps the original parameters (DTensors): skip sets, no views.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (1,))
+        for block in net.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        return net
+
     wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {
         "ddp": lambda net: DDP(net, device_ids=ids),
         # NO_SHARD at world size 1: computed on flatview's views, and on torch's runtime
         # (wrapped with compute_on_views=False, see _WRAP_OPTIONS).
         "torch_fsdp1_per_block": per_block,
         "torch_fsdp1_per_block_runtime": per_block,
+        "fsdp2_per_block": fsdp2_per_block,
     }
     if device.type == "cuda":
         try:
@@ -193,7 +205,11 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
                 opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            got = dict(fv.named_parameters())
+            # FSDP2's parameters are DTensors: compare their full values.
+            got = {
+                n: p.full_tensor() if hasattr(p, "full_tensor") else p
+                for n, p in fv.named_parameters()
+            }
             worst = max(
                 float((got[n].detach().reshape(-1) - want[n].reshape(-1)).abs().max())
                 for n in want
