@@ -403,9 +403,13 @@ class FlatView:
         registry.unregister(self._modules, self._checks)
         # Views the model no longer holds are stale handles: an optimizer over them
         # would step tensors nothing reads.
+        # torch's use_orig_params parameters are the wrapper's, never stale: a
+        # SHARD_GRAD_OP unit left unsharded by a forward without backward registers
+        # non-leaf views in their place until its next reshard.
         registered = {id(p) for p in self.model.parameters()}
-        for param in self.table.params:
-            if id(param.tensor) not in registered:
+        for index, param in enumerate(self.table.params):
+            wrappers = param.flat is not None and not self.table.own_view(index)
+            if not wrappers and id(param.tensor) not in registered:
                 registry.mark_stale(param.tensor, param.name)
         registry.bump_generation()
 

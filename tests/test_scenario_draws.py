@@ -1,0 +1,15 @@
+"""What the scenario generator must not draw (no workers: generation only)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+
+from tests.scenarios import Scenario, scenarios
+
+
+@settings(max_examples=300)
+@given(scenario=scenarios())
+def test_no_layer_norm_over_fewer_than_three_features(scenario: Scenario) -> None:
+    # A thorough draw (fairscale on 3 ranks resumed on 1, width 2 with a LayerNorm) missed
+    # the tolerance on every backend: such a norm amplifies the batch split's rounding.
+    assert scenario.width > 2 or not any(scenario.norms), scenario
