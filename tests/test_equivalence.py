@@ -22,7 +22,10 @@ from hypothesis import strategies as st
 from tests.scenarios import (
     BACKEND_CONFIGS,
     BACKENDS,
+    FSDP2,
+    FSDP2_HSDP,
     GATED,
+    HYBRID_CONFIGS,
     WRAPPER_OPTIONS,
     BackendConfig,
     Scenario,
@@ -41,7 +44,7 @@ if TYPE_CHECKING:
 TIMEOUT = 120.0
 
 
-@draws_per_backend(share=2)
+@draws_per_backend(share=2, quick=(FSDP2, FSDP2_HSDP, HYBRID_CONFIGS[0]))
 def test_matches_single_process_reference(
     dist_pool: PoolFactory, backend: BackendConfig, data: st.DataObject
 ) -> None:
@@ -206,6 +209,7 @@ PLAIN_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
         "use-orig-params": {"use_orig_params": True},
         "bf16": {"mixed_precision": ("bfloat16", "bfloat16")},
     },
+    "fsdp2": {"default": {}},
     "ddp": {"default": {}},
 }
 
@@ -232,7 +236,9 @@ def test_nothing_skipped_equals_plain_fsdp(
         skips=((),) * 3,
         options=PLAIN_OPTIONS[backend.backend][option],
     )
-    plain, ours = dist_pool(2).run(plain_and_flatview, scenario, timeout=TIMEOUT)[0]
+    plain, ours = dist_pool(scenario.world_size).run(plain_and_flatview, scenario, timeout=TIMEOUT)[
+        0
+    ]
     assert plain.keys() == ours.keys() and plain
     for name, value in plain.items():
         assert np.array_equal(ours[name], value), name

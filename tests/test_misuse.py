@@ -58,7 +58,7 @@ def test_error_on_one_rank_raises_on_every_rank(
     a wrong type), and a norm call with a bad argument on one rank only: every rank
     raises (the others naming the failing rank), none hangs; a valid step follows."""
     scenario = backend.scenario(SC, world_size=world_size)
-    results = dist_pool(world_size).run(w.local_errors, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(w.local_errors, scenario, timeout=TIMEOUT)
     for rank, got in enumerate(results):
         for kind, pattern in LOCAL.items():
             assert re.search(pattern, got[kind]), (rank, kind, got[kind])
@@ -77,7 +77,7 @@ def test_ranks_that_freeze_differently_all_raise(
     """What decides which gradients are reduced (skip set and frozen parameters) is
     agreed: on DDP this trained wrong silently, on torch one unit gloo aborted."""
     scenario = backend.scenario(SC, nested=backend.backend == "fairscale")
-    results = dist_pool(2).run(w.frozen_differently, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(w.frozen_differently, scenario, timeout=TIMEOUT)
     for got in results:
         assert re.search(
             r"FrozenMismatchError: ranks froze different parameters .*'body\.0\.up\.weight'.* "
@@ -135,7 +135,7 @@ def test_training_after_errors_is_the_reference(
         fields["options"] = {"use_orig_params": True}
     scenario = backend.scenario(SC, **fields)
     kinds = [k for k in KINDS if not (k == "undeclared" and not scenario.nested)]
-    results = dist_pool(2).run(w.recovery, scenario, kinds, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(w.recovery, scenario, kinds, timeout=TIMEOUT)
     for got in results:
         assert len(got["errors"]) == len(kinds)
         for kind, message in zip(kinds, got["errors"], strict=True):

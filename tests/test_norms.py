@@ -165,7 +165,7 @@ def test_groups_optimizer_state_and_trust_ratios(
     back), of Adam's ``exp_avg`` (``tensor_norms``), and LARC trust ratios."""
     skips = ((), (1, "body.0.gate", "aux"))
     scenario = backend.scenario(GATED, world_size=world_size, skips=skips)
-    results = dist_pool(world_size).run(w.subsets_and_tensors, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(w.subsets_and_tensors, scenario, timeout=TIMEOUT)
     want = w.reference_state_norms(scenario)
     for rank, got in enumerate(results):
         assert all(c == ONE_ALL_REDUCE for c in got["calls"]), (rank, got["calls"])
@@ -193,7 +193,9 @@ def test_larc_trains_like_apex_larc_in_one_process(
     dist_pool: PoolFactory, backend: BackendConfig, world_size: int
 ) -> None:
     scenario = backend.scenario(GATED, world_size=world_size)
-    params, calls = dist_pool(world_size).run(w.larc_training, scenario, timeout=TIMEOUT)[0]
+    params, calls = dist_pool(scenario.world_size).run(w.larc_training, scenario, timeout=TIMEOUT)[
+        0
+    ]
     # One all-reduce per step for every norm of every group; the optimizer adds none.
     assert calls == [ONE_ALL_REDUCE] * len(GATED.skips)
     compare(params, w.reference_larc_training(scenario))
@@ -216,7 +218,9 @@ def test_lamb_recipe_trains_like_lamb_in_one_process(
 ) -> None:
     """The LAMB recipe: trust ratios ``||w|| / ||update||`` with ``tensor_norms``."""
     scenario = backend.scenario(GATED, world_size=world_size)
-    params, calls = dist_pool(world_size).run(w.lamb_training, scenario, timeout=TIMEOUT)[0]
+    params, calls = dist_pool(scenario.world_size).run(w.lamb_training, scenario, timeout=TIMEOUT)[
+        0
+    ]
     assert calls == [{"all_reduce": 2}] * len(GATED.skips)
     compare(params, w.reference_lamb_training(scenario))
 

@@ -209,7 +209,7 @@ def test_rank0_only(dist_pool: PoolFactory) -> None:
     """Rank 0 gets what every rank gets without rank0_only; the others an empty state and
     the same parameter groups; the collectives are the same on every rank."""
     scenario = FAIRSCALE.scenario(GATED, world_size=3)
-    results = dist_pool(3).run(ow.both_ways, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(ow.both_ways, scenario, timeout=TIMEOUT)
     _, want = ow.reference(scenario)
     calls = {collectives for _, _, collectives in results}
     assert len(calls) == 1 and calls != {0}, calls
@@ -368,7 +368,7 @@ def test_errors_name_the_culprit_and_no_rank_hangs(
 ) -> None:
     scenario = backend.scenario(GATED, world_size=world_size)
     # The pool's timeout (a hung rank) fails the test; so does a rank raising alone.
-    results = dist_pool(world_size).run(ow.error_cases, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(ow.error_cases, scenario, timeout=TIMEOUT)
     sharded = world_size > 1 and not backend.replicated
     expected = {
         "flat": r"parameter 1 of parameter group 0 is the flat parameter of FSDP unit '<root>'",

@@ -39,7 +39,7 @@ def test_one_rank_outside_a_checked_step_raises_everywhere(
     naming rank 1 (this hung); rank 0 in a step skipping nothing while rank 1 runs
     outside is accepted (the same iteration); training afterwards is the reference's."""
     scenario = backend.scenario(SC)
-    results = dist_pool(2).run(w.inside_and_outside, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(w.inside_and_outside, scenario, timeout=TIMEOUT)
     for got in results:
         assert re.search(
             r"SkipSetMismatchError: rank\(s\) \[1\] ran this iteration's forward outside any "

@@ -67,7 +67,9 @@ def test_reduced_bytes_track_used_parameters(
     dist_pool: PoolFactory, backend: BackendConfig, strategy: str, nested: bool
 ) -> None:
     scenario = backend.scenario(SC, nested=nested)
-    results = dist_pool(2).run(w.count_step, scenario, (0, 2), strategy, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(
+        w.count_step, scenario, (0, 2), strategy, timeout=TIMEOUT
+    )
     total = sum(p.numel() for p in make_net(scenario).parameters())
     used = total - _numel("body.0.") - _numel("body.2.")
     skipped_names = sorted(
@@ -110,7 +112,9 @@ def test_one_rank_stats_follow_the_wrapper(dist_pool: PoolFactory, backend: Back
     reduced, nothing to compare with. The others still reduce (an all-reduce with
     itself), and the stats say what that moved."""
     scenario = backend.scenario(SC, world_size=1)
-    (r,) = dist_pool(1).run(w.count_step, scenario, (0, 2), "auto", timeout=TIMEOUT)
+    (r,) = dist_pool(scenario.world_size).run(
+        w.count_step, scenario, (0, 2), "auto", timeout=TIMEOUT
+    )
     reduce_kinds = ("reduce_scatter", "all_to_all", "all_reduce")
     measured = sum(r["bytes"].get(kind, 0) for kind in reduce_kinds)
     assert measured == r["reduced_bytes"], r
@@ -134,8 +138,12 @@ GATHERS_PER_UNIT = {
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_skipped_units_are_not_gathered(dist_pool: PoolFactory, backend: BackendConfig) -> None:
     scenario = backend.scenario(SC, nested=True)
-    full = dist_pool(2).run(w.count_step, scenario, (), "auto", timeout=TIMEOUT)[0]
-    skipped = dist_pool(2).run(w.count_step, scenario, (0, 2), "auto", timeout=TIMEOUT)[0]
+    full = dist_pool(scenario.world_size).run(w.count_step, scenario, (), "auto", timeout=TIMEOUT)[
+        0
+    ]
+    skipped = dist_pool(scenario.world_size).run(
+        w.count_step, scenario, (0, 2), "auto", timeout=TIMEOUT
+    )[0]
     per_unit = GATHERS_PER_UNIT[str(backend)]
     gathered = full["bytes"].get("all_gather", 0) - skipped["bytes"].get("all_gather", 0)
     padded = sum(_padded(_numel(f"body.{i}."), 2) for i in (0, 2))
@@ -170,7 +178,7 @@ def test_accumulation_with_different_skip_sets(
         ),
         accumulate=3,
     )
-    results = dist_pool(2).run(run_distributed, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(run_distributed, scenario, timeout=TIMEOUT)
     reference = run_reference(scenario)
     # What the scenario is for: whole units and single parameters without a gradient.
     assert {"body.1.up.weight", "body.3.gate.weight"} <= set(reference.none_grads[0])
@@ -271,7 +279,7 @@ def test_skip_items_resolve_to_original_names(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
     scenario = backend.scenario(SC, tie=True)
-    got = dist_pool(2).run(w.resolve_items, scenario, timeout=TIMEOUT)[0]
+    got = dist_pool(scenario.world_size).run(w.resolve_items, scenario, timeout=TIMEOUT)[0]
     body0 = [n for n, _ in make_net(SC).named_parameters() if n.startswith("body.0.")]
     assert got["unit"] == body0
     assert got["inner_module"] == ["body.0.up.weight", "body.0.up.bias"]

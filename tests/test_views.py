@@ -44,7 +44,7 @@ def test_views_replace_original_parameters(
     dist_pool: PoolFactory, backend: BackendConfig, world_size: int, nested: bool
 ) -> None:
     scenario = backend.scenario(TIED, world_size=world_size, nested=nested)
-    results = dist_pool(world_size).run(w.describe_views, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(w.describe_views, scenario, timeout=TIMEOUT)
     reference = list(make_net(scenario).named_parameters())
     sharded = world_size > 1 and not backend.replicated
     for rank, seen in enumerate(results):
@@ -77,7 +77,9 @@ def test_views_alias_the_shard_across_operations(
     dist_pool: PoolFactory, backend: BackendConfig, nested: bool
 ) -> None:
     scenario = backend.scenario(nested=nested, classes=2, width=3)
-    results = dist_pool(2).run(w.alias_after_operations, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(
+        w.alias_after_operations, scenario, timeout=TIMEOUT
+    )
     for rank, result in enumerate(results):
         assert all(result.values()), (rank, result)
     assert "writes_reach_full_state" in results[0]  # rank 0 compared full states
@@ -105,7 +107,9 @@ def test_mixed_precision_views_alias_fp32_master(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
     scenario = backend.scenario(options=LOW_PRECISION_PARAMS[backend.backend], skips=((1,),))
-    for result in dist_pool(2).run(w.mixed_precision_run, scenario, timeout=TIMEOUT):
+    for result in dist_pool(scenario.world_size).run(
+        w.mixed_precision_run, scenario, timeout=TIMEOUT
+    ):
         assert result["dtypes"] == {"torch.float32"} and result["grad_dtypes"] <= {"torch.float32"}
         assert result["changed"], "the step must train something"
         assert all(not n.startswith("body.1.") for n in result["changed"])
