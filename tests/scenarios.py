@@ -152,10 +152,16 @@ def torch_backend_tested() -> bool:
     return torch_fsdp.torch_version() in torch_fsdp.TESTED_TORCH
 
 
+THOROUGH = False
+"""Whether this session runs the thorough profile's tests (set by tests/conftest.py)."""
+
+
 def available_configs() -> tuple[BackendConfig, ...]:
-    """The configurations this environment can run."""
+    """The configurations this environment can run, for draws over configurations:
+    those of :data:`THOROUGH_CONFIGS` only when the thorough tests run."""
+    configs = BACKEND_CONFIGS if THOROUGH else QUICK_CONFIGS
     return tuple(
-        c for c in BACKEND_CONFIGS if c.backend not in ("torch", "fsdp2") or torch_backend_tested()
+        c for c in configs if c.backend not in ("torch", "fsdp2") or torch_backend_tested()
     )
 
 

@@ -123,7 +123,7 @@ def _option_params() -> list[Any]:
         backend_param(
             config,
             option,
-            (4, 3, 2, 3, 2)[index],
+            (4, 3, 2, 3, 2)[index] if index < 5 else config.world_sizes[-1],
             slow=config.backend == "torch" and config.strategy != "FULL_SHARD",
         )
         for index, config, _, option in wrapper_options(ELSEWHERE)

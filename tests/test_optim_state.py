@@ -340,7 +340,9 @@ def test_resume_drawn_scenarios_elsewhere(dist_pool: PoolFactory, data: st.DataO
     # skips has none there, and AdamW leaves it alone instead of decaying it.
     saved = replace(saved, batch_per_rank=samples // saved.world_size, set_to_none=True)
     config = data.draw(st.sampled_from(available_configs()), label="resumed on")
-    world_size = data.draw(st.integers(1, 4), label="resumed world size")
+    # Hybrid layouts: on their 4 ranks only.
+    sizes = st.sampled_from(config.world_sizes) if config.hybrid else st.integers(1, 4)
+    world_size = data.draw(sizes, label="resumed world size")
     options: dict[str, Any] = {}
     # use_orig_params parameters are torch's: flatview does not freeze them.
     if config.backend == "torch" and not saved.frozen and data.draw(st.booleans()):
