@@ -103,6 +103,11 @@ class BackendConfig:
         ``NO_SHARD`` computed on views): what the wrapper's runtime did is not done."""
         return self.backend == "ddp" or (self.replicated and not self.runtime)
 
+    def ranks(self, world_size: int) -> int:
+        """The world size a test asking for ``world_size`` ranks runs this configuration
+        on: hybrid layouts on :data:`HYBRID_WORLD_SIZE` (as :meth:`scenario` makes them)."""
+        return HYBRID_WORLD_SIZE if self.hybrid else world_size
+
     def scenario(self, base: Scenario | None = None, **fields: Any) -> Scenario:
         """``base`` (or a default :class:`Scenario`) on this backend, with ``fields`` changed.
         A hybrid configuration runs on :data:`HYBRID_WORLD_SIZE` ranks whatever world size

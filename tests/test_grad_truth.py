@@ -137,7 +137,9 @@ def test_flat_optimizer_and_swapped_views_refused(
     """An optimizer over flat parameters built before wrap() is refused at its first
     step before touching anything (it would step skipped parameters); swapping a view
     for its flat parameter in a group of the same length is caught."""
-    got = dist_pool(2).run(gw.refused_optimizers, backend.scenario(BASE), timeout=TIMEOUT)
+    got = dist_pool(backend.ranks(2)).run(
+        gw.refused_optimizers, backend.scenario(BASE), timeout=TIMEOUT
+    )
     for rank, out in enumerate(got):
         assert out["flat"].startswith("OptimStateError") and "unit" in out["flat"], out
         assert "views" in out["flat"], out

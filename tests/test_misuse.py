@@ -164,7 +164,9 @@ def test_ddp_flag_restored_after_keyboard_interrupt(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_wrap_between_forward_and_backward(dist_pool: PoolFactory, backend: BackendConfig) -> None:
-    results = dist_pool(2).run(w.wrap_mid_iteration, backend.scenario(SC), timeout=TIMEOUT)
+    results = dist_pool(backend.ranks(2)).run(
+        w.wrap_mid_iteration, backend.scenario(SC), timeout=TIMEOUT
+    )
     for got in results:
         if backend.backend == "ddp":
             # Undetectable on DDP, and harmless: that backward is DDP's own.

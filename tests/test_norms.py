@@ -262,7 +262,9 @@ BAD_ARGUMENTS = {
 def test_bad_arguments_raise_before_any_collective(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
-    results = dist_pool(2).run(w.bad_arguments, backend.scenario(GATED), timeout=TIMEOUT)
+    results = dist_pool(backend.ranks(2)).run(
+        w.bad_arguments, backend.scenario(GATED), timeout=TIMEOUT
+    )
     assert results[0] == results[1]
     for kind, pattern in BAD_ARGUMENTS.items():
         if kind == "flat" and backend.backend == "ddp":
@@ -286,7 +288,7 @@ WRONG_PHASE = {
 
 @each_misuse("where", WRONG_PHASE)
 def test_wrong_phase(dist_pool: PoolFactory, backend: BackendConfig, where: str) -> None:
-    dist_pool(2).run_expecting_error(
+    dist_pool(backend.ranks(2)).run_expecting_error(
         w.wrong_phase, backend.scenario(GATED), where, match=WRONG_PHASE[where], timeout=TIMEOUT
     )
 
@@ -307,7 +309,7 @@ def test_disagreeing_ranks_all_raise(
 ) -> None:
     """Every rank raises the same error after the one collective; none hangs."""
     scenario = backend.scenario(GATED, world_size=3)
-    err = dist_pool(3).run_expecting_error(
+    err = dist_pool(backend.ranks(3)).run_expecting_error(
         w.disagreeing_ranks, scenario, how, match=DISAGREEING[how], timeout=TIMEOUT
     )
     assert not err.unfinished

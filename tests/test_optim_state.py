@@ -228,7 +228,7 @@ def test_rank0_only(dist_pool: PoolFactory) -> None:
 def test_parameters_fsdp_does_not_flatten_are_taken_as_they_are(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
-    results = dist_pool(2).run(ow.ignored_head, backend.scenario(), timeout=TIMEOUT)
+    results = dist_pool(backend.ranks(2)).run(ow.ignored_head, backend.scenario(), timeout=TIMEOUT)
     for rank, out in enumerate(results):
         assert out == {"plain": True, "as_is": True, "reloaded": True, "lr": 0.1}, rank
 

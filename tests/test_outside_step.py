@@ -63,7 +63,7 @@ def test_outside_step_exchanges_only_with_the_check_on(
     agreement all-gather; with it on, one per iteration (8 bytes). Evaluation forwards
     under no_grad outside a step, and a step with check=False, exchange nothing; on DDP
     the recomputation of a checkpointed whole model inside the backward does not either."""
-    pool = dist_pool(2)
+    pool = dist_pool(backend.ranks(2))
     off, on = (
         pool.run(w.outside_exchanges, backend.scenario(SC, check=check), timeout=TIMEOUT)
         for check in (False, True)
