@@ -27,7 +27,10 @@ from flatview.state_gather import buckets, pack, unpack
 from tests import optim_workers as ow
 from tests.scenarios import (
     FAIRSCALE,
+    FSDP2,
+    FSDP2_HSDP,
     GATED,
+    HYBRID_CONFIGS,
     BackendConfig,
     Scenario,
     available_configs,
@@ -175,12 +178,19 @@ REFERENCE_PARAMS = [
     backend_param(SHARD_GRAD_OP, 4, "default", slow=True),
     backend_param(NO_SHARD, 2, "default"),
     backend_param(NO_SHARD, 3, "use-orig-params", slow=True),
+    # Thorough only: FSDP2 (per block, one unit), FSDP2 HSDP and FSDP1 hybrid on 2 x 2.
+    backend_param(FSDP2, 3, "default"),
+    backend_param(FSDP2, 2, "one-unit"),
+    backend_param(FSDP2_HSDP, 4, "default"),
+    *(backend_param(c, 4, "default") for c in HYBRID_CONFIGS),
+    backend_param(HYBRID_CONFIGS[0], 4, "use-orig-params"),
 ]
 OPTIONS = {
     "default": {},
     "unflattened": {"flatten_parameters": False},
     "use-orig-params": {"use_orig_params": True},
 }
+NESTING = {"one-unit": False}
 
 
 @pytest.mark.parametrize(("backend", "world_size", "option"), REFERENCE_PARAMS)
@@ -189,7 +199,12 @@ def test_consolidated_state_equals_the_reference(
 ) -> None:
     """AdamW and SGD with momentum, per submodule, after steps that skip every kind of
     thing: every rank's consolidated state is the reference optimizers' state."""
-    scenario = backend.scenario(GATED, world_size=world_size, options=OPTIONS[option])
+    scenario = backend.scenario(
+        GATED,
+        world_size=world_size,
+        options=OPTIONS.get(option, {}),
+        nested=NESTING.get(option, True),
+    )
     check_against_reference(dist_pool, scenario)
 
 
@@ -275,6 +290,15 @@ ROUND_TRIPS = [
         (NO_SHARD, 1, {}),
         (FAIRSCALE, 4, UNFLATTENED),
         "one-rank-to-fairscale-unflattened-4",
+        slow=True,
+    ),
+    _trip((FSDP2, 2, {}), (FAIRSCALE, 3, {}), "fsdp2-2-to-fairscale-3", slow=True),
+    _trip((FULL_SHARD, 3, {}), (FSDP2, 4, {}), "torch-full-shard-3-to-fsdp2-4", slow=True),
+    _trip((FSDP2_HSDP, 4, {}), (FSDP2, 2, {}), "fsdp2-hsdp-4-to-fsdp2-2", slow=True),
+    _trip(
+        (HYBRID_CONFIGS[0], 4, {}),
+        (FSDP2_HSDP, 4, {}),
+        "torch-hybrid-shard-4-to-fsdp2-hsdp-4",
         slow=True,
     ),
 ]
