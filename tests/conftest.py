@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests import scenarios
 from tests.dist_pool import WorkerPool
 
 settings.register_profile(
@@ -55,6 +56,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: long test; runs with --runslow or the thorough profile"
     )
+    # Draws over backend configurations include the thorough-only ones.
+    scenarios.THOROUGH = bool(config.getoption("--runslow")) or HYPOTHESIS_PROFILE == "thorough"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -45,28 +45,52 @@ TORCH_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """One wrapper (fairscale FSDP, torch FSDP1, DDP), and for torch FSDP its sharding
-    strategy."""
+    """One wrapper (fairscale FSDP, torch FSDP1, FSDP2 ``fully_shard``, DDP), and for
+    torch FSDP1 its sharding strategy (for FSDP2: ``"FULL_SHARD"``, or ``"HSDP"`` on a 2-D
+    mesh of shard groups of :data:`HYBRID_SHARD_SIZE` ranks)."""
 
     backend: str
     strategy: str = "FULL_SHARD"
-    """torch's ``ShardingStrategy`` name; fairscale and DDP ignore it."""
+    """torch's ``ShardingStrategy`` name (FSDP2: ``"FULL_SHARD"`` or ``"HSDP"``);
+    fairscale and DDP ignore it."""
     runtime: bool = False
     """torch: keep torch's unit runtime (``flatview.wrap(compute_on_views=False)``).
     Otherwise a model whose units all replicate (``NO_SHARD``, or any strategy on one
     rank) computes on flatview's views."""
 
     def __str__(self) -> str:
-        if self.backend in ("fairscale", "ddp", "fsdp2"):
+        if self.backend == "fsdp2":
+            return "fsdp2-hsdp" if self.strategy == "HSDP" else "fsdp2"
+        if self.backend in ("fairscale", "ddp"):
             return self.backend
         name = f"torch-{self.strategy.lower().strip('_').replace('_', '-')}"
         return f"{name}-runtime" if self.runtime else name
 
     @property
     def flattens(self) -> bool:
-        """Whether the wrapper packs parameters into flat parameters (FSDP), so that
-        flatview makes views; DDP keeps the originals."""
-        return self.backend != "ddp"
+        """Whether the wrapper packs parameters into flat parameters (fairscale, torch
+        FSDP1), so that flatview makes views; DDP and FSDP2 keep the originals."""
+        return self.backend in ("fairscale", "torch")
+
+    @property
+    def sharded_originals(self) -> bool:
+        """Whether the wrapper shards the original parameters themselves (FSDP2: each a
+        ``DTensor`` whose local tensor flatview works on, no views)."""
+        return self.backend == "fsdp2"
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether parameters are sharded within shard groups and replicated across them
+        (torch FSDP1 ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``, FSDP2 HSDP)."""
+        return self.strategy in HYBRID_STRATEGIES or (
+            self.backend == "fsdp2" and self.strategy == "HSDP"
+        )
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        """The world sizes the configuration runs on: hybrid layouts only on
+        :data:`HYBRID_WORLD_SIZE` ranks (2 x 2)."""
+        return (HYBRID_WORLD_SIZE,) if self.hybrid else (1, 2, 3, 4)
 
     @property
     def replicated(self) -> bool:
@@ -79,34 +103,51 @@ class BackendConfig:
         ``NO_SHARD`` computed on views): what the wrapper's runtime did is not done."""
         return self.backend == "ddp" or (self.replicated and not self.runtime)
 
+    def ranks(self, world_size: int) -> int:
+        """The world size a test asking for ``world_size`` ranks runs this configuration
+        on: hybrid layouts on :data:`HYBRID_WORLD_SIZE` (as :meth:`scenario` makes them)."""
+        return HYBRID_WORLD_SIZE if self.hybrid else world_size
+
     def scenario(self, base: Scenario | None = None, **fields: Any) -> Scenario:
-        """``base`` (or a default :class:`Scenario`) on this backend, with ``fields`` changed."""
+        """``base`` (or a default :class:`Scenario`) on this backend, with ``fields`` changed.
+        A hybrid configuration runs on :data:`HYBRID_WORLD_SIZE` ranks whatever world size
+        the test names (its layout needs that many)."""
         if self.runtime:
             options = fields.get("options", base.options if base is not None else {})
             fields["options"] = {**options, "compute_on_views": False}
+        if self.hybrid:
+            fields["world_size"] = HYBRID_WORLD_SIZE
         return replace(base or Scenario(), backend=self.backend, strategy=self.strategy, **fields)
 
+
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+HYBRID_SHARD_SIZE = 2
+HYBRID_WORLD_SIZE = 4
+"""Hybrid layouts run as 2 x 2: shard groups of :data:`HYBRID_SHARD_SIZE`, 2 replicas."""
 
 FAIRSCALE = BackendConfig("fairscale")
 DDP = BackendConfig("ddp")
 TORCH_NO_SHARD_RUNTIME = BackendConfig("torch", "NO_SHARD", runtime=True)
-BACKEND_CONFIGS: tuple[BackendConfig, ...] = (
+FSDP2 = BackendConfig("fsdp2")
+FSDP2_HSDP = BackendConfig("fsdp2", "HSDP")
+HYBRID_CONFIGS: tuple[BackendConfig, ...] = tuple(
+    BackendConfig("torch", strategy) for strategy in HYBRID_STRATEGIES
+)
+"""torch FSDP1 hybrid sharding, on a grid of shard groups of :data:`HYBRID_SHARD_SIZE`
+ranks (the option ``hybrid``, see :func:`hybrid_groups`; ``"mesh"`` by default)."""
+
+QUICK_CONFIGS: tuple[BackendConfig, ...] = (
     FAIRSCALE,
     *(BackendConfig("torch", strategy) for strategy in TORCH_STRATEGIES),
     TORCH_NO_SHARD_RUNTIME,
     DDP,
 )
-
-
-HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-HYBRID_CONFIGS: tuple[BackendConfig, ...] = tuple(
-    BackendConfig("torch", strategy) for strategy in HYBRID_STRATEGIES
-)
-"""torch FSDP1 hybrid sharding, on a grid of shard groups of :data:`HYBRID_SHARD_SIZE`
-ranks (the option ``hybrid``, see :func:`hybrid_groups`). Not in :data:`BACKEND_CONFIGS`:
-it needs a world size that the shard size divides (4 in the suite)."""
-
-HYBRID_SHARD_SIZE = 2
+"""The configurations every parametrized suite runs in the CI profile."""
+THOROUGH_CONFIGS: tuple[BackendConfig, ...] = (FSDP2, FSDP2_HSDP, *HYBRID_CONFIGS)
+"""FSDP2 (per block and one unit, as drawn or as the test says), FSDP2 HSDP and torch
+FSDP1 hybrid sharding: in every parametrized suite, but (to keep CI under its time) only
+in the thorough profile, except where a suite asks for them in CI (``slow=False``)."""
+BACKEND_CONFIGS: tuple[BackendConfig, ...] = (*QUICK_CONFIGS, *THOROUGH_CONFIGS)
 
 
 def torch_backend_tested() -> bool:
@@ -116,9 +157,17 @@ def torch_backend_tested() -> bool:
     return torch_fsdp.torch_version() in torch_fsdp.TESTED_TORCH
 
 
+THOROUGH = False
+"""Whether this session runs the thorough profile's tests (set by tests/conftest.py)."""
+
+
 def available_configs() -> tuple[BackendConfig, ...]:
-    """The configurations this environment can run."""
-    return tuple(c for c in BACKEND_CONFIGS if c.backend != "torch" or torch_backend_tested())
+    """The configurations this environment can run, for draws over configurations:
+    those of :data:`THOROUGH_CONFIGS` only when the thorough tests run."""
+    configs = BACKEND_CONFIGS if THOROUGH else QUICK_CONFIGS
+    return tuple(
+        c for c in configs if c.backend not in ("torch", "fsdp2") or torch_backend_tested()
+    )
 
 
 _SKIP_TORCH = pytest.mark.skipif(
@@ -127,10 +176,18 @@ _SKIP_TORCH = pytest.mark.skipif(
 
 
 def backend_param(
-    config: BackendConfig, *values: Any, slow: bool = False, marks: Sequence[Any] = ()
+    config: BackendConfig,
+    *values: Any,
+    slow: bool = False,
+    ci: bool = False,
+    marks: Sequence[Any] = (),
 ) -> Any:
-    """A ``pytest.param`` of ``config`` (and ``values``), skipped where it cannot run."""
-    marks = [*marks, _SKIP_TORCH] if config.backend == "torch" else [*marks]
+    """A ``pytest.param`` of ``config`` (and ``values``), skipped where it cannot run.
+    ``slow``: thorough profile only, as is every one of :data:`THOROUGH_CONFIGS` unless
+    ``ci``."""
+    marks = [*marks, _SKIP_TORCH] if config.backend in ("torch", "fsdp2") else [*marks]
+    if config in THOROUGH_CONFIGS and not ci:
+        slow = True
     if slow:
         marks.append(pytest.mark.slow)
     ident = "-".join([str(config), *(str(v) for v in values)])
@@ -138,7 +195,8 @@ def backend_param(
 
 
 BACKENDS = [backend_param(config) for config in BACKEND_CONFIGS]
-"""Every configuration once: ``@pytest.mark.parametrize("backend", BACKENDS)``."""
+"""Every configuration once: ``@pytest.mark.parametrize("backend", BACKENDS)`` (those of
+:data:`THOROUGH_CONFIGS` in the thorough profile only)."""
 
 FLAT_CONFIGS = tuple(c for c in BACKEND_CONFIGS if c.flattens)
 FLAT_BACKENDS = [backend_param(config) for config in FLAT_CONFIGS]
@@ -146,25 +204,29 @@ FLAT_BACKENDS = [backend_param(config) for config in FLAT_CONFIGS]
 
 
 def spread(world_sizes: Sequence[int], quick: Sequence[int]) -> Any:
-    """``(backend, world_size)`` params for every configuration and world size, of which
-    only ``quick[i]`` runs for configuration ``i`` outside the thorough profile."""
+    """``(backend, world_size)`` params for every configuration and world size it runs on
+    (hybrid layouts: 4 only), of which only ``quick[i]`` runs for configuration ``i``
+    outside the thorough profile (none for configurations past the end of ``quick``)."""
     return [
-        backend_param(config, ws, slow=ws != quick[i])
+        backend_param(config, ws, slow=i >= len(quick) or ws != quick[i])
         for i, config in enumerate(BACKEND_CONFIGS)
         for ws in world_sizes
+        if ws in config.world_sizes
     ]
 
 
-def draws_per_backend(share: int) -> Callable[[Test], Test]:
+def draws_per_backend(share: int, quick: Collection[BackendConfig] = ()) -> Callable[[Test], Test]:
     """Run a hypothesis test (arguments ``backend`` and ``data``) as one example set per
     backend configuration, each with ``1/share`` of the profile's examples (at least 2):
     drawn configurations would cluster (hypothesis starts from the simplest draws),
-    parametrized ones are each covered at a fixed total cost."""
+    parametrized ones are each covered at a fixed total cost. Of
+    :data:`THOROUGH_CONFIGS`, those in ``quick`` also run in the CI profile."""
 
     def mark(test: Test) -> Test:
         test = given(data=st.data())(test)
         test = settings(max_examples=max(2, settings().max_examples // share))(test)
-        return pytest.mark.parametrize("backend", BACKENDS)(test)
+        params = [backend_param(c, ci=c in quick) for c in BACKEND_CONFIGS]
+        return pytest.mark.parametrize("backend", params)(test)
 
     return mark
 
@@ -182,6 +244,11 @@ WRAPPER_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
         "auto-wrap": {"auto_wrap": True},
         "prefetch": {"forward_prefetch": True, "backward_prefetch": "BACKWARD_POST"},
         "no-backward-prefetch": {"backward_prefetch": None},
+    },
+    "fsdp2": {
+        "no-reshard": {"reshard_after_forward": False},
+        "prefetch": {"prefetch": True},
+        "no-reshard-prefetch": {"reshard_after_forward": False, "prefetch": True},
     },
     "ddp": {
         # DDP's own unused-parameter search, left on by users: flatview reduces anyway.
@@ -377,6 +444,8 @@ def scenarios(
     workers that look at nothing but the outcome: after unwrap there is no FlatView to
     ask)."""
     config = draw(st.sampled_from(configs or available_configs()))
+    # Hybrid layouts run on their own world size only.
+    world_sizes = [w for w in world_sizes if w in config.world_sizes] or config.world_sizes
     blocks = draw(st.integers(1, 4))
     width = draw(st.integers(1, 6))
     # A LayerNorm over one feature normalises every input to zero: its weight's gradient
@@ -408,6 +477,18 @@ def scenarios(
         frozen = tuple(sorted(draw(st.sets(st.sampled_from(names), min_size=1, max_size=2))))
     if config.backend == "fairscale" and draw(st.booleans()):
         options["reshard_after_forward"] = False
+    world: int | None = None
+    if config.backend == "fsdp2" and draw(st.booleans()):
+        # Kept unsharded after the forward, or resharded to groups of 2 (on 4 shards),
+        # and explicit prefetching of neighbouring blocks.
+        world = draw(st.sampled_from(world_sizes))
+        shards = HYBRID_SHARD_SIZE if config.hybrid else world
+        options["reshard_after_forward"] = draw(
+            st.sampled_from((False, 2) if shards == 4 else (False,))
+        )
+        options["prefetch"] = draw(st.booleans())
+    if config.strategy in HYBRID_STRATEGIES:
+        options["hybrid"] = draw(st.sampled_from(("mesh", "tuple")))
     if config.backend == "ddp" and draw(st.booleans()):
         # Buckets started during the backward (off by default on CPU), of a few
         # parameters each or of the whole model.
@@ -432,7 +513,7 @@ def scenarios(
             micro - (unwrap_after + 1) * accumulate
         )
     return config.scenario(
-        world_size=draw(st.sampled_from(world_sizes)),
+        world_size=draw(st.sampled_from(world_sizes)) if world is None else world,
         in_dim=draw(st.integers(1, 5)),
         width=width,
         inner=tuple(draw(st.integers(1, 7)) for _ in range(blocks)),
@@ -725,6 +806,8 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
 
     options = dict(scenario.options)
     replicas = options.pop("hsdp", None)
+    if replicas is None and scenario.strategy == "HSDP":
+        replicas = scenario.world_size // HYBRID_SHARD_SIZE
     shape = (replicas, scenario.world_size // replicas) if replicas else (scenario.world_size,)
     names = ("replicate", "shard") if replicas else ("shard",)
     kwargs: dict[str, Any] = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=names)}

@@ -98,7 +98,7 @@ def test_writes_through_views_reach_the_shard(
     and ``view.grad.data = t`` behave as on the unwrapped model; a value that cannot be
     written back is refused at the next forward, naming the parameter."""
     scenario = backend.scenario(WRITE)
-    got = dist_pool(2).run(gw.write_back, scenario, timeout=TIMEOUT)[0]
+    got = dist_pool(scenario.world_size).run(gw.write_back, scenario, timeout=TIMEOUT)[0]
     want = gw.write_back_reference(scenario)
     assert got["head_in_parameters"]
     if backend.on_views:
@@ -121,7 +121,7 @@ def test_unwrap_then_train_and_wrap_again(dist_pool: PoolFactory, backend: Backe
     scenario = backend.scenario(
         BASE, skips=((1,), (0, "aux"), (), ("body.1.gate",), (1,)), set_to_none=False
     )
-    got = dist_pool(2).run(gw.unwrap_and_rewrap, scenario, timeout=TIMEOUT)[0]
+    got = dist_pool(scenario.world_size).run(gw.unwrap_and_rewrap, scenario, timeout=TIMEOUT)[0]
     compare(got["final"], gw.unwrap_reference(scenario))
     if backend.backend != "ddp":
         for key in ("stale", "stale_after_rewrap"):
@@ -137,7 +137,9 @@ def test_flat_optimizer_and_swapped_views_refused(
     """An optimizer over flat parameters built before wrap() is refused at its first
     step before touching anything (it would step skipped parameters); swapping a view
     for its flat parameter in a group of the same length is caught."""
-    got = dist_pool(2).run(gw.refused_optimizers, backend.scenario(BASE), timeout=TIMEOUT)
+    got = dist_pool(backend.ranks(2)).run(
+        gw.refused_optimizers, backend.scenario(BASE), timeout=TIMEOUT
+    )
     for rank, out in enumerate(got):
         assert out["flat"].startswith("OptimStateError") and "unit" in out["flat"], out
         assert "views" in out["flat"], out

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unwrap_gives_back_plain_fsdp(dist_pool: PoolFactory, backend: BackendConfig) -> None:
-    results = dist_pool(2).run(w.unwrap_restores_plain_fsdp, backend.scenario(), timeout=60)
+    results = dist_pool(backend.ranks(2)).run(
+        w.unwrap_restores_plain_fsdp, backend.scenario(), timeout=60
+    )
     for result in results:
         assert result == {"flats_back": True, "step_refused": True, "hooks_left": False}, result

@@ -123,7 +123,7 @@ def _option_params() -> list[Any]:
         backend_param(
             config,
             option,
-            (4, 3, 2, 3, 2)[index],
+            (4, 3, 2, 3, 2)[index] if index < 5 else config.world_sizes[-1],
             slow=config.backend == "torch" and config.strategy != "FULL_SHARD",
         )
         for index, config, _, option in wrapper_options(ELSEWHERE)
@@ -165,7 +165,7 @@ def test_groups_optimizer_state_and_trust_ratios(
     back), of Adam's ``exp_avg`` (``tensor_norms``), and LARC trust ratios."""
     skips = ((), (1, "body.0.gate", "aux"))
     scenario = backend.scenario(GATED, world_size=world_size, skips=skips)
-    results = dist_pool(world_size).run(w.subsets_and_tensors, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(w.subsets_and_tensors, scenario, timeout=TIMEOUT)
     want = w.reference_state_norms(scenario)
     for rank, got in enumerate(results):
         assert all(c == ONE_ALL_REDUCE for c in got["calls"]), (rank, got["calls"])
@@ -193,7 +193,9 @@ def test_larc_trains_like_apex_larc_in_one_process(
     dist_pool: PoolFactory, backend: BackendConfig, world_size: int
 ) -> None:
     scenario = backend.scenario(GATED, world_size=world_size)
-    params, calls = dist_pool(world_size).run(w.larc_training, scenario, timeout=TIMEOUT)[0]
+    params, calls = dist_pool(scenario.world_size).run(w.larc_training, scenario, timeout=TIMEOUT)[
+        0
+    ]
     # One all-reduce per step for every norm of every group; the optimizer adds none.
     assert calls == [ONE_ALL_REDUCE] * len(GATED.skips)
     compare(params, w.reference_larc_training(scenario))
@@ -216,7 +218,9 @@ def test_lamb_recipe_trains_like_lamb_in_one_process(
 ) -> None:
     """The LAMB recipe: trust ratios ``||w|| / ||update||`` with ``tensor_norms``."""
     scenario = backend.scenario(GATED, world_size=world_size)
-    params, calls = dist_pool(world_size).run(w.lamb_training, scenario, timeout=TIMEOUT)[0]
+    params, calls = dist_pool(scenario.world_size).run(w.lamb_training, scenario, timeout=TIMEOUT)[
+        0
+    ]
     assert calls == [{"all_reduce": 2}] * len(GATED.skips)
     compare(params, w.reference_lamb_training(scenario))
 
@@ -258,7 +262,9 @@ BAD_ARGUMENTS = {
 def test_bad_arguments_raise_before_any_collective(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
-    results = dist_pool(2).run(w.bad_arguments, backend.scenario(GATED), timeout=TIMEOUT)
+    results = dist_pool(backend.ranks(2)).run(
+        w.bad_arguments, backend.scenario(GATED), timeout=TIMEOUT
+    )
     assert results[0] == results[1]
     for kind, pattern in BAD_ARGUMENTS.items():
         if kind == "flat" and backend.backend == "ddp":
@@ -282,7 +288,7 @@ WRONG_PHASE = {
 
 @each_misuse("where", WRONG_PHASE)
 def test_wrong_phase(dist_pool: PoolFactory, backend: BackendConfig, where: str) -> None:
-    dist_pool(2).run_expecting_error(
+    dist_pool(backend.ranks(2)).run_expecting_error(
         w.wrong_phase, backend.scenario(GATED), where, match=WRONG_PHASE[where], timeout=TIMEOUT
     )
 
@@ -303,7 +309,7 @@ def test_disagreeing_ranks_all_raise(
 ) -> None:
     """Every rank raises the same error after the one collective; none hangs."""
     scenario = backend.scenario(GATED, world_size=3)
-    err = dist_pool(3).run_expecting_error(
+    err = dist_pool(backend.ranks(3)).run_expecting_error(
         w.disagreeing_ranks, scenario, how, match=DISAGREEING[how], timeout=TIMEOUT
     )
     assert not err.unfinished

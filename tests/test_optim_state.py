@@ -27,7 +27,10 @@ from flatview.state_gather import buckets, pack, unpack
 from tests import optim_workers as ow
 from tests.scenarios import (
     FAIRSCALE,
+    FSDP2,
+    FSDP2_HSDP,
     GATED,
+    HYBRID_CONFIGS,
     BackendConfig,
     Scenario,
     available_configs,
@@ -175,12 +178,19 @@ REFERENCE_PARAMS = [
     backend_param(SHARD_GRAD_OP, 4, "default", slow=True),
     backend_param(NO_SHARD, 2, "default"),
     backend_param(NO_SHARD, 3, "use-orig-params", slow=True),
+    # Thorough only: FSDP2 (per block, one unit), FSDP2 HSDP and FSDP1 hybrid on 2 x 2.
+    backend_param(FSDP2, 3, "default"),
+    backend_param(FSDP2, 2, "one-unit"),
+    backend_param(FSDP2_HSDP, 4, "default"),
+    *(backend_param(c, 4, "default") for c in HYBRID_CONFIGS),
+    backend_param(HYBRID_CONFIGS[0], 4, "use-orig-params"),
 ]
 OPTIONS = {
     "default": {},
     "unflattened": {"flatten_parameters": False},
     "use-orig-params": {"use_orig_params": True},
 }
+NESTING = {"one-unit": False}
 
 
 @pytest.mark.parametrize(("backend", "world_size", "option"), REFERENCE_PARAMS)
@@ -189,7 +199,12 @@ def test_consolidated_state_equals_the_reference(
 ) -> None:
     """AdamW and SGD with momentum, per submodule, after steps that skip every kind of
     thing: every rank's consolidated state is the reference optimizers' state."""
-    scenario = backend.scenario(GATED, world_size=world_size, options=OPTIONS[option])
+    scenario = backend.scenario(
+        GATED,
+        world_size=world_size,
+        options=OPTIONS.get(option, {}),
+        nested=NESTING.get(option, True),
+    )
     check_against_reference(dist_pool, scenario)
 
 
@@ -209,7 +224,7 @@ def test_rank0_only(dist_pool: PoolFactory) -> None:
     """Rank 0 gets what every rank gets without rank0_only; the others an empty state and
     the same parameter groups; the collectives are the same on every rank."""
     scenario = FAIRSCALE.scenario(GATED, world_size=3)
-    results = dist_pool(3).run(ow.both_ways, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(ow.both_ways, scenario, timeout=TIMEOUT)
     _, want = ow.reference(scenario)
     calls = {collectives for _, _, collectives in results}
     assert len(calls) == 1 and calls != {0}, calls
@@ -228,7 +243,7 @@ def test_rank0_only(dist_pool: PoolFactory) -> None:
 def test_parameters_fsdp_does_not_flatten_are_taken_as_they_are(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
-    results = dist_pool(2).run(ow.ignored_head, backend.scenario(), timeout=TIMEOUT)
+    results = dist_pool(backend.ranks(2)).run(ow.ignored_head, backend.scenario(), timeout=TIMEOUT)
     for rank, out in enumerate(results):
         assert out == {"plain": True, "as_is": True, "reloaded": True, "lr": 0.1}, rank
 
@@ -275,6 +290,15 @@ ROUND_TRIPS = [
         (NO_SHARD, 1, {}),
         (FAIRSCALE, 4, UNFLATTENED),
         "one-rank-to-fairscale-unflattened-4",
+        slow=True,
+    ),
+    _trip((FSDP2, 2, {}), (FAIRSCALE, 3, {}), "fsdp2-2-to-fairscale-3", slow=True),
+    _trip((FULL_SHARD, 3, {}), (FSDP2, 4, {}), "torch-full-shard-3-to-fsdp2-4", slow=True),
+    _trip((FSDP2_HSDP, 4, {}), (FSDP2, 2, {}), "fsdp2-hsdp-4-to-fsdp2-2", slow=True),
+    _trip(
+        (HYBRID_CONFIGS[0], 4, {}),
+        (FSDP2_HSDP, 4, {}),
+        "torch-hybrid-shard-4-to-fsdp2-hsdp-4",
         slow=True,
     ),
 ]
@@ -340,7 +364,9 @@ def test_resume_drawn_scenarios_elsewhere(dist_pool: PoolFactory, data: st.DataO
     # skips has none there, and AdamW leaves it alone instead of decaying it.
     saved = replace(saved, batch_per_rank=samples // saved.world_size, set_to_none=True)
     config = data.draw(st.sampled_from(available_configs()), label="resumed on")
-    world_size = data.draw(st.integers(1, 4), label="resumed world size")
+    # Hybrid layouts: on their 4 ranks only.
+    sizes = st.sampled_from(config.world_sizes) if config.hybrid else st.integers(1, 4)
+    world_size = data.draw(sizes, label="resumed world size")
     options: dict[str, Any] = {}
     # use_orig_params parameters are torch's: flatview does not freeze them.
     if config.backend == "torch" and not saved.frozen and data.draw(st.booleans()):
@@ -368,7 +394,7 @@ def test_errors_name_the_culprit_and_no_rank_hangs(
 ) -> None:
     scenario = backend.scenario(GATED, world_size=world_size)
     # The pool's timeout (a hung rank) fails the test; so does a rank raising alone.
-    results = dist_pool(world_size).run(ow.error_cases, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(ow.error_cases, scenario, timeout=TIMEOUT)
     sharded = world_size > 1 and not backend.replicated
     expected = {
         "flat": r"parameter 1 of parameter group 0 is the flat parameter of FSDP unit '<root>'",

@@ -39,7 +39,7 @@ def test_one_rank_outside_a_checked_step_raises_everywhere(
     naming rank 1 (this hung); rank 0 in a step skipping nothing while rank 1 runs
     outside is accepted (the same iteration); training afterwards is the reference's."""
     scenario = backend.scenario(SC)
-    results = dist_pool(2).run(w.inside_and_outside, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(w.inside_and_outside, scenario, timeout=TIMEOUT)
     for got in results:
         assert re.search(
             r"SkipSetMismatchError: rank\(s\) \[1\] ran this iteration's forward outside any "
@@ -63,7 +63,7 @@ def test_outside_step_exchanges_only_with_the_check_on(
     agreement all-gather; with it on, one per iteration (8 bytes). Evaluation forwards
     under no_grad outside a step, and a step with check=False, exchange nothing; on DDP
     the recomputation of a checkpointed whole model inside the backward does not either."""
-    pool = dist_pool(2)
+    pool = dist_pool(backend.ranks(2))
     off, on = (
         pool.run(w.outside_exchanges, backend.scenario(SC, check=check), timeout=TIMEOUT)
         for check in (False, True)

@@ -67,8 +67,8 @@ def test_skips_cost_nothing_and_replicas_communicate_nothing(
 ) -> None:
     scenario = backend.scenario(GATED, world_size=2)
     run = ww.MuonRun(scenario)
-    results = dist_pool(2).run(ww.distributed, run, timeout=TIMEOUT)
-    _check(results, ww.reference(run), 2)
+    results = dist_pool(backend.ranks(2)).run(ww.distributed, run, timeout=TIMEOUT)
+    _check(results, ww.reference(run), scenario.world_size)
     if backend.replicated:
         # Every view full on every rank: the plain optimizer, nothing exchanged.
         for r in results:
@@ -91,7 +91,7 @@ def test_torch_own_views_are_stepped_in_their_original_shape(
         GATED, world_size=world_size, options={"use_orig_params": True}
     )
     run = ww.MuonRun(scenario)
-    results = dist_pool(world_size).run(ww.distributed, run, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(ww.distributed, run, timeout=TIMEOUT)
     _check(results, ww.reference(run), world_size)
 
 
@@ -136,7 +136,7 @@ def test_state_resumes_at_another_world_size(dist_pool: PoolFactory) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_refusals_name_the_culprit_on_every_rank(dist_pool: PoolFactory, world_size: int) -> None:
     scenario = FAIRSCALE.scenario(Scenario(), world_size=world_size)
-    results = dist_pool(world_size).run(ww.refusals, scenario, timeout=TIMEOUT)
+    results = dist_pool(scenario.world_size).run(ww.refusals, scenario, timeout=TIMEOUT)
     for messages in results:
         assert len(messages) == 3, messages
         assert "Muon refuses parameter 'stem.bias'" in messages[0]
