@@ -255,7 +255,7 @@ def whole_norms(
     sharded = torch.tensor([pl.sharded for pl in table for _ in range(COLUMNS)], device=device)
     share = local if maximum else local.pow(p)
     share = torch.where(sharded, share, torch.zeros_like(share))
-    reduced = exchange.all_reduce(share, rt.adapter.group, device, rt.ledger).reshape(-1)
+    reduced = _reduce(rt, exchange, share).reshape(-1)
 
     _raise_failures(rt, exchange, None)
     _raise_on_disagreement(exchange, table, columns, p)
@@ -288,9 +288,21 @@ def refuse_everywhere(rt: Runtime, error: FlatViewError) -> NoReturn:
     exchange.failed = True
     device = rt.adapter.device
     values = torch.zeros(len(rt.table) * COLUMNS, dtype=torch.float64, device=device)
-    exchange.all_reduce(values, rt.adapter.group, device, rt.ledger)
+    _reduce(rt, exchange, values)
     _raise_failures(rt, exchange, error)
     raise error
+
+
+def _reduce(rt: Runtime, exchange: NormExchange, values: torch.Tensor) -> torch.Tensor:
+    adapter = rt.adapter
+    return exchange.all_reduce(
+        values,
+        adapter.group,
+        adapter.device,
+        rt.ledger,
+        agreement_group=adapter.agreement_group,
+        replicated=adapter.replicas > 1,
+    )
 
 
 def _raise_failures(rt: Runtime, exchange: NormExchange, error: FlatViewError | None) -> None:
@@ -301,7 +313,9 @@ def _raise_failures(rt: Runtime, exchange: NormExchange, error: FlatViewError | 
     reports: list[tuple[str, str] | None] = []
     if exchange.some_ok:
         # Some ranks do not know what went wrong: tell them (the only case that pays).
-        group = rt.adapter.group
+        # The flags were reduced over the agreement group (the world under hybrid
+        # sharding): so are the reports.
+        group = rt.adapter.agreement_group
         reports = [None] * dist.get_world_size(group)
         mine = None if error is None else (type(error).__name__, str(error))
         dist.all_gather_object(reports, mine, group=group)

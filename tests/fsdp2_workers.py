@@ -206,15 +206,23 @@ def refused(kind: str) -> str:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     net = make_net(Scenario(backend="fsdp2"))
+    options: dict[str, Any] = {}
     if kind == "offload":
         fully_shard(net, offload_policy=CPUOffloadPolicy(pin_memory=False))
         target: Any = net
-    else:  # only the blocks sharded, not the root
+    elif kind == "unsharded-root":  # only the blocks sharded, not the root
         for block in net.body:
             fully_shard(block)
         target = net
+    else:  # reduction options FSDP2's own collectives would ignore
+        fully_shard(net)
+        target = net
+        if kind == "all-to-all":
+            options["reduce_strategy"] = "all_to_all"
+        else:
+            options["reduce_options"] = flatview.ReduceOptions(keep_buffer_bytes=0)
     try:
-        flatview.wrap(target)
+        flatview.wrap(target, **options)
     except flatview.WrapError as error:
         return str(error)
     return ""

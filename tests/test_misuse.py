@@ -18,7 +18,6 @@ from tests.scenarios import (
     BACKENDS,
     DDP,
     FAIRSCALE,
-    HYBRID_STRATEGIES,
     BackendConfig,
     Scenario,
     backend_param,
@@ -61,8 +60,6 @@ def test_error_on_one_rank_raises_on_every_rank(
     """A skip set that fails on one rank only (a name that does not resolve, a bad item,
     a wrong type), and a norm call with a bad argument on one rank only: every rank
     raises (the others naming the failing rank), none hangs; a valid step follows."""
-    if backend.strategy in HYBRID_STRATEGIES:
-        pytest.skip(f"{backend}: fails here, not yet analysed (open: see wt-suites report)")
     scenario = backend.scenario(SC, world_size=world_size)
     results = dist_pool(scenario.world_size).run(w.local_errors, scenario, timeout=TIMEOUT)
     for rank, got in enumerate(results):
@@ -82,8 +79,6 @@ def test_ranks_that_freeze_differently_all_raise(
 ) -> None:
     """What decides which gradients are reduced (skip set and frozen parameters) is
     agreed: on DDP this trained wrong silently, on torch one unit gloo aborted."""
-    if backend.strategy in HYBRID_STRATEGIES:
-        pytest.skip(f"{backend}: fails here, not yet analysed (open: see wt-suites report)")
     scenario = backend.scenario(SC, nested=backend.backend == "fairscale")
     results = dist_pool(scenario.world_size).run(w.frozen_differently, scenario, timeout=TIMEOUT)
     for got in results:
@@ -136,8 +131,6 @@ def test_training_after_errors_is_the_reference(
     gradients zeroed, training is exactly the reference's: fairscale drifted by 0.029
     after UndeclaredUnusedError, torch FULL_SHARD raised SkippedParameterUsedError for
     parameters not skipped, and a forward outside the step trained body.1."""
-    if backend.strategy in HYBRID_STRATEGIES:
-        pytest.skip(f"{backend}: fails here, not yet analysed (open: see wt-suites report)")
     fields: dict[str, Any] = {}
     if variant == "one-unit":
         fields["nested"] = False

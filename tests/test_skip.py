@@ -305,8 +305,6 @@ def test_unknown_skip_items(dist_pool: PoolFactory, backend: BackendConfig) -> N
 def test_skip_items_resolve_to_original_names(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
-    if backend.sharded_originals or backend.hybrid:
-        pytest.skip(f"{backend}: fails here, not yet analysed (open: see wt-suites report)")
     scenario = backend.scenario(SC, tie=True)
     got = dist_pool(scenario.world_size).run(w.resolve_items, scenario, timeout=TIMEOUT)[0]
     body0 = [n for n, _ in make_net(SC).named_parameters() if n.startswith("body.0.")]

@@ -58,6 +58,7 @@ Everything changed is an instance attribute or a hook, removed by ``uninstall``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -93,6 +94,25 @@ class _Unit:
         self.groups: list[Any] = list(state._fsdp_param_groups)
 
 
+def _refuse_reduce_options(options: ReduceOptions) -> None:
+    """FSDP2 reduces gradients in its own collectives, which flatview does not replace, so
+    flatview's reduction options would be ignored: refuse them rather than accept them
+    silently. ``overlap`` is refused by :func:`flatview.backends.detect`."""
+    default = ReduceOptions()
+    given = [
+        f"{f.name}={getattr(getattr(options, f.name), 'value', getattr(options, f.name))!r}"
+        for f in dataclasses.fields(options)
+        if f.name != "overlap" and getattr(options, f.name) != getattr(default, f.name)
+    ]
+    if given:
+        raise WrapError(
+            f"FSDP2 models reduce gradients in FSDP2's own collectives, which flatview "
+            f"does not replace, so these reduction options would be ignored: "
+            f"{', '.join(given)} (reduce_strategy / reduce_options); leave them at their "
+            "defaults"
+        )
+
+
 class FSDP2Adapter(AdapterBase):
     """Maps the flatview core onto one FSDP2 model (root and nested ``fully_shard`` units)."""
 
@@ -103,6 +123,7 @@ class FSDP2Adapter(AdapterBase):
         from flatview.backends.torch_fsdp import check_torch_version
 
         self.options = options if options is not None else ReduceOptions()
+        _refuse_reduce_options(self.options)
         check_torch_version("FSDP2 backend relies on fully_shard")
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState

@@ -92,26 +92,45 @@ class NormExchange:
         group: dist.ProcessGroup | None,
         device: torch.device,
         ledger: Ledger,
+        agreement_group: dist.ProcessGroup | None = None,
+        replicated: bool = False,
     ) -> torch.Tensor:
         """Reduce this rank's flags and ``values`` (``params x COLUMNS`` shares, on
-        ``device``) over ``group`` with one all-reduce; return the reduced values."""
+        ``device``) over ``group`` with one all-reduce; return the reduced values.
+
+        ``replicated`` (hybrid sharding: ``group`` is one shard group of several): the
+        flags are reduced over ``agreement_group`` (the world) in a second all-reduce,
+        so that a rank refusing its arguments makes every replica raise too (else the
+        other shard groups would train on and hang at their next collective), while the
+        values stay reduced within the shard group (replicas hold the same pieces)."""
         c = float(self.code)
         header = torch.tensor(
             [c, -c if self.maximum else c * c, float(self.failed), float(not self.failed)],
             dtype=torch.float64,
         )
         host = torch.cat([header, self.flags.reshape(-1)])
-        buffer = torch.cat([host.to(device), values.reshape(-1).to(torch.float64)])
         op = dist.ReduceOp.MAX if self.maximum else dist.ReduceOp.SUM
-        ledger.record("norms", buffer)
-        dist.all_reduce(buffer, op=op, group=group)
-        reduced_host = buffer[: host.numel()].cpu()
+        if replicated:
+            flags = host.to(device)
+            ledger.record("norms", flags)
+            dist.all_reduce(flags, op=op, group=agreement_group)
+            shares = values.reshape(-1).to(torch.float64)
+            ledger.record("norms", shares)
+            dist.all_reduce(shares, op=op, group=group)
+            reduced_host = flags.cpu()
+            self._world = dist.get_world_size(agreement_group)
+        else:
+            buffer = torch.cat([host.to(device), values.reshape(-1).to(torch.float64)])
+            ledger.record("norms", buffer)
+            dist.all_reduce(buffer, op=op, group=group)
+            reduced_host = buffer[: host.numel()].cpu()
+            shares = buffer[host.numel() :]
+            self._world = dist.get_world_size(group)
         self._header = reduced_host[:_HEADER]
         self.some_failed = bool(self._header[2] > 0.5)
         self.some_ok = bool(self._header[3] > 0.5)
         self.reduced_flags = reduced_host[_HEADER:].view(self.params, FLAGS)
-        self._world = dist.get_world_size(group)
-        return buffer[host.numel() :].view(self.params, COLUMNS)
+        return shares.view(self.params, COLUMNS)
 
     def agreement(self) -> Agreement:
         """Read the reduced flags (after :meth:`all_reduce`); the same on every rank."""
