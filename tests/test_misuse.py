@@ -114,16 +114,7 @@ EXPECTED = {
 
 
 def _recovery_params() -> list[Any]:
-    # Open on FSDP2 (thorough-only): after the provoked errors the next step raises
-    # SkippedParameterUsedError for body.1.up.weight in FSDP2's final callback; the state
-    # of an errored step is not yet fully cleared there.
-    fsdp2_open = pytest.mark.xfail(
-        strict=False, reason="open: FSDP2 recovery after errors (SkippedParameterUsedError)"
-    )
-    params = [
-        backend_param(c, "", marks=[fsdp2_open] if c.backend == "fsdp2" else [])
-        for c in BACKEND_CONFIGS
-    ]
+    params = [backend_param(c, "") for c in BACKEND_CONFIGS]
     torch_full = BackendConfig("torch", "FULL_SHARD")
     params.append(backend_param(torch_full, "one-unit"))
     params.append(backend_param(torch_full, "orig-params"))

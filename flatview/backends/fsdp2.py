@@ -336,6 +336,7 @@ class FSDP2Adapter(AdapterBase):
                     # The last backward raised before FSDP's final callback: FSDP's states
                     # are mid-backward (what reset_iter_state is for).
                     self.root.reset_iter_state()
+                    self._drop_unreduced_grads()
                     self._reset_round()
                 self._in_flight = True
                 self._backward_started = False
@@ -460,6 +461,18 @@ class FSDP2Adapter(AdapterBase):
         return exchange_flags(
             missing, self._got, count, self.agreement_group, self.core.ledger, self.device
         )
+
+    def _drop_unreduced_grads(self) -> None:
+        """Drop the gradients an aborted backward left on unsharded parameters.
+
+        reset_iter_state discards FSDP's reduction state but not these: the next backward
+        would take them as its own (a skipped parameter's as "used") and reduce them."""
+        for entries in self._params_of:
+            for fsdp_param, _ in entries:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                fsdp_param.unsharded_accumulated_grad = None
 
     def _reset_round(self) -> None:
         self._got.clear()
