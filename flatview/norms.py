@@ -294,14 +294,15 @@ def refuse_everywhere(rt: Runtime, error: FlatViewError) -> NoReturn:
 
 
 def _reduce(rt: Runtime, exchange: NormExchange, values: torch.Tensor) -> torch.Tensor:
+    """The norm call's one all-reduce; under hybrid sharding its refusal flags travel over
+    every rank (the agreement group), its values within the shard group."""
     adapter = rt.adapter
     return exchange.all_reduce(
         values,
         adapter.group,
         adapter.device,
         rt.ledger,
-        agreement_group=adapter.agreement_group,
-        replicated=adapter.replicas > 1,
+        adapter.agreement_group,
     )
 
 

@@ -92,14 +92,14 @@ class NormExchange:
         group: dist.ProcessGroup | None,
         device: torch.device,
         ledger: Ledger,
-        agreement_group: dist.ProcessGroup | None = None,
-        replicated: bool = False,
+        flags_group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
         """Reduce this rank's flags and ``values`` (``params x COLUMNS`` shares, on
         ``device``) over ``group`` with one all-reduce; return the reduced values.
 
-        ``replicated`` (hybrid sharding: ``group`` is one shard group of several): the
-        flags are reduced over ``agreement_group`` (the world) in a second all-reduce,
+        ``flags_group``: where the flags go, ``group`` itself except under hybrid
+        sharding (``group`` one shard group of several): then the flags are reduced over
+        ``flags_group`` (the world) in a second all-reduce,
         so that a rank refusing its arguments makes every replica raise too (else the
         other shard groups would train on and hang at their next collective), while the
         values stay reduced within the shard group (replicas hold the same pieces)."""
@@ -110,15 +110,15 @@ class NormExchange:
         )
         host = torch.cat([header, self.flags.reshape(-1)])
         op = dist.ReduceOp.MAX if self.maximum else dist.ReduceOp.SUM
-        if replicated:
+        if flags_group is not group:
             flags = host.to(device)
             ledger.record("norms", flags)
-            dist.all_reduce(flags, op=op, group=agreement_group)
+            dist.all_reduce(flags, op=op, group=flags_group)
             shares = values.reshape(-1).to(torch.float64)
             ledger.record("norms", shares)
             dist.all_reduce(shares, op=op, group=group)
             reduced_host = flags.cpu()
-            self._world = dist.get_world_size(agreement_group)
+            self._world = dist.get_world_size(flags_group)
         else:
             buffer = torch.cat([host.to(device), values.reshape(-1).to(torch.float64)])
             ledger.record("norms", buffer)
