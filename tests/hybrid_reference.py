@@ -63,7 +63,8 @@ def hybrid_reduce(
     if sum(counts) == 0:
         return shards
 
-    padded = world > 1 and choose_strategy(counts, strategy) is Strategy.REDUCE_SCATTER
+    masked = not all(plan.all_used for plan in plans)
+    padded = world > 1 and choose_strategy(counts, strategy, masked) is Strategy.REDUCE_SCATTER
     width = max(counts)
     # Packed in destination-rank order; each rank's part padded to `width` for a
     # reduce-scatter, exact for an all-to-all (and for a shard group of one).

@@ -163,11 +163,12 @@ MIXED_PRECISION = {
 def test_mixed_precision(dist_pool: PoolFactory, backend: BackendConfig) -> None:
     """Training agrees with the fp32 reference to fp16 accuracy."""
     if backend.strategy in HYBRID_STRATEGIES:
-        # Found by this suite (open): on 2 x 2, reduce_dtype float16, skips ((1,), (0,), ()),
-        # body.0.norm.weight[0] ends at 0.9528 against the reference's 0.9031 (5%; the
-        # other elements agree to 1e-4), on HYBRID_SHARD and _HYBRID_SHARD_ZERO2 alike.
-        # Not hybrid's: FULL_SHARD on 4 ranks is off the same way (test_fp16_four_ranks).
-        pytest.skip("FSDP1 fp16 reduction on 4 ranks: one element 5% off (open bug)")
+        # Hybrid layouts need 4 ranks, and there the fp32 reference is no yardstick: on
+        # 2 x 2 with reduce_dtype float16, plain torch FSDP1 on its own ends
+        # body.0.norm.weight[0] 5% off it (fp16 rounding of a near-zero gradient, which
+        # AdamW's first steps turn into a whole lr), as flatview does. Compared against
+        # plain torch under the same policy instead: tests/test_fp16_reduction.py.
+        pytest.skip("fp16 reduction on 4 ranks: compared against plain torch FSDP1 instead")
     scenario = backend.scenario(
         world_size=2,
         inner=(3, 4),

@@ -239,7 +239,10 @@ class TorchFSDPAdapter(TorchSkipping):
         # NO_SHARD units' gradients go to the replicated reduction, the others' to the
         # sharded one; a model may mix both.
         reduction = (self.group, self.rank, self.world_size, core.ledger, self.options)
-        self._sharded = ShardedReduction(*reduction, self.bucket_numel, replica_of(self.hybrid))
+        # torch reduce-scatters each unit on its own.
+        self._sharded = ShardedReduction(
+            *reduction, self.bucket_numel, replica_of(self.hybrid), wrapper_buckets=False
+        )
         self._replicated = ReplicatedReduction(*reduction, self.bucket_numel)
         set_comm_hook(self.root, self.units, _reduce_hook, self.hybrid)
         for index, (_, unit) in enumerate(self.units):

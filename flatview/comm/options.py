@@ -66,6 +66,14 @@ class ReduceOptions:
             (see :data:`IN_PLACE_MIN_NUMEL`); 0 lets gradients of any size.
         keep_buffer_bytes: the largest bucket buffer kept from one reduction to the
             next (see :data:`KEEP_BUFFER_BYTES`); 0 keeps none.
+        bucket_whole: sharded wrappers only: whether small gradients used whole (nothing
+            of theirs skipped) share buckets across units (``True``: fewer collectives),
+            or each is reduce-scattered on its own, in the wrapper's own layout
+            (``False``); ``None``: as the wrapper does (torch FSDP1: on its own;
+            fairscale: its bucketer's buckets). Where an element sits in a collective's
+            buffer can decide the order its ranks' values are added in (gloo's
+            reduce-scatter on 3 or more ranks does), so only the wrapper's layout gives
+            the wrapper's rounding bit for bit; bucketing may move a sum by an ulp.
     """
 
     strategy: Strategy = Strategy.AUTO
@@ -73,6 +81,7 @@ class ReduceOptions:
     in_place_tolerance: float | None = IN_PLACE_TOLERANCE
     in_place_min_numel: int = IN_PLACE_MIN_NUMEL
     keep_buffer_bytes: int = KEEP_BUFFER_BYTES
+    bucket_whole: bool | None = None
 
     def __post_init__(self) -> None:
         # Frozen: the one conversion goes through object.__setattr__.

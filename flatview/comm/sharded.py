@@ -12,9 +12,13 @@ reduced with one collective per bucket. Two collectives can do it:
 * ``all_to_all``: uneven splits move exactly the used bytes; each rank then sums the
   ``world_size`` parts it received.
 
-:func:`choose_strategy` picks ``reduce_scatter`` unless its padding would cost more than
-:data:`PAD_TOLERANCE` over the exact size. The result handed back is a sharded gradient
-with zeros wherever nothing was used.
+:func:`choose_strategy` picks ``reduce_scatter`` unless something in the bucket is masked
+and its padding would cost more than :data:`PAD_TOLERANCE` over the exact size. A bucket
+with nothing masked always takes the wrapper's own collective: the all-to-all's local sum
+adds the ``world_size`` parts in another order than the reduce-scatter (and, in fp16,
+another precision), so on 3 or more ranks it rounds differently from plain FSDP, and what
+a step that skips nothing computes must be plain FSDP's, bit for bit. The result handed
+back is a sharded gradient with zeros wherever nothing was used.
 
 A padded unsharded gradient that the in-place rule takes (:mod:`flatview.comm.reduction`)
 is reduce-scattered straight into the caller's shard instead
@@ -50,10 +54,14 @@ PAD_TOLERANCE = 0.05
 """Padding overhead of an even reduce-scatter accepted before the exact all-to-all wins."""
 
 
-def choose_strategy(counts: Sequence[int], requested: Strategy) -> Strategy:
-    """The collective for one bucket whose parts, per destination rank, are ``counts``."""
+def choose_strategy(counts: Sequence[int], requested: Strategy, masked: bool = True) -> Strategy:
+    """The collective for one bucket whose parts, per destination rank, are ``counts``;
+    ``masked``: some element of the bucket's gradients is left out (not only the
+    wrapper's padding)."""
     if requested is not Strategy.AUTO:
         return requested
+    if not masked:
+        return Strategy.REDUCE_SCATTER
     exact = sum(counts)
     padded = max(counts, default=0) * len(counts)
     return Strategy.REDUCE_SCATTER if padded <= exact * (1 + PAD_TOLERANCE) else Strategy.ALL_TO_ALL
@@ -90,9 +98,15 @@ class ShardedReduction(Reduction):
         options: ReduceOptions,
         bucket_numel: int,
         replica: tuple[dist.ProcessGroup | None, int] | None = None,
+        wrapper_buckets: bool = True,
     ) -> None:
+        """``wrapper_buckets``: whether the wrapper's own reduction shares buckets across
+        units (fairscale's bucketer) or reduces each unit on its own (torch FSDP1): what
+        a gradient used whole does unless ``options.bucket_whole`` says otherwise."""
         super().__init__(group, rank, world_size, ledger, options, bucket_numel)
         self._entries: list[_Entry] = []
+        chosen = options.bucket_whole
+        self._bucket_whole = wrapper_buckets if chosen is None else chosen
         self._replica = replica if replica is not None and replica[1] > 1 else None
 
     @torch.no_grad()
@@ -125,6 +139,9 @@ class ShardedReduction(Reduction):
             parts = list(packed.split(list(plan.counts)))
             whole = None
         entry = _Entry(plan, index, parts, on_done, whole)
+        if plan.all_used and not self._bucket_whole:
+            self._reduce_entries([entry])
+            return
         self._entries.append(entry)
         self._queued(entry.numel)
 
@@ -180,13 +197,22 @@ class ShardedReduction(Reduction):
 
     def _reduce_queued(self) -> None:
         entries, self._entries = self._entries, []
+        self._reduce_entries(entries)
+
+    def _reduce_entries(self, entries: list[_Entry]) -> None:
+        """One collective for ``entries`` (none if empty), results handed out."""
         if not entries:
             return
         world = self.world_size
         counts = [sum(e.plan.counts[r] for e in entries) for r in range(world)]
         if sum(counts) == 0:
             mine = entries[0].parts[0].new_zeros(0)
-        elif choose_strategy(counts, self.options.strategy) is Strategy.REDUCE_SCATTER:
+        elif (
+            choose_strategy(
+                counts, self.options.strategy, masked=not all(e.plan.all_used for e in entries)
+            )
+            is Strategy.REDUCE_SCATTER
+        ):
             mine = self._reduce_scatter(entries, counts)
         else:
             mine = self._all_to_all(entries, counts)
