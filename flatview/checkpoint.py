@@ -38,8 +38,9 @@ range of the flattened parameter), aliasing the optimizer's own state tensors: n
 is gathered, and DCP reads and writes the optimizer state in place. Scalars (``step``)
 are plain values, identical on every rank. DCP reshards either form on load.
 
-The model state: on DDP torch's (``get_model_state_dict`` / ``set_model_state_dict``, as
-without flatview). Full form: torch's on torch FSDP1, fairscale's own full
+The model state: on DDP and FSDP2 torch's (``get_model_state_dict`` /
+``set_model_state_dict``, as without flatview; FSDP2's are ``DTensor`` s, which DCP
+reshards into any other backend's form). Full form: torch's on torch FSDP1, fairscale's own full
 ``state_dict()`` on fairscale (torch's functions do not know fairscale). Sharded form on
 torch FSDP1 and fairscale: a ``ShardedTensor`` per sharded parameter, built from the views
 as for the optimizer state, plain tensors for every other parameter and persistent
@@ -363,8 +364,15 @@ def _load_optim_state_dict(
 # ------------------------------------------------------------------------------ model
 
 
+_TORCH_MODEL_STATE = ("ddp", "fsdp2")
+"""Backends whose model keeps its own parameters under their own names (DDP's plain
+tensors, FSDP2's ``DTensor`` s): torch's model state functions serve them as they are."""
+
+
 def _model_state_dict(fv: FlatView, model: nn.Module, info: Any) -> dict[str, Any]:
-    if fv.adapter.backend == "ddp" or (info.full_state_dict and fv.adapter.backend == "torch"):
+    if fv.adapter.backend in _TORCH_MODEL_STATE or (
+        info.full_state_dict and fv.adapter.backend == "torch"
+    ):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(model, options=info)
@@ -414,7 +422,7 @@ def _load_model_state_dict(
     fv: FlatView, model: nn.Module, state_dict: Mapping[str, Any], info: Any
 ) -> IncompatibleKeys:
     sharded = any(is_sharded(v) for v in state_dict.values())
-    if fv.adapter.backend == "ddp" or (not sharded and fv.adapter.backend == "torch"):
+    if fv.adapter.backend in _TORCH_MODEL_STATE or (not sharded and fv.adapter.backend == "torch"):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         result = set_model_state_dict(model, dict(state_dict), options=info)

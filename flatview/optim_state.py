@@ -182,10 +182,16 @@ def local_facts(
     consolidated whatever the other ranks hold."""
     groups = _optimizer_params(table, optimizer)
     saved = optimizer.state_dict()
-    for entry in saved["state"].values():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                entry[key] = local_tensor(value)
+    # New dicts: state_dict() shares each parameter's state dict with the optimizer, so
+    # writing the local pieces into it would swap the optimizer's own DTensor state
+    # (FSDP2) for plain tensors, and its next step would fail.
+    saved["state"] = {
+        position: {
+            key: local_tensor(value) if isinstance(value, torch.Tensor) else value
+            for key, value in entry.items()
+        }
+        for position, entry in saved["state"].items()
+    }
     # Optimizer.state_dict() numbers the parameters in group order: position k is the
     # k-th parameter over all groups.
     order = [index for group in groups for index in group]

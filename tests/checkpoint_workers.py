@@ -224,3 +224,21 @@ def torch_api_resume(scenario: Scenario, path: str, split: int) -> dict[str, Any
         "uninterrupted": uninterrupted,
         "resumed": full_state(model, scenario),
     }
+
+
+def read_states_midway(scenario: Scenario, split: int) -> dict[str, np.ndarray] | None:
+    """Train, read every form of the state after ``split`` steps (``fv.optim_state_dict``,
+    flatview.checkpoint's sharded and full dicts), train on: rank 0's final parameters.
+    Reading must leave the optimizers and the model as they were."""
+    steps = optimizer_steps(scenario)
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for _ in distributed_training(scenario, model, fv, opts, steps[:split]):
+            pass
+        for opt in opts:
+            fv.optim_state_dict(opt)
+        for full in (False, True):
+            fcp.get_state_dict(fv, model, opts, options=_options(full))
+        for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+            pass
+        return full_state(model, scenario)

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import state_dict as dsd
 from flatview.sharded_tensors import boxes
 from tests import checkpoint_workers as cw
 from tests.scenarios import (
+    BACKENDS,
     DDP,
     FAIRSCALE,
     BackendConfig,
@@ -202,3 +203,48 @@ def test_ddp_keeps_torch_state_dict_api(
     reference = run_reference(scenario).params
     compare(out["uninterrupted"], reference)
     compare(out["resumed"], reference)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        backend_param(BackendConfig("torch", "HYBRID_SHARD")),
+        backend_param(BackendConfig("torch", "_HYBRID_SHARD_ZERO2")),
+        backend_param(BackendConfig("fsdp2", "HSDP")),
+    ],
+)
+def test_hybrid_checkpoint_resumes_on_its_grid_and_on_two_ranks(
+    dist_pool: PoolFactory, backend: BackendConfig, tmp_path: Path
+) -> None:
+    """Hybrid sharding (2 x 2), where replica peers hold the same shard: saved sharded and
+    full on the grid, resumed on the grid and on 2 ranks of FULL_SHARD, every run ends
+    where the uninterrupted one does and every load gives back the state saved (FSDP2's
+    also on torch FSDP1)."""
+    scenario = backend.scenario(BASE, world_size=4)
+    paths = {False: str(tmp_path / "sharded"), True: str(tmp_path / "full")}
+    out = dist_pool(4).run(cw.save_and_resume, scenario, paths, SPLIT, timeout=TIMEOUT)[0]
+    assert out["full_equal"]
+    _check_run(out, scenario)
+    narrower = replace(scenario, world_size=2, strategy="FULL_SHARD")
+    want = reference_resumed(scenario, narrower, SPLIT)
+    # FSDP2's checkpoint (DTensors) also resumes on torch FSDP1 (ShardedTensors).
+    others = [replace(narrower, backend="torch")] if backend.backend == "fsdp2" else []
+    for target in [narrower, *others]:
+        elsewhere = dist_pool(2).run(cw.resume_elsewhere, target, paths, SPLIT, timeout=TIMEOUT)[0]
+        for full in (False, True):
+            assert_same_state(elsewhere[full]["loaded"], out["saved"], (target.backend, full))
+            compare(elsewhere[full]["params"], want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reading_the_state_midway_leaves_training_alone(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """``fv.optim_state_dict`` and flatview.checkpoint's dicts between two steps: the run
+    still ends where the reference does (FSDP2 once lost its optimizers' DTensor state to
+    the local pieces a read put in its place, and the next step failed)."""
+    scenario = backend.scenario(BASE)
+    results = dist_pool(scenario.world_size).run(
+        cw.read_states_midway, scenario, SPLIT, timeout=TIMEOUT
+    )
+    compare(results[0], run_reference(scenario).params)
