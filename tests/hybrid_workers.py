@@ -278,8 +278,9 @@ def replicas_disagree(scenario: Scenario) -> None:
         _step(model, fv, scenario, 0, (dist.get_rank() // 2,))
 
 
-def wrap_refused(case: str) -> str:
-    """What flatview.wrap says of a hybrid layout it must refuse."""
+def wrap_refused(case: str) -> str | None:
+    """What flatview.wrap says of a hybrid layout it must refuse (None on a rank outside
+    the model)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     scenario = Scenario(world_size=4, backend="torch", strategy="HYBRID_SHARD")
@@ -295,6 +296,14 @@ def wrap_refused(case: str) -> str:
         shard = next(g for g, r in made[:2] if rank in r)
         replica = next(g for g, r in made[2:] if rank in r)
         arg = {"process_group": (shard, replica)}
+    elif case == "subset":
+        # A model on ranks 0 and 1 only (shard group {0, 1}, replicas of one): ranks 2
+        # and 3 never call wrap, so a check over the world would hang on 0 and 1.
+        rank = dist.get_rank()
+        made = [(dist.new_group(r), r) for r in ([0, 1], [0], [1])]
+        if rank >= 2:
+            return None
+        arg = {"process_group": (made[0][0], made[1 + rank][0])}
     else:
         raise ValueError(case)
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP

@@ -86,7 +86,17 @@ def hybrid_groups(root: Any, units: list[tuple[str, Any]], tested: str) -> Hybri
             )
     shard, replica = root.process_group, root._inter_node_pg
     mine = (dist.get_process_group_ranks(shard), dist.get_process_group_ranks(replica))
-    places: list[Any] = [None] * dist.get_world_size()
+    world = dist.get_world_size()
+    if len(mine[0]) * len(mine[1]) != world:
+        # Decided locally, before the world-wide exchange below: the processes outside
+        # the model never call wrap, and the exchange would wait for them for ever.
+        raise WrapError(
+            f"hybrid sharding over {len(mine[0])} x {len(mine[1])} ranks (shard group x "
+            f"replica group) in a world of {world} processes: flatview's grid and "
+            "skip-set checks run over every process, so the grid must span the default "
+            "process group"
+        )
+    places: list[Any] = [None] * world
     dist.all_gather_object(places, mine)
     try:
         check_grid(places)
