@@ -393,10 +393,12 @@ def _flatview_torch(
     unpacked: bool | None = None,
     runtime: bool = False,
     orig_params: bool = False,
+    bucket_whole: bool | None = None,
 ) -> Callable[[Config], Trainer]:
-    """``runtime``: keep torch's unit runtime (``compute_on_views=False``) where flatview
-    would compute on views (NO_SHARD). ``orig_params``: ``use_orig_params=True``.
-    ``unpacked`` (torch's runtime only) overrides
+    """``bucket_whole``: ``ReduceOptions.bucket_whole`` (``None``: torch's layout, each
+    fully used gradient reduced on its own). ``runtime``: keep torch's unit runtime
+    (``compute_on_views=False``) where flatview would compute on views (NO_SHARD).
+    ``orig_params``: ``use_orig_params=True``. ``unpacked`` (torch's runtime only) overrides
     flatview's rule for reducing (nearly) fully used gradients whole, without packing, by
     a collective that runs while the backward goes on: ``True`` for gradients of every
     size, ``False`` never (every gradient packed into one bucket reduced at the end of the
@@ -409,9 +411,13 @@ def _flatview_torch(
 
         options: dict[str, Any] = {"compute_on_views": False} if runtime else {}
         if unpacked is False:
-            options["reduce_options"] = flatview.ReduceOptions(in_place_tolerance=None)
+            options["reduce_options"] = flatview.ReduceOptions(
+                in_place_tolerance=None, bucket_whole=True
+            )
         elif unpacked:
             options["reduce_options"] = flatview.ReduceOptions(in_place_min_numel=0)
+        elif bucket_whole is not None:
+            options["reduce_options"] = flatview.ReduceOptions(bucket_whole=bucket_whole)
         return _with_flatview(model, cfg, check, "auto", **options)
 
     return build
@@ -711,6 +717,15 @@ PAIRS: tuple[Pair, ...] = (
         ("packed", _flatview_torch("FULL_SHARD", check=False, unpacked=False)),
         ("unpacked", _flatview_torch("FULL_SHARD", check=False, unpacked=True)),
         skip=False,
+    ),
+    Pair(
+        "sharded_bucket_whole",
+        "flatview + torch FSDP1 per block, FULL_SHARD (check off), skipping: every fully "
+        "used gradient reduce-scattered on its own, as torch does (the default: torch's "
+        "rounding bit for bit) vs fully used gradients sharing buckets (bucket_whole=True)",
+        ("alone", _flatview_torch("FULL_SHARD", check=False)),
+        ("bucketed", _flatview_torch("FULL_SHARD", check=False, bucket_whole=True)),
+        skip=True,
     ),
     Pair(
         "reduce_strategy",

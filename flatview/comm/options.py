@@ -63,7 +63,9 @@ class ReduceOptions:
             and unpacked, by a collective started at once, instead of packed into a
             bucket; ``None`` packs every gradient (see :data:`IN_PLACE_TOLERANCE`).
         in_place_min_numel: the smallest gradient (elements) reduced whole and unpacked
-            (see :data:`IN_PLACE_MIN_NUMEL`); 0 lets gradients of any size.
+            (see :data:`IN_PLACE_MIN_NUMEL`); 0 lets gradients of any size. Where
+            gradients used whole go alone (``bucket_whole``), those go unpacked at any
+            size.
         keep_buffer_bytes: the largest bucket buffer kept from one reduction to the
             next (see :data:`KEEP_BUFFER_BYTES`); 0 keeps none.
         bucket_whole: sharded wrappers only: whether small gradients used whole (nothing

@@ -149,11 +149,20 @@ class ShardedReduction(Reduction):
         """Whether the padded unsharded ``grad`` should be reduce-scattered whole
         (:meth:`reduce_scatter_in_place`) rather than queued: it is contiguous, holds at
         least ``in_place_min_numel`` elements, and all of them (padding included) cost at
-        most ``in_place_tolerance`` more bytes than its used ones. Never when the
-        all-to-all was asked for by name: the bucket path honours it."""
+        most ``in_place_tolerance`` more bytes than its used ones; or, where gradients
+        used whole go alone (``bucket_whole`` off), it is one of them, of any size. Never
+        when the all-to-all was asked for by name: the bucket path honours it."""
         # (At world size 1 there is nothing to choose between.)
         if plan.layout.world_size != 1 and self.options.strategy is Strategy.ALL_TO_ALL:
             return False
+        if plan.all_used and not self._bucket_whole:
+            # Reduced on its own whatever its size: started at once, it costs no more.
+            return (
+                self.options.in_place_tolerance is not None
+                and plan.total > 0
+                and grad.numel() == plan.layout.padded_numel
+                and grad.is_contiguous()
+            )
         return self._reduces_whole(grad, plan.total, plan.layout.padded_numel)
 
     @torch.no_grad()
