@@ -404,6 +404,9 @@ ERROR_PARAMS = [
     backend_param(FAIRSCALE, 2),
     backend_param(FULL_SHARD, 3),
     backend_param(NO_SHARD, 2),
+    backend_param(FSDP2, 3),
+    backend_param(FSDP2_HSDP, 4),
+    *(backend_param(c, 4) for c in HYBRID_CONFIGS),
 ]
 
 
@@ -439,10 +442,17 @@ def test_errors_name_the_culprit_and_no_rank_hangs(
             "different_optimizers": r"the optimizers passed on different ranks hold different "
             r"parameters: rank 0 holds \d+, rank 1 holds \d+",
         }
+    if backend.hybrid:
+        # Disagreements found within a shard group stop every replica: the message names
+        # the group (its ranks numbered within it).
+        for case in ("step_disagrees", "state_missing", "different_optimizers"):
+            expected[case] = r"in the shard group of ranks \[0, 1\]: .*" + expected[case]
     if sharded:
         # Found before any collective, but reported through the one that follows.
         for case in ("flat", "foreign", "foreign_one_rank"):
             expected[case] = r"^OptimStateError: on rank \d: .*" + expected[case]
+    if not backend.flattens:
+        del expected["flat"]  # FSDP2: no flat parameter an optimizer could hold
     # Raised before any collective: the model and optimizer alone decide these (loading;
     # consolidating where no collective follows, every rank holding everything).
     local = {"foreign_load", "unknown_name", "missing_name", "stray_state", "shape", "groups"}
