@@ -67,7 +67,7 @@ from flatview.errors import OptimStateError
 from flatview.layout import Placement
 from flatview.local_tensors import like_param, local_tensor
 from flatview.sharded_tensors import is_sharded, local_of_sharded
-from flatview.state_gather import Kind, gather
+from flatview.state_gather import Kind, by_shard_group, gather, shard_groups
 from flatview.table import ParamRecord, ParamTable
 
 _STEP = "step"
@@ -233,6 +233,7 @@ def consolidate(
     params = table.params
     homes = [param.placement for param in params]
     gathering = adapter.world_size > 1 and any(home.layout is not None for home in homes)
+    over, members = shard_groups(adapter)
     try:
         groups, saved, order, described = local_facts(table, optimizer, homes)
     except OptimStateError as err:
@@ -240,7 +241,7 @@ def consolidate(
             raise
         # The other ranks are about to exchange descriptions: tell them, so that every
         # rank raises instead of the others waiting in the collective until it times out.
-        raise_reported(exchange({"error": str(err)}, adapter.group), cause=err)
+        raise_reported(exchange({"error": str(err)}, over), cause=err)
         raise  # not reached: this rank's own report is among them
     states: dict[int, dict[Any, Any]] = saved["state"]
 
@@ -248,9 +249,20 @@ def consolidate(
     fulls: dict[tuple[int, Any], torch.Tensor] = {}
     plan: dict[int, dict[Any, Kind]] = {}
     if gathering:
-        descriptions = exchange({"params": tuple(order), "state": described}, adapter.group)
-        raise_reported(descriptions)
-        plan = merge(descriptions, order, homes, params)
+        mine = {"params": tuple(order), "state": described}
+        everyone = exchange({**mine, "members": members, "shard": adapter.rank}, over)
+        raise_reported(everyone)
+        # Every shard group's merge on every rank: all raise the same first error.
+        for descriptions in by_shard_group(everyone):
+            try:
+                merged = merge(descriptions, descriptions[0]["params"], homes, params)
+            except OptimStateError as err:
+                if members is None:
+                    raise
+                ranks = list(descriptions[0]["members"])
+                raise OptimStateError(f"in the shard group of ranks {ranks}: {err}") from err
+            if descriptions[0]["members"] == members:
+                plan = merged
         fulls = gather(plan, states, order, homes, adapter, rank0_only)
 
     out_state: dict[str, dict[Any, Any]] = {}

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from flatview.backends.base import Adapter
 from flatview.comm.consolidate import gather_packed
@@ -121,3 +122,23 @@ def gather(
             for entry, full in zip(chosen, unpack(rows, chosen_homes), strict=True):
                 out[entry] = full
     return out
+
+
+def shard_groups(adapter: Adapter) -> tuple[dist.ProcessGroup | None, Any]:
+    """The group consolidation exchanges descriptions over (every rank of the run, so
+    that under hybrid sharding one replica's misuse stops the other replicas too: they
+    would train on while it raised) and what each rank adds to its description to tell
+    its shard group (its members, ``None`` without replicas)."""
+    if adapter.replicas == 1:
+        return adapter.group, None
+    return adapter.agreement_group, tuple(dist.get_process_group_ranks(adapter.group))
+
+
+def by_shard_group(everyone: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """The exchanged descriptions per shard group (by ``"members"``), each in shard-rank
+    order (``"shard"``), the groups in order of their first member: what every rank
+    merges alike."""
+    groups: dict[Any, list[Mapping[str, Any]]] = {}
+    for description in everyone:
+        groups.setdefault(description["members"], []).append(description)
+    return [sorted(groups[key], key=lambda d: d["shard"]) for key in sorted(groups, key=str)]

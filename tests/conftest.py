@@ -70,9 +70,6 @@ NOT_YET_ON_NEW_CONFIGS = frozenset(
         "test_grad_truth.py",
         "test_whole.py",
         "test_views.py",
-        "test_lifecycle.py",
-        "test_outside_step.py",
-        "test_optim_state.py",
     }
 )
 

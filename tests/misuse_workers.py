@@ -168,8 +168,9 @@ def interrupted_forward(scenario: Scenario, inside_step: bool) -> dict[str, Any]
 
 def wrap_mid_iteration(scenario: Scenario) -> dict[str, Any]:
     """``flatview.wrap`` between a forward and its backward: refused on the FSDP
-    backends; on DDP (undetectable there) that backward is DDP's own, gradients
-    averaged by DDP as without flatview."""
+    backends (and accepted after the backward and an evaluation forward); on DDP
+    (undetectable there) that backward is DDP's own, gradients averaged by DDP as
+    without flatview."""
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         x, y = local_batch(scenario, 0)
@@ -186,7 +187,12 @@ def wrap_mid_iteration(scenario: Scenario) -> dict[str, Any]:
                 same.append(torch.allclose(total, g * dist.get_world_size()))
             out["averaged"] = all(same)
         else:
-            # Refused before it touched anything: wrapping between iterations works.
+            # Refused before it touched anything: wrapping between iterations works, also
+            # after an evaluation forward under no_grad (FSDP2 leaves the root unsharded
+            # then; with the loss dropped, no graph is alive that could be a pending one).
+            del loss
+            with torch.no_grad():
+                model(x)
             fv = flatview.wrap(model)
             with fv.step(skip=["body.1"]):
                 loss_of(model(x, ("body.1",)), y).backward()

@@ -235,6 +235,12 @@ def _attempt(call: Any) -> tuple[str, int]:
     return "no error", sum(counter.calls.values())
 
 
+def _local_numel(param: torch.Tensor) -> int:
+    """How many elements of ``param`` this rank holds (FSDP2: its DTensor's local piece;
+    ``numel()`` counts the whole parameter)."""
+    return int(getattr(param, "to_local", lambda: param)().numel())
+
+
 def error_cases(scenario: Scenario) -> dict[str, tuple[str, int]]:
     """Every way to misuse consolidation and loading, one after the other on the same
     model: per case, the error and how many collectives ran before it."""
@@ -246,9 +252,10 @@ def error_cases(scenario: Scenario) -> dict[str, tuple[str, int]]:
         adamw = opts[0]
         named = dict(fv.named_parameters())
 
-        flat, _ = flats_and_shards(model, scenario.backend)[0]
-        over_flat = torch.optim.SGD([named["stem.bias"], flat], lr=0.1)
-        out["flat"] = _attempt(lambda: fv.optim_state_dict(over_flat))
+        if scenario.config.flattens:  # FSDP2 has no flat parameters to pass by mistake
+            flat, _ = flats_and_shards(model, scenario.backend)[0]
+            over_flat = torch.optim.SGD([named["stem.bias"], flat], lr=0.1)
+            out["flat"] = _attempt(lambda: fv.optim_state_dict(over_flat))
         stranger = nn.Parameter(torch.zeros(2, 3))
         foreign = torch.optim.SGD([{"params": [named["head.bias"]]}, {"params": [stranger]}])
         out["foreign"] = _attempt(lambda: fv.optim_state_dict(foreign, rank0_only=True))
@@ -302,7 +309,7 @@ def error_cases(scenario: Scenario) -> dict[str, tuple[str, int]]:
         if dist.get_world_size() > 1 and not scenario.config.replicated:
             # A parameter that ranks 0 and 1 both hold elements of (others are not asked).
             group = adamw.param_groups[0]["params"]
-            here = torch.tensor([p.numel() > 0 for p in group])
+            here = torch.tensor([_local_numel(p) > 0 for p in group])
             everywhere = [torch.empty_like(here) for _ in range(dist.get_world_size())]
             dist.all_gather(everywhere, here)
             shared = group[int((everywhere[0] & everywhere[1]).nonzero()[0])]
@@ -312,7 +319,7 @@ def error_cases(scenario: Scenario) -> dict[str, tuple[str, int]]:
             out["step_disagrees"] = _attempt(lambda: fv.optim_state_dict(adamw))
             adamw.state[shared]["step"] = saved_step
             # Rank 1 lost the state of a parameter it holds elements of.
-            held = next(p for p in adamw.param_groups[0]["params"] if p.numel() > 0)
+            held = next(p for p in adamw.param_groups[0]["params"] if _local_numel(p) > 0)
             kept = adamw.state[held]
             if rank == 1:
                 del adamw.state[held]

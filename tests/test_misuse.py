@@ -165,20 +165,7 @@ def test_ddp_flag_restored_after_keyboard_interrupt(
         assert got == {"interrupted": True, "flag": True, "averaged": True}, got
 
 
-# Open on FSDP2 (thorough-only): wrap between a forward and its backward ends in a
-# KeyError inside the adapter instead of the WrapError the other FSDP backends raise.
-_FSDP2_MID_ITERATION = pytest.mark.xfail(
-    strict=False, reason="open: FSDP2 does not yet detect a wrap between forward and backward"
-)
-
-
-@pytest.mark.parametrize(
-    "backend",
-    [
-        backend_param(c, marks=[_FSDP2_MID_ITERATION] if c.backend == "fsdp2" else [])
-        for c in BACKEND_CONFIGS
-    ],
-)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_wrap_between_forward_and_backward(dist_pool: PoolFactory, backend: BackendConfig) -> None:
     results = dist_pool(backend.ranks(2)).run(
         w.wrap_mid_iteration, backend.scenario(SC), timeout=TIMEOUT

@@ -252,8 +252,8 @@ def test_parameters_fsdp_does_not_flatten_are_taken_as_they_are(
 
 
 # (saved on, world size, options) -> (resumed on, world size, options); the global
-# batch is the same (6 or 4 samples) whatever the world size, so the reference is one
-# uninterrupted run.
+# batch is the same (the least common multiple of the world sizes, at least 2 samples)
+# whatever the world size, so the reference is one uninterrupted run.
 def _trip(
     saved: tuple[BackendConfig, int, dict[str, Any]],
     resumed: tuple[BackendConfig, int, dict[str, Any]],
@@ -301,6 +301,25 @@ ROUND_TRIPS = [
         "torch-hybrid-shard-4-to-fsdp2-hsdp-4",
         slow=True,
     ),
+    # Torch FSDP1 hybrid as a target and the ZeRO-2 variant as source and target.
+    _trip(
+        (FSDP2, 3, {}),
+        (HYBRID_CONFIGS[0], 4, ORIG_PARAMS),
+        "fsdp2-3-to-torch-hybrid-shard-orig-params-4",
+        slow=True,
+    ),
+    _trip(
+        (FSDP2_HSDP, 4, {}),
+        (HYBRID_CONFIGS[1], 4, {}),
+        "fsdp2-hsdp-4-to-torch-hybrid-shard-zero2-4",
+        slow=True,
+    ),
+    _trip(
+        (HYBRID_CONFIGS[1], 4, {}),
+        (FAIRSCALE, 1, UNFLATTENED),
+        "torch-hybrid-shard-zero2-4-to-fairscale-unflattened-1",
+        slow=True,
+    ),
 ]
 
 
@@ -317,7 +336,8 @@ def test_resume_at_another_world_size(
         saved_on,
         resumed_on,
     )
-    samples = 4 if 4 in (saved_ws, resumed_ws) else 6
+    # The same global batch on both sides: a multiple of both world sizes (3 -> 4: 12).
+    samples = math.lcm(saved_ws, resumed_ws, 2)
     base = replace(GATED, batch_per_rank=samples // saved_ws)
     saved = saved_config.scenario(base, world_size=saved_ws, options=saved_options)
     resumed = resumed_config.scenario(
@@ -384,6 +404,9 @@ ERROR_PARAMS = [
     backend_param(FAIRSCALE, 2),
     backend_param(FULL_SHARD, 3),
     backend_param(NO_SHARD, 2),
+    backend_param(FSDP2, 3),
+    backend_param(FSDP2_HSDP, 4),
+    *(backend_param(c, 4) for c in HYBRID_CONFIGS),
 ]
 
 
@@ -419,10 +442,17 @@ def test_errors_name_the_culprit_and_no_rank_hangs(
             "different_optimizers": r"the optimizers passed on different ranks hold different "
             r"parameters: rank 0 holds \d+, rank 1 holds \d+",
         }
+    if backend.hybrid:
+        # Disagreements found within a shard group stop every replica: the message names
+        # the group (its ranks numbered within it).
+        for case in ("step_disagrees", "state_missing", "different_optimizers"):
+            expected[case] = r"in the shard group of ranks \[0, 1\]: .*" + expected[case]
     if sharded:
         # Found before any collective, but reported through the one that follows.
         for case in ("flat", "foreign", "foreign_one_rank"):
             expected[case] = r"^OptimStateError: on rank \d: .*" + expected[case]
+    if not backend.flattens:
+        del expected["flat"]  # FSDP2: no flat parameter an optimizer could hold
     # Raised before any collective: the model and optimizer alone decide these (loading;
     # consolidating where no collective follows, every rank holding everything).
     local = {"foreign_load", "unknown_name", "missing_name", "stray_state", "shape", "groups"}

@@ -15,6 +15,7 @@ from tests import outside_workers as w
 from tests.scenarios import (
     BACKENDS,
     DDP,
+    FSDP2,
     BackendConfig,
     Scenario,
     backend_param,
@@ -35,16 +36,32 @@ SC = Scenario(skips=((1,), ()))
 def test_one_rank_outside_a_checked_step_raises_everywhere(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
-    """Rank 0 in a checked step skipping body.1, rank 1 outside any step: both raise,
-    naming rank 1 (this hung); rank 0 in a step skipping nothing while rank 1 runs
+    """Rank 0 in a checked step skipping body.1, the other ranks outside any step: all
+    raise, naming those outside (this hung); rank 0 in a step skipping nothing while they run
     outside is accepted (the same iteration); training afterwards is the reference's."""
-    scenario = backend.scenario(SC)
+    check_inside_and_outside(dist_pool, backend.scenario(SC))
+
+
+@pytest.mark.parametrize("backend", [backend_param(FSDP2)])
+def test_one_rank_outside_a_checked_step_raises_everywhere_fsdp2_as_one_unit(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """The same with FSDP2 sharding only the root: body.1 is skipped inside the unit."""
+    check_inside_and_outside(dist_pool, backend.scenario(SC, nested=False))
+
+
+def check_inside_and_outside(dist_pool: PoolFactory, scenario: Scenario) -> None:
     results = dist_pool(scenario.world_size).run(w.inside_and_outside, scenario, timeout=TIMEOUT)
+    # Every rank but 0 runs outside (hybrid layouts run on 4 ranks: 1, 2 and 3).
+    outside = list(range(1, scenario.world_size))
     for got in results:
         assert re.search(
-            r"SkipSetMismatchError: rank\(s\) \[1\] ran this iteration's forward outside any "
-            r"FlatView\.step\(\).*rank 0 skips \['body\.1\..*rank 1 runs outside any "
-            r"FlatView\.step\(\) \(skips nothing\)",
+            rf"SkipSetMismatchError: rank\(s\) {re.escape(str(outside))} ran this iteration's "
+            r"forward outside any FlatView\.step\(\).*rank 0 skips \['body\.1\..*"
+            + "".join(
+                rf"rank {r} runs outside any FlatView\.step\(\) \(skips nothing\).*"
+                for r in outside
+            ),
             got["mismatch"],
         ), got["mismatch"]
         assert got["alike"] == "accepted", got["alike"]

@@ -249,6 +249,26 @@ def _hook_counts(model: nn.Module) -> list[tuple[int, int]]:
     ]
 
 
+def _fsdp2_runtime(model: nn.Module) -> list[Any]:
+    """What flatview changes on an FSDP2 model (wrapper internals): each module's forward
+    hook counts, and per ``fully_shard`` state and parameter group the instance attributes
+    shadowing the class's methods and the types of the collective objects."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def shadows(obj: object) -> list[str]:
+        return sorted(n for n, v in vars(obj).items() if callable(getattr(type(obj), n, None)))
+
+    out: list[Any] = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state: Any = module._get_fsdp_state()
+            out.append(shadows(state))
+            for group in state._fsdp_param_groups:
+                out.append(shadows(group))
+                out.append((type(group._all_gather_comm), type(group._reduce_scatter_comm)))
+    return out
+
+
 def unwrap_restores_plain_fsdp(scenario: Scenario) -> dict[str, bool]:
     """``unwrap()`` gives the flat parameters back, without flatview's hooks: plain FSDP
     trains, the old handle refuses steps, and the model can be wrapped again."""
@@ -256,12 +276,20 @@ def unwrap_restores_plain_fsdp(scenario: Scenario) -> dict[str, bool]:
         model = wrap_fsdp(scenario, make_net(scenario))
         before = {id(p) for p in model.parameters()}
         hooks_before = _hook_counts(model)
+        fsdp2 = scenario.backend == "fsdp2"
+        runtime_before = _fsdp2_runtime(model) if fsdp2 else []
         fv = flatview.wrap(model, **scenario.flatview_options)
         views = {id(p) for p in fv.parameters()}
+        # Guards the test can fail on: wrap did change the FSDP2 runtime.
+        assert not fsdp2 or _fsdp2_runtime(model) != runtime_before
         train_step(model, fv, scenario, 0, (1,))  # guards (DDP: on the originals)
         fv.unwrap()
         after = {id(p) for p in model.parameters()}
         hooks_left = _hook_counts(model) != hooks_before
+        if fsdp2:
+            # FSDP2's parameters are flatview's (nothing is flattened): what must come back
+            # is FSDP2's own runtime, without flatview's hooks, shadows and counters.
+            views = set() if _fsdp2_runtime(model) == runtime_before else after
         x, y = local_batch(scenario, 0)
         loss_of(model(x), y).backward()
         if scenario.backend == "ddp":

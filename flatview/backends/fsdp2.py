@@ -73,6 +73,7 @@ from flatview.backends.fsdp2_hooks import (
     CountingReduceScatter,
     check_attrs,
     check_group,
+    check_no_pending_backward,
     exchange_flags,
     shard_layout,
     steer_prefetch,
@@ -175,6 +176,12 @@ class FSDP2Adapter(AdapterBase):
         for unit in self.units:
             for group in unit.groups:
                 check_group(unit.name, group, CPUOffloadPolicy)
+        check_no_pending_backward([(u.name, u.groups) for u in self.units])
+        # After a forward (under no_grad) FSDP2 keeps the root's unsharded parameters
+        # registered (it does not reshard the root after forward): flatview records the
+        # sharded ones, which the next forward unshards again (FSDPModule.reshard).
+        for unit in self.units:
+            cast(Any, unit.module).reshard()
         mesh_infos = [g.mesh_info for g in groups]
         self.hybrid = bool(mesh_infos) and isinstance(mesh_infos[0], HSDPMeshInfo)
         if mesh_infos:

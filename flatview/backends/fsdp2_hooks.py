@@ -7,7 +7,8 @@ and ``ReduceScatter`` objects (``torch.distributed.fsdp._fully_shard._fsdp_api``
 ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` accept);
 ``FSDPParamGroup.all_reduce_grads``, ``offload_policy``; ``FSDPState``'s
 ``_states_to_forward_prefetch`` / ``_states_to_backward_prefetch``; ``FSDPParam``'s
-``is_dtensor`` and ``fsdp_placement``.
+``is_dtensor`` and ``fsdp_placement``; ``FSDPParamGroup._post_forward_indices`` and
+``FSDPParam._unsharded_param`` (the pending-backward check).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
 
 from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
 from flatview.errors import WrapError
@@ -40,6 +42,7 @@ _GROUP_ATTRS = (
     "reduce_scatter_unused_params",
     "_all_gather_comm",
     "_reduce_scatter_comm",
+    "_post_forward_indices",
 )
 _PARAM_ATTRS = ("sharded_param", "_orig_size", "fsdp_placement", "is_dtensor", "offload_to_cpu")
 
@@ -89,6 +92,56 @@ def check_group(unit: str, group: Any, offload: type) -> None:
                 f"{fsdp_param.fsdp_placement.dim} (shard_placement_fn); flatview "
                 "supports Shard(0) only"
             )
+
+
+_PROBE = "flatview.pending_backward_probe"
+
+
+def _graph_holds(leaf: torch.Tensor) -> bool:
+    """Whether an autograd graph still alive accumulates into ``leaf``. A leaf holds its
+    gradient accumulator weakly: one made by the first look-up dies with its last
+    reference unless a graph holds it too, so a mark set on it survives to a second
+    look-up only then (and is removed again)."""
+    # ``metadata`` is a property of torch's C++ nodes (the abstract Node declares a method).
+    node: Any = get_gradient_edge(leaf).node
+    node.metadata[_PROBE] = True
+    del node
+    node = get_gradient_edge(leaf).node
+    return bool(node.metadata.pop(_PROBE, False))
+
+
+def check_no_pending_backward(units: Sequence[tuple[str, Sequence[Any]]]) -> None:
+    """Refuse to wrap between a forward and its backward: that backward would run into
+    flatview's hooks without the forward flatview binds a step to (and FSDP2 leaves the
+    forward's unsharded parameters registered, which flatview would record). FSDP2 keeps
+    no flag for it: a group records every forward (``_post_forward_indices``) until the
+    backward clears them, and a forward that ran with autograd on left a live graph that
+    accumulates into the group's unsharded parameters (one that ran under
+    ``torch.no_grad()`` did not). A graph whose backward already ran but that is still
+    referenced (a loss kept) looks the same, so after a backward and an evaluation forward
+    it is refused too (the message says to drop it): refusing is safe, missing a pending
+    backward is not. Every rank ran the same forward, so every rank raises, before
+    anything collective."""
+    for name, groups in units:
+        for group in groups:
+            if not group._post_forward_indices:
+                continue  # no forward since the last backward
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if (
+                    isinstance(unsharded, torch.Tensor)
+                    and unsharded.requires_grad
+                    and _graph_holds(unsharded)
+                ):
+                    raise WrapError(
+                        "flatview.wrap was called between a forward and its backward "
+                        f"(FSDP2 unit {name or '<root>'!r} ran a forward since its last "
+                        "backward, and an autograd graph that accumulates into its "
+                        "parameters is alive); wrap the model between iterations: after "
+                        "the backward, or before the forward (run evaluation passes under "
+                        "torch.no_grad(), and drop references to earlier iterations' "
+                        "losses)"
+                    )
 
 
 class CountingAllGather:
