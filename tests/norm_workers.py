@@ -18,11 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 import flatview
+from flatview.local_tensors import local_tensor
 from flatview.optim import LARC, trust_ratios
 from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
     HYBRID_SHARD_SIZE,
-    HYBRID_STRATEGIES,
     Scenario,
     _original_tree,
     backend_context,
@@ -159,9 +159,13 @@ def _assembled(
     concatenated, and measured in float64. Padding in a piece is zeros, which no norm
     sees."""
     gathered: list[dict[str, np.ndarray | None]] = [{} for _ in range(dist.get_world_size())]
-    mine = {n: None if t is None else t.detach().reshape(-1).numpy() for n, t in pieces.items()}
+    # FSDP2's pieces are DTensors: this rank's shard is their local tensor.
+    mine = {
+        n: None if t is None else local_tensor(t).detach().reshape(-1).numpy()
+        for n, t in pieces.items()
+    }
     dist.all_gather_object(gathered, mine)
-    if scenario.strategy in HYBRID_STRATEGIES:
+    if scenario.config.hybrid or "hsdp" in scenario.options:
         # Replicas hold the same pieces: one shard group's (ranks 0, 1, ...) make the whole.
         gathered = gathered[:HYBRID_SHARD_SIZE]
     out: dict[str, float | None] = {}
