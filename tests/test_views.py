@@ -1,6 +1,8 @@
 """Views: what a user sees and can do after ``flatview.wrap``, on each backend
 configuration that flattens parameters (fairscale; torch FULL_SHARD, SHARD_GRAD_OP,
-NO_SHARD). DDP keeps the original parameters: ``test_ddp_backend``."""
+NO_SHARD, and the hybrid strategies). DDP keeps the original parameters
+(``test_ddp_backend``), FSDP2 shards them as they are, with no views
+(``test_fsdp2_backend``): the suites here that are about views leave both out."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from tests.scenarios import (
     BACKENDS,
     FLAT_BACKENDS,
     FLAT_CONFIGS,
+    HYBRID_SHARD_SIZE,
     BackendConfig,
     Scenario,
     backend_param,
@@ -31,8 +34,10 @@ def _views_params() -> list[Any]:
     # Nested and unnested at world sizes 2 and 3 alternate over the backends; the other
     # combinations (and world sizes 1 and 4) run in the thorough profile.
     params = []
+    # Hybrid layouts run on 4 ranks only (their scenario would run any other world size
+    # there too, under the wrong name).
     for index, config in enumerate(FLAT_CONFIGS):
-        for ws in (1, 2, 3, 4):
+        for ws in config.world_sizes:
             for nested in (False, True):
                 quick = ws == 2 + (index + nested) % 2
                 params.append(backend_param(config, ws, nested, slow=not quick))
@@ -60,12 +65,18 @@ def test_views_replace_original_parameters(
     if not sharded:
         assert all(seen["numel_here"] == total for seen in results)
         return
-    # Every element lives on exactly one rank: each parameter is full on one rank, or
-    # split into partial pieces.
-    assert sum(seen["numel_here"] for seen in results) == total
-    for name, _ in reference:
-        kinds = [seen["kinds"][name] for seen in results]
-        assert kinds.count("full") == 1 or ("partial" in kinds and "full" not in kinds), name
+    # Under hybrid sharding each shard group (consecutive ranks) holds the model once,
+    # and its replicas hold the same pieces.
+    size = HYBRID_SHARD_SIZE if backend.hybrid else world_size
+    groups = [results[first : first + size] for first in range(0, len(results), size)]
+    for group in groups:
+        assert [seen["kinds"] for seen in group] == [seen["kinds"] for seen in groups[0]]
+        # Every element lives on exactly one rank of the group: each parameter is full on
+        # one rank, or split into partial pieces.
+        assert sum(seen["numel_here"] for seen in group) == total
+        for name, _ in reference:
+            kinds = [seen["kinds"][name] for seen in group]
+            assert kinds.count("full") == 1 or ("partial" in kinds and "full" not in kinds), name
     assert any(seen["kinds"][n] != "full" for seen in results for n, _ in reference), (
         "no partial or empty view: the scenario does not exercise sharding"
     )
