@@ -32,6 +32,7 @@ from tests.scenarios import (
     local_batch,
     loss_of,
     make_net,
+    no_sync,
     optimizer_steps,
     reference_backward,
     reference_model,
@@ -420,7 +421,7 @@ def wrong_phase(scenario: Scenario, where: str) -> None:
             model(x)  # autograd on and no backward: the model is still computing
             fv.param_norms()
         elif where == "no_sync":
-            with model.no_sync():
+            with no_sync(model):  # FSDP2: set_requires_gradient_sync(False)
                 loss_of(model(x), y).backward()
             fv.grad_norms()
         elif where == "unwrapped":
@@ -437,7 +438,9 @@ def disagreeing_ranks(scenario: Scenario, how: str) -> None:
         rank = dist.get_rank()
         if how == "params":
             # What a rank would get by keeping only the parameters with elements here.
-            fv.grad_norms([p for p in fv.parameters() if p.numel() > 0 or rank == 0])
+            # (FSDP2: the local tensor; the DTensor has the whole parameter's size.)
+            here = [p for p in fv.parameters() if local_tensor(p).numel() > 0 or rank == 0]
+            fv.grad_norms(here)
         elif how == "subset":
             names = [n for n, _ in fv.named_parameters()]
             fv.param_norms(names[: 1 + rank])

@@ -31,7 +31,10 @@ from tests.scenarios import (
     BACKEND_CONFIGS,
     BACKENDS,
     FAIRSCALE,
+    FSDP2,
+    FSDP2_HSDP,
     GATED,
+    HYBRID_CONFIGS,
     WRAPPER_OPTIONS,
     BackendConfig,
     Scenario,
@@ -238,10 +241,14 @@ def test_lamb_recipe_trains_like_lamb_in_one_process(
 
 def each_misuse(argname: str, patterns: dict[str, str]) -> Callable[[Test], Test]:
     """Parametrize a test over the misuses in ``patterns`` (passed as ``argname``) and
-    over fairscale and torch FULL_SHARD, with time for every rank to raise."""
+    over fairscale and torch FULL_SHARD (and, thorough only, FSDP2, FSDP2 HSDP and torch
+    HYBRID_SHARD, where a refusal in one shard group must stop the other too), with time
+    for every rank to raise."""
 
     def mark(test: Test) -> Test:
-        test = pytest.mark.parametrize("backend", [backend_param(FAIRSCALE), BACKENDS[1]])(test)
+        configs = [backend_param(FAIRSCALE), BACKENDS[1]]
+        configs += [backend_param(c) for c in (FSDP2, FSDP2_HSDP, HYBRID_CONFIGS[0])]
+        test = pytest.mark.parametrize("backend", configs)(test)
         test = pytest.mark.parametrize(argname, list(patterns))(test)
         return pytest.mark.timeout(150)(test)
 
