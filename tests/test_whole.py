@@ -15,10 +15,12 @@ from tests import whole_workers as ww
 from tests.scenarios import (
     BACKENDS,
     FAIRSCALE,
+    FSDP2,
     GATED,
     HYBRID_SHARD_SIZE,
     BackendConfig,
     Scenario,
+    backend_param,
     compare,
     draws_per_backend,
     scenarios,
@@ -118,6 +120,20 @@ def test_a_rank_holding_nothing_of_a_matrix_costs_nothing(dist_pool: PoolFactory
     )
     run = ww.MuonRun(scenario)
     results = dist_pool(3).run(ww.distributed, run, timeout=TIMEOUT)
+    _check(results, ww.reference(run), scenario)
+
+
+@pytest.mark.parametrize("backend", [backend_param(FSDP2)])
+def test_fsdp2_matrices_wholly_on_one_rank(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    """One-row matrices on 2 ranks: FSDP2 puts each wholly on rank 0, whose inner Muon
+    steps it alone; stepped as the DTensor it communicated on that rank only (a hang),
+    as did slicing the DTensor on the rank with nothing to send."""
+    scenario = backend.scenario(
+        Scenario(world_size=2, in_dim=1, width=1, inner=(1,), norms=(False,), classes=2),
+        skips=((), ()),
+    )
+    run = ww.MuonRun(scenario, float32=True)
+    results = dist_pool(2).run(ww.distributed, run, timeout=TIMEOUT)
     _check(results, ww.reference(run), scenario)
 
 
