@@ -48,6 +48,7 @@ from flatview.backends.base import is_rank0
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
 from flatview.layout import Interval
+from flatview.local_tensors import local_tensor
 from flatview.whole_members import (
     EVERY_RANK,
     Member,
@@ -238,10 +239,13 @@ class Whole(torch.optim.Optimizer):
             return [m.whole]
         if m.owner not in (EVERY_RANK, self._rank) or m.split:
             return []
-        if m.tensor.shape == m.shape:
+        local = local_tensor(m.tensor)
+        if local is m.tensor and m.tensor.shape == m.shape:
             return [m.tensor]
+        # FSDP2's DTensor, though wholly here, would communicate in every operation
+        # the inner optimizer runs on it (on this rank only: a hang): its local tensor.
         if m.alias is None:
-            m.alias = m.tensor.detach().view(m.shape)
+            m.alias = local.detach().view(m.shape)
         return [m.alias]
 
     def _bind_aliases(self) -> None:
@@ -249,9 +253,9 @@ class Whole(torch.optim.Optimizer):
         move, as on ``.to()``)."""
         for m in self._members:
             if m.alias is not None:
-                m.alias.data = m.tensor.detach().view(m.shape)
+                m.alias.data = local_tensor(m.tensor).detach().view(m.shape)
                 grad = m.tensor.grad
-                m.alias.grad = None if grad is None else grad.detach().view(m.shape)
+                m.alias.grad = None if grad is None else local_tensor(grad).detach().view(m.shape)
 
     # ---------------------------------------------------------------- stepping
 
@@ -329,7 +333,9 @@ class Whole(torch.optim.Optimizer):
                     receive[r].append((m, kind, hi - lo, (lo, hi)))
             if end > start:
                 self._place(m, kind, (start, end), self._outgoing(m, kind))
-        template = moves[0][0].tensor
+        # The local tensor: slicing FSDP2's DTensor would communicate, on the ranks with
+        # nothing to send only (a hang).
+        template = local_tensor(moves[0][0].tensor)
         in_splits = [sum(t.numel() for t in chunk) for chunk in send]
         out_splits = [sum(n for _, _, n, _ in chunk) for chunk in receive]
         # Every rank joins, also one with nothing to send or receive: which parameters

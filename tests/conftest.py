@@ -60,37 +60,8 @@ def pytest_configure(config: pytest.Config) -> None:
     scenarios.THOROUGH = bool(config.getoption("--runslow")) or HYPOTHESIS_PROFILE == "thorough"
 
 
-# Suites whose (thorough-only) parametrizations on the configurations issue #13 added
-# (FSDP2, FSDP2 HSDP, torch FSDP1 hybrid) have not been run through yet: their first run
-# failed in test-side helpers (DTensor pieces read like tensors) and in the hybrid
-# "raise before any collective" checks. Skipped by name until they are, not silently.
-NOT_YET_ON_NEW_CONFIGS = frozenset(
-    {
-        "test_norms.py",
-        "test_grad_truth.py",
-        "test_whole.py",
-        "test_views.py",
-    }
-)
-
-
-def _on_new_config(item: pytest.Item) -> bool:
-    """Whether any parameter of ``item`` (the backend, or a source or target of a round
-    trip) is one of the new configurations: their ids name them."""
-    callspec = getattr(item, "callspec", None)
-    ident = callspec.id if callspec is not None else ""
-    return any(name in ident for name in ("fsdp2", "hybrid"))
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``slow`` tests unless asked for, and the suites not yet run on the new
-    configurations there (:data:`NOT_YET_ON_NEW_CONFIGS`)."""
-    pending = pytest.mark.skip(
-        reason="not yet run on FSDP2 / hybrid configurations (issue #13 open; see conftest)"
-    )
-    for item in items:
-        if item.path.name in NOT_YET_ON_NEW_CONFIGS and _on_new_config(item):
-            item.add_marker(pending)
+    """Skip ``slow`` tests unless asked for."""
     if config.getoption("--runslow") or HYPOTHESIS_PROFILE == "thorough":
         return
     skip = pytest.mark.skip(reason="slow: needs --runslow or HYPOTHESIS_PROFILE=thorough")

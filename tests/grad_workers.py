@@ -152,11 +152,14 @@ def write_back(scenario: Scenario) -> dict[str, Any] | None:
 # ------------------------------------------------------------------- unwrap
 
 
-def _stale_step(opt: torch.optim.Optimizer, scenario: Scenario) -> str:
-    if scenario.backend == "ddp":
-        # DDP's parameters are the model's own, not views: nothing goes stale (and a
-        # step here would change the model, unlike the reference).
-        return "not views"
+def _stale_step(opt: torch.optim.Optimizer, scenario: Scenario, model: nn.Module) -> str:
+    if not scenario.config.flattens:
+        # DDP's and FSDP2's parameters are the model's own, not views: nothing goes stale
+        # (and a step here would change the model, unlike the reference). Say whether
+        # the optimizer's are still the model's.
+        registered = {id(p) for p in model.parameters()}
+        mine = [p for group in opt.param_groups for p in group["params"]]
+        return "own parameters" if all(id(p) in registered for p in mine) else "stale"
     try:
         opt.step()
     except flatview.StateError as err:
@@ -190,14 +193,14 @@ def unwrap_and_rewrap(scenario: Scenario) -> dict[str, Any] | None:
         for micro in (0, 1):
             _train(scenario, model, fv, opts, micro)
         fv.unwrap()
-        out["stale"] = _stale_step(opts[0], scenario)
+        out["stale"] = _stale_step(opts[0], scenario, model)
         plain = [plain_optimizer(model.parameters())]
         x, y = local_batch(scenario, 2)
         loss_of(model(x), y).backward()
         plain[0].step()
         plain[0].zero_grad(set_to_none=scenario.set_to_none)
         fv = flatview.wrap(model, **scenario.flatview_options)
-        out["stale_after_rewrap"] = _stale_step(opts[1], scenario)
+        out["stale_after_rewrap"] = _stale_step(opts[1], scenario, model)
         opts = optimizers(_original_tree(model))
         for micro in (3, 4):
             _train(scenario, model, fv, opts, micro)

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 import flatview
+from flatview.local_tensors import local_tensor
 from flatview.optim import LARC, trust_ratios
 from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
     HYBRID_SHARD_SIZE,
-    HYBRID_STRATEGIES,
     Scenario,
     _original_tree,
     backend_context,
@@ -32,6 +32,7 @@ from tests.scenarios import (
     local_batch,
     loss_of,
     make_net,
+    no_sync,
     optimizer_steps,
     reference_backward,
     reference_model,
@@ -159,9 +160,13 @@ def _assembled(
     concatenated, and measured in float64. Padding in a piece is zeros, which no norm
     sees."""
     gathered: list[dict[str, np.ndarray | None]] = [{} for _ in range(dist.get_world_size())]
-    mine = {n: None if t is None else t.detach().reshape(-1).numpy() for n, t in pieces.items()}
+    # FSDP2's pieces are DTensors: this rank's shard is their local tensor.
+    mine = {
+        n: None if t is None else local_tensor(t).detach().reshape(-1).numpy()
+        for n, t in pieces.items()
+    }
     dist.all_gather_object(gathered, mine)
-    if scenario.strategy in HYBRID_STRATEGIES:
+    if scenario.config.hybrid or "hsdp" in scenario.options:
         # Replicas hold the same pieces: one shard group's (ranks 0, 1, ...) make the whole.
         gathered = gathered[:HYBRID_SHARD_SIZE]
     out: dict[str, float | None] = {}
@@ -416,7 +421,7 @@ def wrong_phase(scenario: Scenario, where: str) -> None:
             model(x)  # autograd on and no backward: the model is still computing
             fv.param_norms()
         elif where == "no_sync":
-            with model.no_sync():
+            with no_sync(model):  # FSDP2: set_requires_gradient_sync(False)
                 loss_of(model(x), y).backward()
             fv.grad_norms()
         elif where == "unwrapped":
@@ -433,7 +438,9 @@ def disagreeing_ranks(scenario: Scenario, how: str) -> None:
         rank = dist.get_rank()
         if how == "params":
             # What a rank would get by keeping only the parameters with elements here.
-            fv.grad_norms([p for p in fv.parameters() if p.numel() > 0 or rank == 0])
+            # (FSDP2: the local tensor; the DTensor has the whole parameter's size.)
+            here = [p for p in fv.parameters() if local_tensor(p).numel() > 0 or rank == 0]
+            fv.grad_norms(here)
         elif how == "subset":
             names = [n for n, _ in fv.named_parameters()]
             fv.param_norms(names[: 1 + rank])

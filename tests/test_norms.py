@@ -31,8 +31,10 @@ from tests.scenarios import (
     BACKEND_CONFIGS,
     BACKENDS,
     FAIRSCALE,
+    FSDP2,
+    FSDP2_HSDP,
     GATED,
-    HYBRID_STRATEGIES,
+    HYBRID_CONFIGS,
     WRAPPER_OPTIONS,
     BackendConfig,
     Scenario,
@@ -49,7 +51,14 @@ if TYPE_CHECKING:
 
 TIMEOUT = 120.0
 NORM_TYPES = (2.0, math.inf, 1.5)
-ONE_ALL_REDUCE = {"all_reduce": 1}
+
+
+def exchange(scenario: Scenario, calls: int = 1) -> dict[str, int]:
+    """The collectives of ``calls`` norm calls: each one all-reduce and nothing else;
+    under hybrid sharding two: the values within the shard group, the refusal flags over
+    every rank (replicas included: a refusal on one shard group must stop the others)."""
+    hybrid = scenario.config.hybrid or "hsdp" in scenario.options
+    return {"all_reduce": (2 if hybrid else 1) * calls}
 
 
 def assert_norms_equal(got: w.Norms, want: w.Norms, label: str, rtol: float = 1e-3) -> None:
@@ -79,10 +88,7 @@ def check_training(dist_pool: PoolFactory, scenario: Scenario) -> None:
         w.norms_while_training, scenario, NORM_TYPES, timeout=TIMEOUT
     )
     reference = w.reference_norms_while_training(scenario, NORM_TYPES)
-    # Each call one all-reduce and nothing else; under hybrid sharding two: the values
-    # within the shard group, the refusal flags over every rank (replicas included).
-    hybrid = scenario.strategy in (*HYBRID_STRATEGIES, "HSDP") or "hsdp" in scenario.options
-    expected = {"all_reduce": 2} if hybrid else ONE_ALL_REDUCE
+    expected = exchange(scenario)
     for rank, (records, calls, _) in enumerate(results):
         assert records == results[0][0], rank
         assert all(c == expected for c in calls), (rank, calls)
@@ -172,7 +178,7 @@ def test_groups_optimizer_state_and_trust_ratios(
     results = dist_pool(scenario.world_size).run(w.subsets_and_tensors, scenario, timeout=TIMEOUT)
     want = w.reference_state_norms(scenario)
     for rank, got in enumerate(results):
-        assert all(c == ONE_ALL_REDUCE for c in got["calls"]), (rank, got["calls"])
+        assert all(c == exchange(scenario) for c in got["calls"]), (rank, got["calls"])
         assert list(got["group"]) == ["stem.weight", "head.weight", "head.bias"]
         assert_norms_equal(got["group"], want["group"], "group")
         # exp_avg: the pieces assembled by hand, and what a whole-model Adam holds.
@@ -201,7 +207,7 @@ def test_larc_trains_like_apex_larc_in_one_process(
         0
     ]
     # One all-reduce per step for every norm of every group; the optimizer adds none.
-    assert calls == [ONE_ALL_REDUCE] * len(GATED.skips)
+    assert calls == [exchange(scenario)] * len(GATED.skips)
     compare(params, w.reference_larc_training(scenario))
 
 
@@ -225,7 +231,8 @@ def test_lamb_recipe_trains_like_lamb_in_one_process(
     params, calls = dist_pool(scenario.world_size).run(w.lamb_training, scenario, timeout=TIMEOUT)[
         0
     ]
-    assert calls == [{"all_reduce": 2}] * len(GATED.skips)
+    # Two norm calls a step: the parameters', the updates'.
+    assert calls == [exchange(scenario, calls=2)] * len(GATED.skips)
     compare(params, w.reference_lamb_training(scenario))
 
 
@@ -234,10 +241,14 @@ def test_lamb_recipe_trains_like_lamb_in_one_process(
 
 def each_misuse(argname: str, patterns: dict[str, str]) -> Callable[[Test], Test]:
     """Parametrize a test over the misuses in ``patterns`` (passed as ``argname``) and
-    over fairscale and torch FULL_SHARD, with time for every rank to raise."""
+    over fairscale and torch FULL_SHARD (and, thorough only, FSDP2, FSDP2 HSDP and torch
+    HYBRID_SHARD, where a refusal in one shard group must stop the other too), with time
+    for every rank to raise."""
 
     def mark(test: Test) -> Test:
-        test = pytest.mark.parametrize("backend", [backend_param(FAIRSCALE), BACKENDS[1]])(test)
+        configs = [backend_param(FAIRSCALE), BACKENDS[1]]
+        configs += [backend_param(c) for c in (FSDP2, FSDP2_HSDP, HYBRID_CONFIGS[0])]
+        test = pytest.mark.parametrize("backend", configs)(test)
         test = pytest.mark.parametrize(argname, list(patterns))(test)
         return pytest.mark.timeout(150)(test)
 
@@ -266,20 +277,21 @@ BAD_ARGUMENTS = {
 def test_bad_arguments_raise_before_any_collective(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
-    results = dist_pool(backend.ranks(2)).run(
-        w.bad_arguments, backend.scenario(GATED), timeout=TIMEOUT
-    )
-    assert results[0] == results[1]
+    scenario = backend.scenario(GATED)
+    results = dist_pool(scenario.world_size).run(w.bad_arguments, scenario, timeout=TIMEOUT)
+    assert all(r == results[0] for r in results)
     for kind, pattern in BAD_ARGUMENTS.items():
-        if kind == "flat" and backend.backend == "ddp":
-            continue  # DDP flattens nothing
+        if kind == "flat" and not backend.flattens:
+            continue  # DDP and FSDP2 flatten nothing: there is no flat parameter to pass
         assert results[0][kind] != "accepted", kind
         assert re.search(pattern, results[0][kind]), (kind, results[0][kind])
         # Only the call's own exchange, which tells a rank whose arguments were fine
-        # (none here) that another refused its own.
+        # (none here) that another refused its own. Every rank joins all of it, refusing
+        # or not, in the same order (under hybrid sharding: the flags over the world,
+        # then the values within the shard group), so none waits on another.
         message = results[0][kind]
         assert "after collectives" not in message or message.endswith(
-            "after collectives {'all_reduce': 1}"
+            f"after collectives {exchange(scenario)}"
         ), (kind, message)
 
 

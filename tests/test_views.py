@@ -1,6 +1,8 @@
 """Views: what a user sees and can do after ``flatview.wrap``, on each backend
 configuration that flattens parameters (fairscale; torch FULL_SHARD, SHARD_GRAD_OP,
-NO_SHARD). DDP keeps the original parameters: ``test_ddp_backend``."""
+NO_SHARD, and the hybrid strategies). DDP keeps the original parameters
+(``test_ddp_backend``), FSDP2 shards them as they are, with no views
+(``test_fsdp2_backend``): the suites here that are about views leave both out."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import pytest
 
 from tests import workers as w
 from tests.scenarios import (
+    BACKEND_CONFIGS,
     BACKENDS,
     FLAT_BACKENDS,
     FLAT_CONFIGS,
+    HYBRID_SHARD_SIZE,
     BackendConfig,
     Scenario,
     backend_param,
@@ -31,8 +35,10 @@ def _views_params() -> list[Any]:
     # Nested and unnested at world sizes 2 and 3 alternate over the backends; the other
     # combinations (and world sizes 1 and 4) run in the thorough profile.
     params = []
+    # Hybrid layouts run on 4 ranks only (their scenario would run any other world size
+    # there too, under the wrong name).
     for index, config in enumerate(FLAT_CONFIGS):
-        for ws in (1, 2, 3, 4):
+        for ws in config.world_sizes:
             for nested in (False, True):
                 quick = ws == 2 + (index + nested) % 2
                 params.append(backend_param(config, ws, nested, slow=not quick))
@@ -60,12 +66,18 @@ def test_views_replace_original_parameters(
     if not sharded:
         assert all(seen["numel_here"] == total for seen in results)
         return
-    # Every element lives on exactly one rank: each parameter is full on one rank, or
-    # split into partial pieces.
-    assert sum(seen["numel_here"] for seen in results) == total
-    for name, _ in reference:
-        kinds = [seen["kinds"][name] for seen in results]
-        assert kinds.count("full") == 1 or ("partial" in kinds and "full" not in kinds), name
+    # Under hybrid sharding each shard group (consecutive ranks) holds the model once,
+    # and its replicas hold the same pieces.
+    size = HYBRID_SHARD_SIZE if backend.hybrid else world_size
+    groups = [results[first : first + size] for first in range(0, len(results), size)]
+    for group in groups:
+        assert [seen["kinds"] for seen in group] == [seen["kinds"] for seen in groups[0]]
+        # Every element lives on exactly one rank of the group: each parameter is full on
+        # one rank, or split into partial pieces.
+        assert sum(seen["numel_here"] for seen in group) == total
+        for name, _ in reference:
+            kinds = [seen["kinds"][name] for seen in group]
+            assert kinds.count("full") == 1 or ("partial" in kinds and "full" not in kinds), name
     assert any(seen["kinds"][n] != "full" for seen in results for n, _ in reference), (
         "no partial or empty view: the scenario does not exercise sharding"
     )
@@ -148,15 +160,17 @@ BAD_WRAPS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_WRAPS))
-@pytest.mark.parametrize("backend", BACKENDS)
+# FSDP2 left out: its wrap refusals (and what it takes for a unit) are
+# tests/test_fsdp2_backend.py's.
+@pytest.mark.parametrize(
+    "backend", [backend_param(c) for c in BACKEND_CONFIGS if c.backend != "fsdp2"]
+)
 def test_bad_wrap_inputs(dist_pool: PoolFactory, backend: BackendConfig, case: str) -> None:
-    if backend.hybrid:
-        pytest.skip("one rank has no hybrid layout (shard 2 x replicate 2)")
     fn, match = BAD_WRAPS[case]
-    if backend.backend not in match:
-        pytest.skip(f"{backend}: FSDP2's wrap refusals are tests/test_fsdp2_backend.py's")
-    err = dist_pool(1).run_expecting_error(
-        fn, backend.scenario(world_size=1), match=match[backend.backend], timeout=TIMEOUT
+    # One rank, except hybrid layouts (shard 2 x replicate 2: four).
+    scenario = backend.scenario(world_size=1)
+    err = dist_pool(scenario.world_size).run_expecting_error(
+        fn, scenario, match=match[backend.backend], timeout=TIMEOUT
     )
     assert set(err.exc_types.values()) == {"flatview.errors.WrapError"}
 

@@ -188,7 +188,7 @@ def distributed(
             "moved": moved,
             "used": used,
             "repr": repr(muon),
-            "owned": sum(fv.placement(m).numel for m in matrices if _owned(muon, m)),
+            "owned": sum(fv.placement(m).numel for m in matrices if _owned(fv, muon, m)),
         }
 
 
@@ -198,8 +198,11 @@ def _has_grad_anywhere(param: torch.Tensor) -> bool:
     return bool(flag.item())
 
 
-def _owned(opt: Whole, param: torch.Tensor) -> bool:
-    return any(m.tensor is param and m.owner == dist.get_rank() for m in opt._members)
+def _owned(fv: flatview.FlatView, opt: Whole, param: torch.Tensor) -> bool:
+    # Owners are ranks of the group flatview exchanges in (a shard group under hybrid
+    # sharding), not of the world.
+    rank = dist.get_rank(fv.adapter.group)
+    return any(m.tensor is param and m.owner == rank for m in opt._members)
 
 
 def refusals(scenario: Scenario) -> list[str]:

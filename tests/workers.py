@@ -23,6 +23,7 @@ from flatview.errors import SkipSetError, StateError
 from flatview.layout import PieceKind
 from flatview.testing.counting import CollectiveCounter
 from tests.scenarios import (
+    HYBRID_SHARD_SIZE,
     Scenario,
     _original_tree,
     as_names,
@@ -98,6 +99,10 @@ def _global_grad_norm(fv: flatview.FlatView, scenario: Scenario) -> float:
     total = torch.tensor([squares], dtype=torch.float64)
     if not _replicated(scenario):
         dist.all_reduce(total)
+        if scenario.config.hybrid or "hsdp" in scenario.options:
+            # Every replica (shard group) holds the same pieces: the world counts each
+            # replicas-many times.
+            total /= dist.get_world_size() // HYBRID_SHARD_SIZE
     return float(total.sqrt())
 
 
