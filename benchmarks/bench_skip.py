@@ -289,8 +289,11 @@ def build_torch_fsdp1_orig(cfg: Config) -> Trainer:
     return Trainer(_loop(model, _sgd(model.parameters(), cfg)))
 
 
-def _fsdp2_model(cfg: Config) -> nn.Module:
-    """FSDP2 per block: each block its own ``fully_shard`` unit, then the model."""
+def _fsdp2_model(cfg: Config, prefetch: bool = False) -> nn.Module:
+    """FSDP2 per block: each block its own ``fully_shard`` unit, then the model. With
+    ``prefetch``, explicit prefetching as torchtitan sets it: the root's forward prefetches
+    block 0, each block's the next block; in backward each block prefetches the one
+    before, the root the last (FSDP2 all-gathers these targets whether they run or not)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -299,20 +302,35 @@ def _fsdp2_model(cfg: Config) -> nn.Module:
     for block in net.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
+    if prefetch:
+        blocks: list[Any] = list(net.blocks)
+        root: Any = net
+        root.set_modules_to_forward_prefetch(blocks[:1])
+        root.set_modules_to_backward_prefetch(blocks[-1:])
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+            block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])
     return net
 
 
-def build_torch_fsdp2(cfg: Config) -> Trainer:
-    net = _fsdp2_model(cfg)
-    return Trainer(_loop(net, _sgd(net.parameters(), cfg)))
+def _torch_fsdp2(prefetch: bool) -> Callable[[Config], Trainer]:
+    def build(cfg: Config) -> Trainer:
+        net = _fsdp2_model(cfg, prefetch)
+        return Trainer(_loop(net, _sgd(net.parameters(), cfg)))
+
+    return build
 
 
-def _flatview_fsdp2(check: bool) -> Callable[[Config], Trainer]:
+build_torch_fsdp2 = _torch_fsdp2(False)
+
+
+def _flatview_fsdp2(check: bool, prefetch: bool = False) -> Callable[[Config], Trainer]:
     """flatview + FSDP2 per block: no views (FSDP2 keeps the original parameters), skip
-    sets, the agreement check and the flags that catch undeclared unused parameters."""
+    sets, the agreement check and the flags that catch undeclared unused parameters; with
+    ``prefetch`` (see :func:`_fsdp2_model`) flatview steers prefetching off skipped blocks."""
 
     def build(cfg: Config) -> Trainer:
-        return _with_flatview(_fsdp2_model(cfg), cfg, check, "auto")
+        return _with_flatview(_fsdp2_model(cfg, prefetch), cfg, check, "auto")
 
     return build
 
@@ -338,6 +356,7 @@ def _flatview_torch_hybrid(cfg: Config) -> Trainer:
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         sharding_strategy=ShardingStrategy.HYBRID_SHARD,
         device_mesh=_hybrid_mesh(),
+        device_id=torch.device("cpu"),
     )
     return _with_flatview(model, cfg, True, "auto")
 
@@ -488,6 +507,16 @@ APPROACHES: tuple[Approach, ...] = (
         "flatview_fsdp2_nocheck", "flatview + FSDP2 per block, check off", _flatview_fsdp2(False)
     ),
     Approach(
+        "torch_fsdp2_prefetch",
+        "torch FSDP2 per block, explicit prefetching",
+        _torch_fsdp2(True),
+    ),
+    Approach(
+        "flatview_fsdp2_prefetch",
+        "flatview + FSDP2 per block, explicit prefetching, check on",
+        _flatview_fsdp2(True, prefetch=True),
+    ),
+    Approach(
         "flatview_torch_hybrid",
         "flatview + torch FSDP1 HYBRID_SHARD per block, shards of 2 (4+ processes)",
         _flatview_torch_hybrid,
@@ -626,6 +655,23 @@ PAIRS: tuple[Pair, ...] = (
         ("ideal", build_ideal),
         ("flatview + FSDP2", _flatview_fsdp2(True)),
         skip=True,
+    ),
+    Pair(
+        "fsdp2_prefetch_skipping",
+        "FSDP2 per block with explicit prefetching, skipping: plain FSDP2 (which all-gathers "
+        "prefetched blocks that are skipped) vs wrapped by flatview (check on; prefetching "
+        "steered off skipped blocks)",
+        ("plain FSDP2", _torch_fsdp2(True)),
+        ("flatview", _flatview_fsdp2(True, prefetch=True)),
+        skip=True,
+    ),
+    Pair(
+        "fsdp2_prefetch_nothing_skipped",
+        "FSDP2 per block with explicit prefetching, nothing skipped: plain FSDP2 vs wrapped "
+        "by flatview (check on)",
+        ("plain FSDP2", _torch_fsdp2(True)),
+        ("flatview", _flatview_fsdp2(True, prefetch=True)),
+        skip=False,
     ),
     Pair(
         "views_cost_nothing",

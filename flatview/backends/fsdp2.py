@@ -29,8 +29,9 @@ and maps the skip set onto the runtime:
 * each parameter group's ``post_backward`` is shadowed: before FSDP packs the
   reduce-scatter, a skipped parameter that received a gradient raises
   :class:`~flatview.errors.SkippedParameterUsedError`, and a used parameter without one
-  on this rank gets zeros (so every rank's reduce-scatter has the same layout; at the
-  end of the backward one tiny all-reduce of flags raises
+  on this rank gets zeros (so every rank's reduce-scatter has the same layout; one tiny
+  all-reduce of flags, started by the last group's post_backward alongside its
+  reduce-scatter and waited for at the end of the backward, raises
   :class:`~flatview.errors.UndeclaredUnusedError` on every rank if any rank lacked it);
 * the root's post-backward final callback is shadowed to end the core's backward;
 * each group's all-gather and reduce-scatter objects (``set_custom_all_gather`` /
@@ -38,15 +39,18 @@ and maps the skip set onto the runtime:
   collective; for HSDP the all-reduce of the reduce-scatter output across the replicate
   dimension is counted there too.
 
-The skip-set check spans every rank of the mesh (``agreement_group``), while norms and
-optimizer-state consolidation run within the shard group (replicas hold the same pieces).
+The skip-set check spans every rank of the mesh (``agreement_group``) and is settled
+inside ``step()``: even the root's all-gather, which every rank issues whatever it skips,
+cannot run alongside it, since a rank whose skip set fails to resolve raises from
+``step()`` without a forward (:mod:`flatview.comm.agreement`). Norms and optimizer-state
+consolidation run within the shard group (replicas hold the same pieces).
 
 torch privates touched (checked at wrap time, torch versions in
 :data:`flatview.backends.torch_fsdp.TESTED_TORCH`): ``FSDPModule._get_fsdp_state``;
 ``FSDPState._lazy_init``, ``_is_root``, ``_fsdp_param_groups``, ``_training_state``,
 ``_states_to_forward_prefetch``, ``_states_to_backward_prefetch``,
-``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params``, ``mesh_info``,
-``post_backward``, ``reduce_grads``, ``all_reduce_grads``,
+``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params``,
+``_training_state``, ``mesh_info``, ``post_backward``, ``reduce_grads``, ``all_reduce_grads``,
 ``reduce_scatter_unused_params``, ``_all_gather_comm``, ``_reduce_scatter_comm``;
 ``FSDPParam.sharded_param``, ``_orig_size``, ``fsdp_placement``, ``is_dtensor``,
 ``offload_to_cpu``, ``_unsharded_param``, ``unsharded_accumulated_grad``; the mesh
@@ -58,7 +62,6 @@ Everything changed is an instance attribute or a hook, removed by ``uninstall``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -71,10 +74,12 @@ from flatview.backends.fsdp2_hooks import (
     STATE_ATTRS,
     CountingAllGather,
     CountingReduceScatter,
+    FlagExchange,
+    Unit,
     check_attrs,
     check_group,
     check_no_pending_backward,
-    exchange_flags,
+    refuse_reduce_options,
     shard_layout,
     steer_prefetch,
 )
@@ -83,35 +88,6 @@ from flatview.errors import SkippedParameterUsedError, StateError, UndeclaredUnu
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
-
-
-class _Unit:
-    """One ``fully_shard`` state: its first module, name and parameter groups."""
-
-    def __init__(self, name: str, module: nn.Module, state: Any) -> None:
-        self.name = name
-        self.module = module
-        self.state = state
-        self.groups: list[Any] = list(state._fsdp_param_groups)
-
-
-def _refuse_reduce_options(options: ReduceOptions) -> None:
-    """FSDP2 reduces gradients in its own collectives, which flatview does not replace, so
-    flatview's reduction options would be ignored: refuse them rather than accept them
-    silently. ``overlap`` is refused by :func:`flatview.backends.detect`."""
-    default = ReduceOptions()
-    given = [
-        f"{f.name}={getattr(getattr(options, f.name), 'value', getattr(options, f.name))!r}"
-        for f in dataclasses.fields(options)
-        if f.name != "overlap" and getattr(options, f.name) != getattr(default, f.name)
-    ]
-    if given:
-        raise WrapError(
-            f"FSDP2 models reduce gradients in FSDP2's own collectives, which flatview "
-            f"does not replace, so these reduction options would be ignored: "
-            f"{', '.join(given)} (reduce_strategy / reduce_options); leave them at their "
-            "defaults"
-        )
 
 
 class FSDP2Adapter(AdapterBase):
@@ -124,12 +100,13 @@ class FSDP2Adapter(AdapterBase):
         from flatview.backends.torch_fsdp import check_torch_version
 
         self.options = options if options is not None else ReduceOptions()
-        _refuse_reduce_options(self.options)
+        refuse_reduce_options(self.options)
         check_torch_version("FSDP2 backend relies on fully_shard")
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState
 
         self._idle = TrainingState.IDLE
+        self._post_backward_state = TrainingState.POST_BACKWARD
         if not isinstance(model, FSDPModule):
             raise WrapError(
                 "flatview.wrap was given a model whose submodules are sharded with FSDP2 "
@@ -150,7 +127,7 @@ class FSDP2Adapter(AdapterBase):
         # (reset_sharded_param): it must happen before flatview records them.
         root_state._lazy_init()
         self._root_state = root_state
-        self.units: list[_Unit] = []
+        self.units: list[Unit] = []
         seen: set[int] = set()
         for name, module in root.named_modules():
             if not isinstance(module, FSDPModule):
@@ -165,7 +142,7 @@ class FSDP2Adapter(AdapterBase):
                     f"FSDP2 unit {name or '<root>'!r} is in state {state._training_state.name}; "
                     "wrap the model between iterations"
                 )
-            unit = _Unit(name, cast(nn.Module, module), state)
+            unit = Unit(name, cast(nn.Module, module), state)
             if len(unit.groups) > 1:
                 raise WrapError(
                     f"FSDP2 unit {name or '<root>'!r} has {len(unit.groups)} parameter groups "
@@ -225,6 +202,10 @@ class FSDP2Adapter(AdapterBase):
         self._backward_started = False
         self._in_flight = False
         self._prefetch: dict[int, tuple[Any, Any, Any, Any]] = {}
+        # In the final callback: the groups whose post_backward FSDP has yet to run, the
+        # flags' exchange once the last has run.
+        self._unfinished: set[int] | None = None
+        self._flags: FlagExchange | None = None
 
     @staticmethod
     def clean_name(name: str) -> str:
@@ -368,6 +349,11 @@ class FSDP2Adapter(AdapterBase):
             self._backward_started = True
             self.core.check_backward_binding()
             self._before_reduce(index, group)
+            unfinished = self._unfinished
+            if unfinished is not None and id(group) in unfinished:
+                unfinished.discard(id(group))
+                if not unfinished:
+                    self._start_flags()
             # flatview decides which unused parameters get zeros (skipped ones do not).
             saved = group.reduce_scatter_unused_params
             group.reduce_scatter_unused_params = False
@@ -421,7 +407,20 @@ class FSDP2Adapter(AdapterBase):
         original = state._root_post_backward_final_callback
 
         def final_callback() -> None:
-            original()
+            # FSDP runs the post_backward of these groups next; the flags are final once
+            # the last has run, and are exchanged alongside its reduce-scatter.
+            self._unfinished = {
+                id(g)
+                for u in self.units
+                for g in u.groups
+                if g._training_state is not self._post_backward_state
+            }
+            try:
+                if not self._unfinished:
+                    self._start_flags()
+                original()
+            finally:
+                self._unfinished = None
             self._end_backward()
 
         return final_callback
@@ -460,14 +459,24 @@ class FSDP2Adapter(AdapterBase):
                 "FlatView.step(skip=...)."
             )
 
+    def _start_flags(self) -> None:
+        """Start the flags' all-reduce of a synchronising backward (every rank's last
+        post_backward starts it, so all pair up)."""
+        core = self.core
+        due = core.phase.name == "COMPUTING" and self.wrapper_reduces and self._flags is None
+        if not due or not all(bool(g.reduce_grads) for u in self.units for g in u.groups):
+            return
+        missing = sorted((self._window_used | core.plain_used()) - self._got)
+        group, count = self.agreement_group, len(self._names) + 1
+        self._flags = FlagExchange(missing, self._got, count, group, core.ledger, self.device)
+
     def _exchange_missing(self) -> tuple[list[int], list[int]]:
-        missing = sorted(self._window_used - self._got)
-        if dist.get_world_size(self.agreement_group) == 1:
+        self._start_flags()
+        flags, self._flags = self._flags, None
+        if flags is None:
+            missing = sorted(self._window_used - self._got)
             return missing, missing
-        count = len(self._names) + 1
-        return exchange_flags(
-            missing, self._got, count, self.agreement_group, self.core.ledger, self.device
-        )
+        return flags.result()
 
     def _drop_unreduced_grads(self) -> None:
         """Drop the gradients an aborted backward left on unsharded parameters.
@@ -482,6 +491,8 @@ class FSDP2Adapter(AdapterBase):
                 fsdp_param.unsharded_accumulated_grad = None
 
     def _reset_round(self) -> None:
+        # Flags an aborted backward started: their all-reduce completes by itself.
+        self._flags = None
         self._got.clear()
         self._window_used = set()
         self._versions = {}

@@ -1,5 +1,5 @@
-"""Pieces of the FSDP2 adapter (see :mod:`flatview.backends.fsdp2`): what it checks at
-wrap time, parameter layouts, counting communication objects, the steering of explicit
+"""Pieces of the FSDP2 adapter (see :mod:`flatview.backends.fsdp2`): what it checks and
+refuses at wrap time, parameter layouts, counting communication objects, the steering of explicit
 prefetching and the exchange of unused-parameter flags.
 
 torch privates touched: the ``allocate`` / ``__call__`` protocol of FSDP2's ``AllGather``
@@ -13,14 +13,17 @@ and ``ReduceScatter`` objects (``torch.distributed.fsdp._fully_shard._fsdp_api``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
+from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 from flatview.layout import FlatLayout, Segment
 
@@ -37,6 +40,7 @@ _GROUP_ATTRS = (
     "fsdp_params",
     "mesh_info",
     "post_backward",
+    "_training_state",
     "reduce_grads",
     "all_reduce_grads",
     "reduce_scatter_unused_params",
@@ -45,6 +49,35 @@ _GROUP_ATTRS = (
     "_post_forward_indices",
 )
 _PARAM_ATTRS = ("sharded_param", "_orig_size", "fsdp_placement", "is_dtensor", "offload_to_cpu")
+
+
+class Unit:
+    """One ``fully_shard`` state: its first module, name and parameter groups."""
+
+    def __init__(self, name: str, module: nn.Module, state: Any) -> None:
+        self.name = name
+        self.module = module
+        self.state = state
+        self.groups: list[Any] = list(state._fsdp_param_groups)
+
+
+def refuse_reduce_options(options: ReduceOptions) -> None:
+    """FSDP2 reduces gradients in its own collectives, which flatview does not replace, so
+    flatview's reduction options would be ignored: refuse them rather than accept them
+    silently. ``overlap`` is refused by :func:`flatview.backends.detect`."""
+    default = ReduceOptions()
+    given = [
+        f"{f.name}={getattr(getattr(options, f.name), 'value', getattr(options, f.name))!r}"
+        for f in dataclasses.fields(options)
+        if f.name != "overlap" and getattr(options, f.name) != getattr(default, f.name)
+    ]
+    if given:
+        raise WrapError(
+            f"FSDP2 models reduce gradients in FSDP2's own collectives, which flatview "
+            f"does not replace, so these reduction options would be ignored: "
+            f"{', '.join(given)} (reduce_strategy / reduce_options); leave them at their "
+            "defaults"
+        )
 
 
 def shard_layout(shape: tuple[int, ...], shards: int) -> FlatLayout:
@@ -236,23 +269,35 @@ def steer_prefetch(order: Sequence[Any], skipped: set[int], saved: Steered) -> N
         saved[id(state)] = (forward, steered_f, backward, steered_b)
 
 
-def exchange_flags(
-    missing: Sequence[int],
-    got: set[int],
-    count: int,
-    group: Any,
-    ledger: Ledger,
-    device: torch.device,
-) -> tuple[list[int], list[int]]:
-    """(parameters some rank's backward gave no gradient although not skipped, those no
-    rank gave one): one all-reduce (a sum) of two flags per parameter over ``group``."""
-    flags = torch.zeros(2, count, dtype=torch.int32, device=device)
-    if missing:
-        flags[0, list(missing)] = 1
-    if got:
-        flags[1, sorted(got)] = 1
-    ledger.record("flags", flags)
-    dist.all_reduce(flags, group=group)
-    flags = flags.cpu()
-    found = [int(i) for i in flags[0].nonzero().flatten().tolist()]
-    return found, [i for i in found if int(flags[1, i]) == 0]
+class FlagExchange:
+    """The flags of the parameters some rank's backward gave no gradient although they are
+    not skipped (``missing``) and of those this rank gave one (``got``): one asynchronous
+    all-reduce (a sum) of two flags per parameter over ``group``, started as soon as the
+    last parameter group's ``post_backward`` has set them, so that it runs alongside the
+    wrapper's last reduce-scatter; :meth:`result` waits for it."""
+
+    def __init__(
+        self,
+        missing: Sequence[int],
+        got: set[int],
+        count: int,
+        group: Any,
+        ledger: Ledger,
+        device: torch.device,
+    ) -> None:
+        flags = torch.zeros(2, count, dtype=torch.int32, device=device)
+        if missing:
+            flags[0, list(missing)] = 1
+        if got:
+            flags[1, sorted(got)] = 1
+        ledger.record("flags", flags)
+        self._flags = flags
+        self._work = dist.all_reduce(flags, group=group, async_op=True)
+
+    def result(self) -> tuple[list[int], list[int]]:
+        """(parameters some rank gave no gradient although not skipped, those no rank gave
+        one)."""
+        self._work.wait()
+        flags = self._flags.cpu()
+        found = [int(i) for i in flags[0].nonzero().flatten().tolist()]
+        return found, [i for i in found if int(flags[1, i]) == 0]
