@@ -113,3 +113,25 @@ def reduce_calls(scenario: Scenario, bucket_whole: bool | None) -> tuple[int, li
             loss_of(model(x), y).backward()
         grads = [g for g in _flat_grads(model) if g is not None]
         return counter.calls.get("reduce_scatter", 0), grads
+
+
+def rank_local_accumulation(scenario: Scenario) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Two backward passes; between them every rank but 0 drops its gradients, so only
+    rank 0 accumulates (torch keeps its earlier shard to add to: a fact of that rank
+    alone). FSDP + flatview, then plain FSDP: this rank's flat gradient shards of each."""
+    out = []
+    for use_flatview in (True, False):
+        with backend_context(scenario.backend):
+            model = wrap_fsdp(scenario, _net(scenario, zeroed=False))
+            fv = flatview.wrap(model) if use_flatview else None
+            params = list(fv.parameters() if fv is not None else model.parameters())
+            for micro in range(2):
+                if micro == 1 and dist.get_rank() != 0:
+                    for p in params:
+                        p.grad = None
+                x, y = local_batch(scenario, micro)
+                step = fv.step() if fv is not None else contextlib.nullcontext()
+                with step:
+                    loss_of(model(x), y).backward()
+            out.append([g for g in _flat_grads(model) if g is not None])
+    return out[0], out[1]

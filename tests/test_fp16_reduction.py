@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
-from tests.precision_workers import reduce_calls, skipping_and_zeroed_plain
+from tests.precision_workers import (
+    rank_local_accumulation,
+    reduce_calls,
+    skipping_and_zeroed_plain,
+)
 from tests.scenarios import BackendConfig, backend_param
 
 if TYPE_CHECKING:
@@ -97,3 +101,25 @@ def test_gradients_used_whole_go_alone_unless_bucketing_is_asked_for(
         assert len(grads) == len(shared_grads) == 4
         for got, want in zip(shared_grads, grads, strict=True):
             assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_a_rank_that_accumulates_alone_reduces_like_the_others(
+    dist_pool: PoolFactory, world_size: int
+) -> None:
+    """Whether torch still holds an earlier shard to accumulate into is a fact of one
+    rank: flatview may finish such a gradient's reduce-scatter at once there and later
+    elsewhere, but must issue the same collective on every rank. With torch's alignment
+    padding (use_orig_params, 3 ranks) a packed collective there once differed in size
+    from the whole one elsewhere, and gloo aborted the processes."""
+    scenario = FULL.scenario(
+        world_size=world_size,
+        inner=(3, 4, 2),
+        norms=(True, False, True),
+        options={"use_orig_params": True},
+    )
+    results = dist_pool(world_size).run(rank_local_accumulation, scenario, timeout=TIMEOUT)
+    for rank, (ours, plain) in enumerate(results):
+        assert len(ours) == len(plain) > 0, rank
+        for got, want in zip(ours, plain, strict=True):
+            assert np.array_equal(got, want), rank

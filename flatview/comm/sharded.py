@@ -140,10 +140,28 @@ class ShardedReduction(Reduction):
             whole = None
         entry = _Entry(plan, index, parts, on_done, whole)
         if plan.all_used and not self._bucket_whole:
-            self._reduce_entries([entry])
+            named = self.options.strategy is Strategy.ALL_TO_ALL and self.world_size > 1
+            if whole is not None and not named:
+                self._reduce_whole_now(whole, plan, on_done)
+            else:
+                self._reduce_entries([entry])
             return
         self._entries.append(entry)
         self._queued(entry.numel)
+
+    def _reduce_whole_now(
+        self, whole: torch.Tensor, plan: MaskPlan, on_done: Callable[[torch.Tensor], None]
+    ) -> None:
+        """Reduce-scatter one padded gradient used whole, now, in the wrapper's layout:
+        the very collective :meth:`reduce_scatter_in_place` starts. A caller may choose
+        between the two on facts of its own rank only (torch: whether a shard from an
+        earlier backward waits to be accumulated), so both must move the same tensors
+        in the same order on every rank."""
+        shard = whole.new_empty(plan.layout.shard_numel)
+        self.ledger.record("reduce_scatter", whole)
+        reduce_scatter_single(shard, whole, group=self.group)
+        self._across(shard)
+        on_done(shard)
 
     def reduces_in_place(self, grad: torch.Tensor, plan: MaskPlan) -> bool:
         """Whether the padded unsharded ``grad`` should be reduce-scattered whole
@@ -194,7 +212,12 @@ class ShardedReduction(Reduction):
         )
 
     def _across(self, mine: torch.Tensor) -> None:
-        """All-reduce ``mine`` (this rank's part of its shard) across the replica group."""
+        """All-reduce ``mine`` (this rank's part of its shard) across the replica group,
+        after those of the whole reductions still in flight: the replica group then sees
+        its all-reduces in the order of the reductions on every rank, whichever of them
+        a rank started whole and which it reduced at once."""
+        if self._replica is not None and self._in_place:
+            self.wait_in_flight()
         if self._replica is not None and mine.numel():
             self.ledger.record(REPLICA_ALL_REDUCE, mine)
             dist.all_reduce(mine, group=self._replica[0])
