@@ -12,7 +12,7 @@ exactly zero gradients, while every other gradient is the skipping model's, bit 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -115,10 +115,14 @@ def reduce_calls(scenario: Scenario, bucket_whole: bool | None) -> tuple[int, li
         return counter.calls.get("reduce_scatter", 0), grads
 
 
-def rank_local_accumulation(scenario: Scenario) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Two backward passes; between them every rank but 0 drops its gradients, so only
-    rank 0 accumulates (torch keeps its earlier shard to add to: a fact of that rank
-    alone). FSDP + flatview, then plain FSDP: this rank's flat gradient shards of each."""
+def rank_local_accumulation(
+    scenario: Scenario, skip: Sequence[str] = ()
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Two backward passes, both leaving out ``skip`` (gates: plain FSDP leaves their
+    gradients at zero, flatview masks them); between them every rank but 0 drops its
+    gradients, so only rank 0 accumulates (torch keeps its earlier shard to add to: a
+    fact of that rank alone). FSDP + flatview, then plain FSDP: this rank's flat
+    gradient shards of each."""
     out = []
     for use_flatview in (True, False):
         with backend_context(scenario.backend):
@@ -130,8 +134,8 @@ def rank_local_accumulation(scenario: Scenario) -> tuple[list[np.ndarray], list[
                     for p in params:
                         p.grad = None
                 x, y = local_batch(scenario, micro)
-                step = fv.step() if fv is not None else contextlib.nullcontext()
+                step = fv.step(skip=list(skip)) if fv is not None else contextlib.nullcontext()
                 with step:
-                    loss_of(model(x), y).backward()
+                    loss_of(model(x, skip), y).backward()
             out.append([g for g in _flat_grads(model) if g is not None])
     return out[0], out[1]
