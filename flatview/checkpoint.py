@@ -64,7 +64,6 @@ from torch import nn
 
 from flatview import optim_state
 from flatview.backends.base import is_rank0
-from flatview.comm.consolidate import exchange
 from flatview.errors import FlatViewError, OptimStateError
 from flatview.layout import Placement
 from flatview.sharded_tensors import as_full, is_sharded, sharded_value
@@ -273,22 +272,10 @@ def _sharded_optim_state(
     """The optimizer's state by name, per-element state of sharded parameters as
     ``ShardedTensor`` s over this rank's own state tensors: the ranks agree on what
     exists (one small exchange of descriptions, as consolidation does), no state moves."""
-    params, adapter = fv.table.params, fv.adapter
-    homes = [param.placement for param in params]
-    sharing = adapter.world_size > 1 and any(home.layout is not None for home in homes)
-    try:
-        groups, saved, order, described = optim_state.local_facts(fv.table, optimizer, homes)
-    except OptimStateError as err:
-        if not sharing:
-            raise
-        optim_state.raise_reported(exchange({"error": str(err)}, adapter.group), cause=err)
-        raise
+    adapter = fv.adapter
+    homes = [param.placement for param in fv.table.params]
+    groups, saved, order, plan, _ = optim_state.agreed_facts(fv.table, adapter, optimizer)
     states: dict[int, dict[Any, Any]] = saved["state"]
-    plan: dict[int, dict[Any, Any]] = {}
-    if sharing:
-        descriptions = exchange({"params": tuple(order), "state": described}, adapter.group)
-        optim_state.raise_reported(descriptions)
-        plan = optim_state.merge(descriptions, order, homes, params)
 
     out_state: dict[str, dict[Any, Any]] = {}
     for position, index in enumerate(order):

@@ -222,35 +222,28 @@ def raise_reported(
             raise OptimStateError(f"on rank {rank}: {description['error']}") from cause
 
 
-def consolidate(
-    table: ParamTable,
-    adapter: Adapter,
-    optimizer: torch.optim.Optimizer,
-    *,
-    rank0_only: bool = False,
-) -> dict[str, Any]:
-    """The consolidated state of ``optimizer`` (see :meth:`flatview.FlatView.optim_state_dict`)."""
+def agreed_facts(
+    table: ParamTable, adapter: Adapter, optimizer: torch.optim.Optimizer
+) -> tuple[list[list[int]], dict[str, Any], list[int], dict[int, dict[Any, Kind]], bool]:
+    """:func:`local_facts` with the plan the ranks agreed on in one exchange (what state
+    each sharded parameter has), and whether there were ranks to agree with. A rank's
+    misuse raises on every rank of every replica: none waits in a later collective."""
     params = table.params
     homes = [param.placement for param in params]
-    gathering = adapter.world_size > 1 and any(home.layout is not None for home in homes)
+    sharing = adapter.world_size > 1 and any(home.layout is not None for home in homes)
     over, members = shard_groups(adapter)
     try:
         groups, saved, order, described = local_facts(table, optimizer, homes)
     except OptimStateError as err:
-        if not gathering:
+        if not sharing:
             raise
-        # The other ranks are about to exchange descriptions: tell them, so that every
-        # rank raises instead of the others waiting in the collective until it times out.
+        # The others are about to exchange descriptions: tell them, so that all raise.
         raise_reported(exchange({"error": str(err)}, over), cause=err)
         raise  # not reached: this rank's own report is among them
-    states: dict[int, dict[Any, Any]] = saved["state"]
-
-    receiving = not rank0_only or is_rank0(adapter)
-    fulls: dict[tuple[int, Any], torch.Tensor] = {}
     plan: dict[int, dict[Any, Kind]] = {}
-    if gathering:
-        mine = {"params": tuple(order), "state": described}
-        everyone = exchange({**mine, "members": members, "shard": adapter.rank}, over)
+    if sharing:
+        mine = {"params": tuple(order), "state": described, "members": members}
+        everyone = exchange({**mine, "shard": adapter.rank}, over)
         raise_reported(everyone)
         # Every shard group's merge on every rank: all raise the same first error.
         for descriptions in by_shard_group(everyone):
@@ -263,7 +256,23 @@ def consolidate(
                 raise OptimStateError(f"in the shard group of ranks {ranks}: {err}") from err
             if descriptions[0]["members"] == members:
                 plan = merged
-        fulls = gather(plan, states, order, homes, adapter, rank0_only)
+    return groups, saved, order, plan, sharing
+
+
+def consolidate(
+    table: ParamTable,
+    adapter: Adapter,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank0_only: bool = False,
+) -> dict[str, Any]:
+    """The consolidated state of ``optimizer`` (see :meth:`flatview.FlatView.optim_state_dict`)."""
+    homes = [param.placement for param in table.params]
+    groups, saved, order, plan, gathering = agreed_facts(table, adapter, optimizer)
+    states: dict[int, dict[Any, Any]] = saved["state"]
+
+    receiving = not rank0_only or is_rank0(adapter)
+    fulls = gather(plan, states, order, homes, adapter, rank0_only) if gathering else {}
 
     out_state: dict[str, dict[Any, Any]] = {}
     if receiving:
