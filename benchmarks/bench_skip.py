@@ -324,13 +324,21 @@ def _torch_fsdp2(prefetch: bool) -> Callable[[Config], Trainer]:
 build_torch_fsdp2 = _torch_fsdp2(False)
 
 
-def _flatview_fsdp2(check: bool, prefetch: bool = False) -> Callable[[Config], Trainer]:
+def _flatview_fsdp2(
+    check: bool, prefetch: bool = False, held: bool | None = None
+) -> Callable[[Config], Trainer]:
     """flatview + FSDP2 per block: no views (FSDP2 keeps the original parameters), skip
     sets, the agreement check and the flags that catch undeclared unused parameters; with
-    ``prefetch`` (see :func:`_fsdp2_model`) flatview steers prefetching off skipped blocks."""
+    ``prefetch`` (see :func:`_fsdp2_model`) flatview steers prefetching off skipped blocks.
+    ``held``: ``ReduceOptions.bucket_whole`` (``None``: small reduce-scatters held and run
+    as one on 2 shards, ``False``: each unit's on its own, as FSDP2 runs them)."""
 
     def build(cfg: Config) -> Trainer:
-        return _with_flatview(_fsdp2_model(cfg, prefetch), cfg, check, "auto")
+        import flatview
+
+        options = flatview.ReduceOptions(bucket_whole=held)
+        model = _fsdp2_model(cfg, prefetch)
+        return _with_flatview(model, cfg, check, "auto", reduce_options=options)
 
     return build
 
@@ -654,6 +662,14 @@ PAIRS: tuple[Pair, ...] = (
         "FSDP2 per block, skipping: the ideal vs flatview + FSDP2 (check on)",
         ("ideal", build_ideal),
         ("flatview + FSDP2", _flatview_fsdp2(True)),
+        skip=True,
+    ),
+    Pair(
+        "fsdp2_held_skipping",
+        "FSDP2 per block, skipping: flatview with each unit's reduce-scatter on its own "
+        "(bucket_whole=False) vs held and run as one (the default on 2 shards)",
+        ("one each", _flatview_fsdp2(True, held=False)),
+        ("held", _flatview_fsdp2(True)),
         skip=True,
     ),
     Pair(

@@ -388,7 +388,13 @@ class Scenario:
     def flatview_options(self) -> dict[str, Any]:
         """The options of ``flatview.wrap`` the scenario's ``options`` hold."""
         keys = {"overlap": "overlap_reduction", "compute_on_views": "compute_on_views"}
-        return {keys[k]: v for k, v in self.options.items() if k in keys}
+        chosen = {keys[k]: v for k, v in self.options.items() if k in keys}
+        if "bucket_whole" in self.options:
+            import flatview
+
+            bucket = self.options["bucket_whole"]
+            chosen["reduce_options"] = flatview.ReduceOptions(bucket_whole=bucket)
+        return chosen
 
 
 # Four blocks with gates, and an aux layer: across these steps every kind of skip
@@ -487,6 +493,9 @@ def scenarios(
             st.sampled_from((False, 2) if shards == 4 else (False,))
         )
         options["prefetch"] = draw(st.booleans())
+    if config.backend == "fsdp2" and not config.hybrid and draw(st.booleans()):
+        # Small reduce-scatters held and run as one (the default on 2 shards) or not.
+        options["bucket_whole"] = draw(st.sampled_from((True, False)))
     if config.strategy in HYBRID_STRATEGIES:
         options["hybrid"] = draw(st.sampled_from(("mesh", "tuple")))
     if config.backend == "ddp" and draw(st.booleans()):
@@ -819,6 +828,7 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
         )
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     prefetch = options.pop("prefetch", False)
+    options.pop("bucket_whole", None)  # flatview's (Scenario.flatview_options)
     blocks: list[Any] = []
     if scenario.nested:
         blocks = [fully_shard(block, **kwargs) for block in net.body]

@@ -37,7 +37,9 @@ and maps the skip set onto the runtime:
 * each group's all-gather and reduce-scatter objects (``set_custom_all_gather`` /
   ``set_custom_reduce_scatter``, public) are wrapped to count bytes in the ledger at the
   collective; for HSDP the all-reduce of the reduce-scatter output across the replicate
-  dimension is counted there too.
+  dimension is counted there too. Where :func:`~flatview.backends.fsdp2_hooks.decide_bucketing`
+  says so, small reduce-scatters are held and run as one at the end of the backward
+  (:mod:`flatview.comm.held`): on CPU a step goes by its number of collectives.
 
 The skip-set check spans every rank of the mesh (``agreement_group``) and is settled
 inside ``step()``: even the root's all-gather, which every rank issues whatever it skips,
@@ -79,10 +81,16 @@ from flatview.backends.fsdp2_hooks import (
     check_attrs,
     check_group,
     check_no_pending_backward,
+    clear_dropped,
+    decide_bucketing,
+    drop_unreduced_grads,
+    hold_plan,
     refuse_reduce_options,
+    restore_prefetch,
     shard_layout,
     steer_prefetch,
 )
+from flatview.comm.held import HeldReduceScatters
 from flatview.comm.options import ReduceOptions
 from flatview.errors import SkippedParameterUsedError, StateError, UndeclaredUnusedError, WrapError
 
@@ -182,6 +190,8 @@ class FSDP2Adapter(AdapterBase):
             replicas = 1
             self.device = torch.device("cpu")
         self.replicas = replicas
+        self._holds = decide_bucketing(self.options, self.device, self.hybrid, self.world_size)
+        self._held: HeldReduceScatters | None = None
         self.wrapper_reduces = self.world_size * replicas > 1
         self.bucket_numel = 2**62
         self._aliases: dict[int, list[str]] = {}
@@ -269,6 +279,8 @@ class FSDP2Adapter(AdapterBase):
                 "_root_post_backward_final_callback",
                 self._final_callback_of(unit.state),
             )
+        if self._holds is not None:
+            self._held = HeldReduceScatters(core.ledger)
         self._params_of = [
             [
                 (fsdp_param, core.index_of(fsdp_param.sharded_param))
@@ -280,16 +292,8 @@ class FSDP2Adapter(AdapterBase):
         self._count_collectives()
 
     def uninstall(self) -> None:
-        for unit in self.units:
-            saved = self._prefetch.get(id(unit.state))
-            if saved is None:
-                continue
-            forward, steered_f, backward, steered_b = saved
-            if unit.state._states_to_forward_prefetch is steered_f:
-                unit.state._states_to_forward_prefetch = forward
-            if unit.state._states_to_backward_prefetch is steered_b:
-                unit.state._states_to_backward_prefetch = backward
-        self._prefetch.clear()
+        restore_prefetch([u.state for u in self.units], self._prefetch)
+        self._drop_held()
         for unit in self.units:
             for group in unit.groups:
                 for attr in ("_all_gather_comm", "_reduce_scatter_comm"):
@@ -308,7 +312,10 @@ class FSDP2Adapter(AdapterBase):
                     group._all_gather_comm = CountingAllGather(group._all_gather_comm, ledger)
                 if not isinstance(group._reduce_scatter_comm, CountingReduceScatter):
                     group._reduce_scatter_comm = CountingReduceScatter(
-                        group._reduce_scatter_comm, ledger, group if self.hybrid else None
+                        group._reduce_scatter_comm,
+                        ledger,
+                        group if self.hybrid else None,
+                        self._held,
                     )
 
     # -------------------------------------------------------------- lifecycle
@@ -324,7 +331,7 @@ class FSDP2Adapter(AdapterBase):
                     # The last backward raised before FSDP's final callback: FSDP's states
                     # are mid-backward (what reset_iter_state is for).
                     self.root.reset_iter_state()
-                    self._drop_unreduced_grads()
+                    drop_unreduced_grads(f for entries in self._params_of for f, _ in entries)
                     self._reset_round()
                 self._in_flight = True
                 self._backward_started = False
@@ -347,20 +354,30 @@ class FSDP2Adapter(AdapterBase):
 
         def post_backward(*unused: Any) -> None:
             self._backward_started = True
-            self.core.check_backward_binding()
-            self._before_reduce(index, group)
-            unfinished = self._unfinished
-            if unfinished is not None and id(group) in unfinished:
-                unfinished.discard(id(group))
-                if not unfinished:
-                    self._start_flags()
-            # flatview decides which unused parameters get zeros (skipped ones do not).
             saved = group.reduce_scatter_unused_params
-            group.reduce_scatter_unused_params = False
+            comm = group._reduce_scatter_comm
+            counting = isinstance(comm, CountingReduceScatter)
             try:
+                self.core.check_backward_binding()
+                self._before_reduce(index, group)
+                unfinished = self._unfinished
+                if unfinished is not None and id(group) in unfinished:
+                    unfinished.discard(id(group))
+                    if not unfinished:
+                        self._start_flags()
+                # flatview decides which unused parameters get zeros (skipped ones don't).
+                group.reduce_scatter_unused_params = False
+                if counting and self._holds is not None and group.reduce_grads:
+                    small = self.options.in_place_min_numel
+                    comm.plan = hold_plan(group, self.world_size, small, self._holds)
                 original(*unused)
+            except BaseException:
+                self._drop_held()  # what is held never runs: its gradients never exist
+                raise
             finally:
                 group.reduce_scatter_unused_params = saved
+                if counting:
+                    comm.plan = None
 
         return post_backward
 
@@ -419,6 +436,10 @@ class FSDP2Adapter(AdapterBase):
                 if not self._unfinished:
                     self._start_flags()
                 original()
+                if self._held is not None:
+                    # Before the core ends the backward: the gradients are final then.
+                    with torch.no_grad():
+                        self._held.run()
             finally:
                 self._unfinished = None
             self._end_backward()
@@ -478,21 +499,14 @@ class FSDP2Adapter(AdapterBase):
             return missing, missing
         return flags.result()
 
-    def _drop_unreduced_grads(self) -> None:
-        """Drop the gradients an aborted backward left on unsharded parameters.
-
-        reset_iter_state discards FSDP's reduction state but not these: the next backward
-        would take them as its own (a skipped parameter's as "used") and reduce them."""
-        for entries in self._params_of:
-            for fsdp_param, _ in entries:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
-                fsdp_param.unsharded_accumulated_grad = None
+    def _drop_held(self) -> None:
+        if self._held is not None:
+            clear_dropped(self._held.drop())
 
     def _reset_round(self) -> None:
         # Flags an aborted backward started: their all-reduce completes by itself.
         self._flags = None
+        self._drop_held()
         self._got.clear()
         self._window_used = set()
         self._versions = {}

@@ -8,13 +8,16 @@ and ``ReduceScatter`` objects (``torch.distributed.fsdp._fully_shard._fsdp_api``
 ``FSDPParamGroup.all_reduce_grads``, ``offload_policy``; ``FSDPState``'s
 ``_states_to_forward_prefetch`` / ``_states_to_backward_prefetch``; ``FSDPParam``'s
 ``is_dtensor`` and ``fsdp_placement``; ``FSDPParamGroup._post_forward_indices`` and
-``FSDPParam._unsharded_param`` (the pending-backward check).
+``FSDPParam._unsharded_param`` (the pending-backward check); for held reduce-scatters
+``_fsdp_collectives.DefaultReduceScatter``, ``FSDPParamGroup._all_reduce_hook`` and
+``_reduce_scatter_comm``, ``FSDPParam._orig_size`` and ``unsharded_accumulated_grad``, and
+the sharded parameters' ``_post_accumulate_grad_hooks``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -22,10 +25,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from flatview.comm.held import Accumulate, Held, HeldReduceScatters
 from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
 from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 from flatview.layout import FlatLayout, Segment
+from flatview.local_tensors import local_tensor
 
 STATE_ATTRS = (
     "_lazy_init",
@@ -47,8 +52,16 @@ _GROUP_ATTRS = (
     "_all_gather_comm",
     "_reduce_scatter_comm",
     "_post_forward_indices",
+    "_all_reduce_hook",
 )
-_PARAM_ATTRS = ("sharded_param", "_orig_size", "fsdp_placement", "is_dtensor", "offload_to_cpu")
+_PARAM_ATTRS = (
+    "sharded_param",
+    "_orig_size",
+    "fsdp_placement",
+    "is_dtensor",
+    "offload_to_cpu",
+    "unsharded_accumulated_grad",
+)
 
 
 class Unit:
@@ -63,13 +76,15 @@ class Unit:
 
 def refuse_reduce_options(options: ReduceOptions) -> None:
     """FSDP2 reduces gradients in its own collectives, which flatview does not replace, so
-    flatview's reduction options would be ignored: refuse them rather than accept them
-    silently. ``overlap`` is refused by :func:`flatview.backends.detect`."""
+    flatview's reduction options but those of its held reduce-scatters (``bucket_whole``,
+    ``in_place_min_numel``: :func:`decide_bucketing`) would be ignored: refuse them rather
+    than accept them silently. ``overlap`` is refused by :func:`flatview.backends.detect`."""
     default = ReduceOptions()
     given = [
         f"{f.name}={getattr(getattr(options, f.name), 'value', getattr(options, f.name))!r}"
         for f in dataclasses.fields(options)
-        if f.name != "overlap" and getattr(options, f.name) != getattr(default, f.name)
+        if f.name not in ("overlap", "bucket_whole", "in_place_min_numel")
+        and getattr(options, f.name) != getattr(default, f.name)
     ]
     if given:
         raise WrapError(
@@ -78,6 +93,57 @@ def refuse_reduce_options(options: ReduceOptions) -> None:
             f"{', '.join(given)} (reduce_strategy / reduce_options); leave them at their "
             "defaults"
         )
+
+
+def decide_bucketing(
+    options: ReduceOptions, device: torch.device, hybrid: bool, world_size: int
+) -> type | None:
+    """Whether to hold small reduce-scatters and run them as one (:mod:`flatview.comm.held`):
+    FSDP2's default reduce-scatter class (only its calls are held), else ``None``.
+
+    ``bucket_whole=None`` holds them where that gives FSDP2's numbers bit for bit and
+    saves time: on CPU (where a step goes by its number of collectives) over a shard
+    group of 2 ranks (beyond 2, gloo's summation order follows the position in the
+    buffer). ``True`` holds them at any size of group; never on an accelerator, whose
+    reduce-scatters FSDP2 runs asynchronously on their own stream, nor with HSDP, whose
+    all-reduce reads each reduce-scatter's output at once."""
+    wanted = options.bucket_whole
+    if wanted is None:
+        bucketing = device.type == "cpu" and not hybrid and world_size == 2
+    elif wanted and (device.type != "cpu" or hybrid):
+        raise WrapError(
+            "ReduceOptions(bucket_whole=True) cannot bucket FSDP2's reduce-scatters "
+            + ("with HSDP (its all-reduce reads each output at once)" if hybrid else "")
+            + (" and " if hybrid and device.type != "cpu" else "")
+            + (
+                f"on {device.type} (FSDP2 overlaps them on their own stream)"
+                if device.type != "cpu"
+                else ""
+            )
+            + "; leave bucket_whole at None or False"
+        )
+    else:
+        bucketing = wanted
+    if not bucketing and options.in_place_min_numel != ReduceOptions().in_place_min_numel:
+        raise WrapError(
+            "ReduceOptions(in_place_min_numel=...) only sets which FSDP2 reduce-scatters "
+            "are held and run as one, and this wrap holds none (bucket_whole="
+            f"{wanted!r}, {device.type}, shard group of {world_size}"
+            + (", HSDP" if hybrid else "")
+            + "): it would be ignored; leave it at its default"
+        )
+    if not bucketing:
+        return None
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    except ImportError:
+        if wanted:
+            raise WrapError(
+                "ReduceOptions(bucket_whole=True): this torch's FSDP2 has no "
+                f"DefaultReduceScatter, which flatview holds calls of (torch {torch.__version__})"
+            ) from None
+        return None
+    return DefaultReduceScatter
 
 
 def shard_layout(shape: tuple[int, ...], shards: int) -> FlatLayout:
@@ -195,15 +261,88 @@ class CountingAllGather:
         return self.inner(*args, **kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class HoldPlan:
+    """How one parameter group's coming reduce-scatter may be held: FSDP2 then only views
+    its output (``numel`` elements of ``dtype``), as the new gradients of ``fresh``, and
+    adds pieces of it to the gradients that exist already (``accumulate``)."""
+
+    numel: int
+    dtype: torch.dtype
+    accumulate: tuple[Accumulate, ...]
+    fresh: tuple[torch.Tensor, ...]
+    small_numel: int
+    """Inputs of this many elements or more go at once, on their own."""
+
+    def accepts(self, output: torch.Tensor, source: torch.Tensor, op: Any) -> bool:
+        """Whether the call FSDP2 makes is the one planned, and small."""
+        return (
+            op == dist.ReduceOp.AVG  # no division of the output afterwards
+            and output.dtype == self.dtype  # no cast of the output afterwards
+            and output.numel() == self.numel
+            and source.numel() < self.small_numel
+        )
+
+
+def hold_plan(group: Any, world_size: int, small_numel: int, default: type) -> HoldPlan | None:
+    """The plan for ``group``'s reduce-scatter, computed just before its ``post_backward``
+    (which picks the same parameters: those with an unsharded or accumulated gradient),
+    or ``None`` where something would read its output before the held run: an
+    all-reduce hook, a post-accumulate-grad hook, a custom reduce-scatter (the user's own
+    collective, which must not be bypassed) or sharded gradients of another dtype.
+    ``default`` is FSDP2's own reduce-scatter class (:func:`decide_bucketing`)."""
+    comm = group._reduce_scatter_comm
+    inner = comm.inner if isinstance(comm, CountingReduceScatter) else comm
+    if type(inner) is not default or group._all_reduce_hook is not None:
+        return None
+    accumulate: list[Accumulate] = []
+    fresh: list[torch.Tensor] = []
+    dtypes: set[torch.dtype] = set()
+    start = 0
+    for fsdp_param in group.fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is None or (
+            fsdp_param.unsharded_accumulated_grad is None and unsharded.grad is None
+        ):
+            continue
+        sharded = fsdp_param.sharded_param
+        if getattr(sharded, "_post_accumulate_grad_hooks", None):
+            return None
+        dtypes.add(sharded.dtype)
+        if sharded.grad is not None:
+            accumulate.append(Accumulate(local_tensor(sharded.grad), start))
+        else:
+            fresh.append(sharded)
+        start += shard_layout(tuple(int(d) for d in fsdp_param._orig_size), world_size).shard_numel
+    if len(dtypes) != 1:
+        return None
+    return HoldPlan(start, dtypes.pop(), tuple(accumulate), tuple(fresh), small_numel)
+
+
+def clear_dropped(held: Sequence[Held]) -> None:
+    """Clear the gradients that are views of dropped held outputs (never reduced)."""
+    for h in held:
+        storage = h.output.untyped_storage().data_ptr()
+        for param in h.fresh:
+            grad = param.grad
+            if grad is not None and local_tensor(grad).untyped_storage().data_ptr() == storage:
+                param.grad = None
+
+
 class CountingReduceScatter:
     """Delegates to FSDP2's reduce-scatter object, counting its input in the ledger; with
     ``group`` (HSDP) also the all-reduce FSDP2 runs next over the replicate dimension,
-    whose input is this reduce-scatter's output."""
+    whose input is this reduce-scatter's output. With ``held``, a call that meets the
+    ``plan`` set for it is held instead (counted when the held ones run)."""
 
-    def __init__(self, inner: Any, ledger: Ledger, group: Any | None) -> None:
+    def __init__(
+        self, inner: Any, ledger: Ledger, group: Any | None, held: HeldReduceScatters | None
+    ) -> None:
         self.inner = inner
         self.ledger = ledger
         self.group = group
+        self.held = held
+        self.plan: HoldPlan | None = None
 
     def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         tensor: torch.Tensor = self.inner.allocate(*args, **kwargs)
@@ -212,6 +351,19 @@ class CountingReduceScatter:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         output = kwargs.get("output_tensor", args[0] if args else None)
         source = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+        plan, self.plan = self.plan, None
+        group: Any = kwargs.get("group")
+        op = kwargs.get("op")
+        if (
+            self.held is not None
+            and plan is not None
+            and isinstance(output, torch.Tensor)
+            and isinstance(source, torch.Tensor)
+            and plan.accepts(output, source, op)
+        ):
+            # FSDP2 makes this call synchronously and drops what it returns.
+            self.held.hold(output, source, group, op, plan.accumulate, plan.fresh)
+            return None
         if isinstance(source, torch.Tensor):
             self.ledger.record("reduce_scatter", source)
         if self.group is not None and self.group.all_reduce_grads and output is not None:
@@ -267,6 +419,33 @@ def steer_prefetch(order: Sequence[Any], skipped: set[int], saved: Steered) -> N
         state._states_to_forward_prefetch = steered_f
         state._states_to_backward_prefetch = steered_b
         saved[id(state)] = (forward, steered_f, backward, steered_b)
+
+
+def drop_unreduced_grads(fsdp_params: Iterable[Any]) -> None:
+    """Drop the gradients an aborted backward left on unsharded parameters.
+
+    reset_iter_state discards FSDP's reduction state but not these: the next backward
+    would take them as its own (a skipped parameter's as "used") and reduce them."""
+    for fsdp_param in fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+        fsdp_param.unsharded_accumulated_grad = None
+
+
+def restore_prefetch(order: Sequence[Any], saved: Steered) -> None:
+    """Give every state back the user's prefetch lists, except where the user set a list
+    since :func:`steer_prefetch` steered it; empties ``saved``."""
+    for state in order:
+        before = saved.get(id(state))
+        if before is None:
+            continue
+        forward, steered_f, backward, steered_b = before
+        if state._states_to_forward_prefetch is steered_f:
+            state._states_to_forward_prefetch = forward
+        if state._states_to_backward_prefetch is steered_b:
+            state._states_to_backward_prefetch = backward
+    saved.clear()
 
 
 class FlagExchange:

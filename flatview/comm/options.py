@@ -63,7 +63,8 @@ class ReduceOptions:
             and unpacked, by a collective started at once, instead of packed into a
             bucket; ``None`` packs every gradient (see :data:`IN_PLACE_TOLERANCE`).
         in_place_min_numel: the smallest gradient (elements) reduced whole and unpacked
-            (see :data:`IN_PLACE_MIN_NUMEL`); 0 lets gradients of any size. Where
+            (see :data:`IN_PLACE_MIN_NUMEL`); 0 lets gradients of any size (FSDP2: the
+            smallest reduce-scatter input run on its own, not held). Where
             gradients used whole go alone (``bucket_whole``), those go unpacked at any
             size.
         keep_buffer_bytes: the largest bucket buffer kept from one reduction to the
@@ -76,6 +77,10 @@ class ReduceOptions:
             buffer can decide the order its ranks' values are added in (gloo's
             reduce-scatter on 3 or more ranks does), so only the wrapper's layout gives
             the wrapper's rounding bit for bit; bucketing may move a sum by an ulp.
+            FSDP2, which reduce-scatters each unit itself: ``True`` holds its
+            reduce-scatters of fewer than ``in_place_min_numel`` elements and runs them
+            as one at the end of the backward (CPU only, not HSDP); ``None`` does so where
+            it keeps FSDP2's numbers bit for bit, on CPU over a shard group of 2 ranks.
     """
 
     strategy: Strategy = Strategy.AUTO
