@@ -157,6 +157,17 @@ def torch_backend_tested() -> bool:
     return torch_fsdp.torch_version() in torch_fsdp.TESTED_TORCH
 
 
+def only_on_tested_torch(backend: str) -> pytest.MarkDecorator:
+    """A module's ``pytestmark`` for flatview's torch-based ``backend`` (``"torch"``,
+    ``"FSDP2"``): skipped on a torch it was not tested with (it refuses those)."""
+    from flatview.backends import torch_fsdp
+
+    return pytest.mark.skipif(
+        not torch_backend_tested(),
+        reason=f"flatview's {backend} backend is tested with torch {torch_fsdp.TESTED_TORCH}",
+    )
+
+
 THOROUGH = False
 """Whether this session runs the thorough profile's tests (set by tests/conftest.py)."""
 

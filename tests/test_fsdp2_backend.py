@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatview.backends import torch_fsdp
 from tests import fsdp2_workers as w
 from tests.scenarios import (
     GATED,
@@ -19,16 +18,14 @@ from tests.scenarios import (
     Scenario,
     check_equivalent,
     compare,
+    only_on_tested_torch,
     scenarios,
 )
 
 if TYPE_CHECKING:
     from tests.conftest import PoolFactory
 
-pytestmark = pytest.mark.skipif(
-    torch_fsdp.torch_version() not in torch_fsdp.TESTED_TORCH,
-    reason=f"flatview's FSDP2 backend is tested with torch {torch_fsdp.TESTED_TORCH}",
-)
+pytestmark = only_on_tested_torch("FSDP2")
 
 TIMEOUT = 120.0
 FSDP2 = BackendConfig("fsdp2")

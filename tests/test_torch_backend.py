@@ -22,19 +22,16 @@ from tests.scenarios import (
     assert_equivalent,
     check_equivalent,
     make_net,
+    only_on_tested_torch,
     run_distributed,
     run_reference,
-    torch_backend_tested,
 )
 
 if TYPE_CHECKING:
     from tests.conftest import PoolFactory
 
 pytest.importorskip("torch.distributed.fsdp")
-pytestmark = pytest.mark.skipif(
-    not torch_backend_tested(),
-    reason=f"flatview's torch backend is tested with torch {torch_fsdp.TESTED_TORCH}",
-)
+pytestmark = only_on_tested_torch("torch")
 
 TIMEOUT = 120.0
 FULL_SHARD = BackendConfig("torch", "FULL_SHARD")
