@@ -369,7 +369,7 @@ class FSDP2Adapter(AdapterBase):
                 group.reduce_scatter_unused_params = False
                 if counting and self._holds is not None and group.reduce_grads:
                     small = self.options.in_place_min_numel
-                    comm.plan = hold_plan(group, self.world_size, small, self._holds)
+                    comm.plan = hold_plan(group, comm.inner, self.world_size, small, self._holds)
                 original(*unused)
             except BaseException:
                 self._drop_held()  # what is held never runs: its gradients never exist

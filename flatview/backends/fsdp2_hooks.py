@@ -9,14 +9,15 @@ and ``ReduceScatter`` objects (``torch.distributed.fsdp._fully_shard._fsdp_api``
 ``_states_to_forward_prefetch`` / ``_states_to_backward_prefetch``; ``FSDPParam``'s
 ``is_dtensor`` and ``fsdp_placement``; ``FSDPParamGroup._post_forward_indices`` and
 ``FSDPParam._unsharded_param`` (the pending-backward check); for held reduce-scatters
-``_fsdp_collectives.DefaultReduceScatter``, ``FSDPParamGroup._all_reduce_hook`` and
-``_reduce_scatter_comm``, ``FSDPParam._orig_size`` and ``unsharded_accumulated_grad``, and
-the sharded parameters' ``_post_accumulate_grad_hooks``.
+``_fsdp_collectives.DefaultReduceScatter``, ``FSDPParamGroup._all_reduce_hook``,
+``FSDPParam._orig_size`` and ``unsharded_accumulated_grad``, and the sharded parameters'
+``_post_accumulate_grad_hooks``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -146,6 +147,7 @@ def decide_bucketing(
     return DefaultReduceScatter
 
 
+@functools.cache  # frozen and asked again every backward (hold_plan)
 def shard_layout(shape: tuple[int, ...], shards: int) -> FlatLayout:
     """The layout of a parameter FSDP2 shards on dim 0 over ``shards`` ranks: rank ``r``
     holds rows ``[r * c, (r + 1) * c)`` with ``c = ceil(rows / shards)`` (fewer, or none, at
@@ -284,15 +286,16 @@ class HoldPlan:
         )
 
 
-def hold_plan(group: Any, world_size: int, small_numel: int, default: type) -> HoldPlan | None:
+def hold_plan(
+    group: Any, inner: Any, world_size: int, small_numel: int, default: type
+) -> HoldPlan | None:
     """The plan for ``group``'s reduce-scatter, computed just before its ``post_backward``
     (which picks the same parameters: those with an unsharded or accumulated gradient),
     or ``None`` where something would read its output before the held run: an
     all-reduce hook, a post-accumulate-grad hook, a custom reduce-scatter (the user's own
     collective, which must not be bypassed) or sharded gradients of another dtype.
-    ``default`` is FSDP2's own reduce-scatter class (:func:`decide_bucketing`)."""
-    comm = group._reduce_scatter_comm
-    inner = comm.inner if isinstance(comm, CountingReduceScatter) else comm
+    ``inner`` is the reduce-scatter object the counting one delegates to, ``default``
+    FSDP2's own class (:func:`decide_bucketing`)."""
     if type(inner) is not default or group._all_reduce_hook is not None:
         return None
     accumulate: list[Accumulate] = []
