@@ -526,7 +526,17 @@ def scenarios(
     # flat parameter have one: after a step that skipped it, plain torch training does
     # that too (docs/limitations.md).
     orig_window = bool(options.get("use_orig_params")) and accumulate > 1
-    if unwrap and not frozen and not orig_window and draw(st.integers(0, 3)) == 3:
+    # Plain FSDP2 (torch 2.13) trains otherwise than the unwrapped model after a forward
+    # with autograd on and no backward (the evaluate passes): up to 2e-2 off on 2 and 4
+    # ranks without flatview ever wrapping it, while wrapped it trains right.
+    plain_fsdp2_evaluates = config.backend == "fsdp2" and evaluate
+    if (
+        unwrap
+        and not frozen
+        and not orig_window
+        and not plain_fsdp2_evaluates
+        and draw(st.integers(0, 3)) == 3
+    ):
         steps = micro // accumulate
         unwrap_after = draw(st.integers(0, steps - 2))
         skips = skips[: (unwrap_after + 1) * accumulate] + ((),) * (
