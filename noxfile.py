@@ -80,6 +80,14 @@ def bench_whole(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_scale(session: nox.Session) -> None:
+    """Run benchmarks/bench_scale.py: flatview's per-step cost per parameter tensor, plain
+    wrapper vs flatview at 64 to 16,384 tensors on every backend (posargs go to the
+    script; `-- --quick` for a CI-sized run)."""
+    _run_script(session, "benchmarks/bench_scale.py")
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check + ruff format --check (skips paths that do not exist yet)."""
     paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
