@@ -270,24 +270,36 @@ def _flatview(cfg: Config, shape: str, size: int, backend: str) -> Variant:
     return Variant("flatview", model, _sgd(fv.parameters(), cfg), fv, wrap_s, rss)
 
 
-def build_variants(cfg: Config, shape: str, size: int, backend: str, half: bool) -> list[Variant]:
-    """Plain first, then flatview; torch FSDP1 adds plain ``use_orig_params=True``."""
-    if backend == "ddp" and half:
-        plain = _plain("plain", cfg, shape, size, backend, find_unused=True)
-    else:
-        plain = _plain("plain", cfg, shape, size, backend)
+def build_variants(cfg: Config, shape: str, size: int, backend: str) -> dict[str, list[Variant]]:
+    """Per mode, the variants built side by side: plain first, then flatview; torch
+    FSDP1 adds plain ``use_orig_params=True``. Built once for both modes, except plain
+    DDP, which needs ``find_unused_parameters=True`` to skip anything."""
+    plain = _plain("plain", cfg, shape, size, backend)
     variants = [plain, _flatview(cfg, shape, size, backend)]
     if backend == "torch":
         variants.append(_plain("orig_params", cfg, shape, size, backend, use_orig_params=True))
-    return variants
+    half = list(variants)
+    if backend == "ddp":
+        half[0] = _plain("plain", cfg, shape, size, backend, find_unused=True)
+    return {"none": variants, "half": half}
+
+
+def steps_for(cfg: Config, size: int) -> tuple[int, int]:
+    """(warmup, timed) steps at ``size`` tensors: fewer beyond 4,096, where one step of
+    plain FSDP2 takes seconds on a loaded 2-core machine."""
+    if size <= 4096:
+        return cfg.warmup, cfg.steps
+    return max(1, cfg.warmup // 2), max(4, cfg.steps // 3)
 
 
 # ----------------------------------------------------------------------------- workers
 
 
-def _timed(variants: Sequence[Variant], cfg: Config, plans: Sequence[Plan], rank: int) -> dict:
+def _timed(
+    variants: Sequence[Variant], warmup: int, plans: Sequence[Plan], rank: int, cfg: Config
+) -> dict:
     """Steps of every variant, interleaved; rank 0's forward+backward and optimizer
-    times per step (ms)."""
+    times per step (ms), after ``warmup`` steps."""
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     inputs = [torch.randn(cfg.batch, WIDTH, generator=generator) for _ in plans]
     times: dict[str, dict[str, list[float]]] = {
@@ -306,7 +318,7 @@ def _timed(variants: Sequence[Variant], cfg: Config, plans: Sequence[Plan], rank
             c1, t1 = time.process_time(), time.perf_counter()
             variant.optimizer_step()
             c2, t2 = time.process_time(), time.perf_counter()
-            if step >= cfg.warmup:
+            if step >= warmup:
                 kept = times[variant.name]
                 kept["fb"].append((t1 - t0) * 1e3)
                 kept["opt"].append((t2 - t1) * 1e3)
@@ -319,19 +331,19 @@ def _timed(variants: Sequence[Variant], cfg: Config, plans: Sequence[Plan], rank
 def scale_worker(
     rank: int, backend: str, shape: str, size: int, cfg: Config, port: int, out: str
 ) -> None:
-    """One backend, one model: both modes, each with its own variants built side by side."""
+    """One backend, one model: the variants built side by side, then both modes."""
     common._init(rank, cfg, port, out)  # type: ignore[arg-type]
     result: dict[str, Any] = {"backend": backend, "shape": shape, "size": size, "modes": {}}
     try:
         context = common._runtime(backend == "fairscale")
         with context:
-            for mode in ("none", "half"):
-                n = cfg.warmup + cfg.steps
-                plans = skip_plans(cfg, shape, size, n, mode == "half")
-                variants = build_variants(cfg, shape, size, backend, mode == "half")
+            built = build_variants(cfg, shape, size, backend)
+            warmup, steps = steps_for(cfg, size)
+            for mode, variants in built.items():
+                plans = skip_plans(cfg, shape, size, warmup + steps, mode == "half")
                 fv_variant = next(v for v in variants if v.fv is not None)
                 tensors = sum(1 for _ in fv_variant.fv.parameters())
-                times = _timed(variants, cfg, plans, rank)
+                times = _timed(variants, warmup, plans, rank, cfg)
                 started = time.perf_counter()
                 fv_variant.fv.optim_state_dict(fv_variant.optimizer)
                 state_s = time.perf_counter() - started
@@ -343,7 +355,6 @@ def scale_worker(
                     "optim_state_dict_s": state_s,
                 }
                 del variants, fv_variant
-                gc.collect()
         result["status"] = "ok"
         dist.barrier()
     except Exception as exc:
@@ -747,16 +758,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     runs = [("dense", s) for s in cfg.dense_sizes] + [("moe", s) for s in cfg.moe_sizes]
     results, failures = [], []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "bench_scale.partial.jsonl"
+    partial.write_text("")
     for shape, size in runs:
         for backend in cfg.backends:
             t0 = time.perf_counter()
+            run_cfg = replace(cfg, timeout=cfg.timeout * max(1.0, size / 4096))
             result = common.run_in_fresh_processes(
                 scale_worker,
                 (backend, shape, size, cfg),
-                cfg,  # type: ignore[arg-type]
+                run_cfg,  # type: ignore[arg-type]
             )
             result.update(backend=backend, shape=shape, size=size)
             wall = time.perf_counter() - t0
+            with partial.open("a") as lines:  # kept if the run is stopped before the end
+                lines.write(json.dumps(result) + "\n")
             if result.get("status") != "ok":
                 failures.append(result)
                 print(
@@ -786,8 +804,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     meta["load_after"] = os.getloadavg()[0]
     meta["wall_s"] = time.perf_counter() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows, failures, optim, cfg, meta)
     (out / "bench_scale.md").write_text(table)
     (out / "bench_scale.json").write_text(
