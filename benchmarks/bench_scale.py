@@ -712,7 +712,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Name
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized: small models, few steps")
     parser.add_argument("--only", help="comma-separated backends (fairscale,torch,fsdp2,ddp)")
-    parser.add_argument("--sizes", help="comma-separated dense sizes")
+    parser.add_argument("--sizes", help="comma-separated dense sizes ('' for none)")
     parser.add_argument("--moe-sizes", help="comma-separated moe sizes ('' for none)")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--warmup", type=int)
@@ -735,8 +735,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Name
         )
     if args.only:
         cfg = replace(cfg, backends=tuple(args.only.split(",")))
-    if args.sizes:
-        cfg = replace(cfg, dense_sizes=tuple(int(s) for s in args.sizes.split(",")))
+    if args.sizes is not None:
+        cfg = replace(cfg, dense_sizes=tuple(int(s) for s in args.sizes.split(",") if s))
     if args.moe_sizes is not None:
         cfg = replace(cfg, moe_sizes=tuple(int(s) for s in args.moe_sizes.split(",") if s))
     for key in ("steps", "warmup"):

@@ -60,6 +60,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flatview import optim_state
@@ -226,7 +227,7 @@ def _optim_state_dict(
 ) -> dict[str, Any]:
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for optimizer in optimizers:
-        _prime(optimizer)
+        _prime(fv, optimizer)
         if info.full_state_dict:
             part = fv.optim_state_dict(optimizer, rank0_only=info.cpu_offload)
         else:
@@ -239,14 +240,22 @@ def _optim_state_dict(
     return merged
 
 
-def _prime(optimizer: torch.optim.Optimizer) -> None:
+def _prime(fv: FlatView, optimizer: torch.optim.Optimizer) -> None:
     """Give an optimizer without state its zero state (one step with zero gradients at
     learning rate 0), so that a dict from :func:`get_state_dict` has every entry a
-    checkpoint fills. Like torch's own, left alone if it has state or any gradient."""
-    if optimizer.state:
-        return
+    checkpoint fills. Like torch's own, left alone if it has state or any gradient, on
+    any rank: empty views have neither, so a rank holding only those would otherwise
+    prime alone (and an optimizer that communicates, ``Whole``, would hang)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(p.grad is not None for p in params):
+    started = bool(optimizer.state) or any(p.grad is not None for p in params)
+    adapter = fv.adapter
+    if adapter.world_size * adapter.replicas > 1 and any(
+        fv.table.placement_of(i).sharded for i in range(len(fv.table))
+    ):
+        flag = torch.tensor([float(started)], device=adapter.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=adapter.agreement_group)
+        started = bool(flag.item())
+    if started:
         return
     for p in params:
         if p.requires_grad:

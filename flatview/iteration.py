@@ -17,9 +17,26 @@ per segment:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from flatview.table import ParamTable
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a skip set means per flat parameter, given which parameters are trainable:
+    computed once per distinct (skip set, frozen parameters) and kept (skip sets repeat),
+    so that binding an iteration costs nothing per original parameter."""
+
+    used: tuple[tuple[bool, ...], ...]
+    read: tuple[tuple[bool, ...], ...]
+    skipped_units: frozenset[int]
+    plain_used: frozenset[int]
+    read_all: tuple[bool, ...]
+    """Per flat parameter: every segment read (nothing skipped in it)."""
+    skipped_segments: tuple[tuple[tuple[int, str], ...], ...]
+    """Per flat parameter: ``(segment, name)`` of its skipped segments."""
 
 
 @dataclass(frozen=True)
@@ -42,22 +59,60 @@ class Iteration:
     declared: bool = False
     """Bound inside a ``FlatView.step()`` (step ``step``): its skip set covers this
     forward. A backward inside a step must belong to a forward bound in that step."""
+    binding: Binding | None = field(default=None, compare=False, repr=False)
+    """The cached meaning of its skip set (:class:`Binder`)."""
 
 
-def bind(table: ParamTable, skipped: frozenset[int], step: int, *, declared: bool) -> Iteration:
-    """The iteration that skips ``skipped`` (see the module docstring)."""
-    params = table.params
-    used = tuple(
-        tuple(i not in skipped and params[i].tensor.requires_grad for i in flat.params)
-        for flat in table.flats
-    )
+def _binding(table: ParamTable, skipped: frozenset[int], frozen: frozenset[int]) -> Binding:
+    """What skipping ``skipped`` means with the parameters ``frozen`` frozen."""
+    off = skipped | frozen
+    used = tuple(tuple(i not in off for i in flat.params) for flat in table.flats)
     read = tuple(tuple(i not in skipped for i in flat.params) for flat in table.flats)
     skipped_units = frozenset(
         u
         for u, members in enumerate(table.params_of_unit)
         if members and skipped.issuperset(members)
     )
-    plain_used = frozenset(
-        i for i in table.plain if i not in skipped and params[i].tensor.requires_grad
+    plain_used = frozenset(i for i in table.plain if i not in off)
+    segments = tuple(
+        tuple(
+            (segment, table.name(index))
+            for segment, index in enumerate(flat.params)
+            if index in skipped
+        )
+        for flat in table.flats
     )
-    return Iteration(skipped, used, read, skipped_units, step, plain_used, declared=declared)
+    return Binding(used, read, skipped_units, plain_used, tuple(map(all, read)), segments)
+
+
+class Binder:
+    """Binds skip sets to iterations for one table, keeping the meaning of recent
+    (skip set, frozen parameters) pairs (see :class:`Binding`)."""
+
+    CACHE = 64
+    """Distinct pairs kept (skip sets may vary every step: 2**blocks patterns)."""
+
+    def __init__(self, table: ParamTable) -> None:
+        self.table = table
+        self._cache: OrderedDict[tuple[frozenset[int], frozenset[int]], Binding] = OrderedDict()
+
+    def bind(self, skipped: frozenset[int], step: int, *, declared: bool) -> Iteration:
+        """The iteration that skips ``skipped`` (see the module docstring)."""
+        key = (skipped, self.table.frozen())
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = _binding(self.table, *key)
+            if len(self._cache) > self.CACHE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return Iteration(
+            skipped,
+            found.used,
+            found.read,
+            found.skipped_units,
+            step,
+            found.plain_used,
+            declared=declared,
+            binding=found,
+        )

@@ -9,8 +9,9 @@ one optimizer step pre-hook that checks optimizers against them.
 * Views of unwrapped models that the model no longer holds are *stale*: an optimizer
   holding one raises at its step.
 
-The steady-state cost of the hook is one tuple of ids per step: its result is cached
-per optimizer under a generation number that wrapping and unwrapping bump.
+The steady-state cost of the hook is one tuple of ids per group per step (made in C:
+``map(id, ...)``): its result is cached per optimizer under a generation number that
+wrapping and unwrapping bump.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Watcher(Protocol):
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 _wrapped: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
 _optimizer_hook: Any = None
-_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[object, ...]] = (
     weakref.WeakKeyDictionary()
 )
 # Views of unwrapped models that the model no longer holds: id -> (weak view, name).
@@ -104,7 +105,10 @@ def _install_optimizer_hook() -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    signature = (_generation, *(id(p) for group in optimizer.param_groups for p in group["params"]))
+    signature = (
+        _generation,
+        *[tuple(map(id, group["params"])) for group in optimizer.param_groups],
+    )
     if _checked.get(optimizer) == signature:
         return
     _check_stale(optimizer)

@@ -37,7 +37,7 @@ from flatview.comm.ledger import Ledger
 from flatview.comm.packing import plan_index
 from flatview.errors import FlatViewError, SkippedParameterUsedError, StateError
 from flatview.guards import SkipGuards
-from flatview.iteration import Iteration, bind
+from flatview.iteration import Binder, Iteration
 from flatview.layout import MaskPlan
 from flatview.model_views import ModelViews
 from flatview.phase import Phase
@@ -88,6 +88,7 @@ class Runtime:
         # (gradient accumulation under no_sync()).
         self._window: list[tuple[bool, ...]] | None = None
         self._guards = SkipGuards(table)
+        self._binder = Binder(table)
         self.views = ModelViews(table, model, adapter.clean_name, adapter.view_owners())
         """Every flat parameter's views, moved together."""
 
@@ -278,8 +279,8 @@ class Runtime:
         skipped = self._step_skip or frozenset()
         if self._step_skip is None and reset_ledger:
             self.ledger.reset()
-        self.iteration = bind(
-            self.table, skipped, self._step_count, declared=self._step_skip is not None
+        self.iteration = self._binder.bind(
+            skipped, self._step_count, declared=self._step_skip is not None
         )
 
     # -------------------------------------------------------------- skip binding
@@ -315,6 +316,8 @@ class Runtime:
         if found is None:
             return []
         iteration, record = found
+        if iteration.binding is not None:
+            return list(iteration.binding.skipped_segments[record.index])
         return [
             (segment, self.table.name(index))
             for segment, index in enumerate(record.params)
@@ -372,7 +375,8 @@ class Runtime:
             return None
         iteration, record = found
         read = iteration.read[record.index]
-        if all(read):
+        binding = iteration.binding
+        if binding.read_all[record.index] if binding is not None else all(read):
             return None
         plan = record.plan(read)
         return plan if masking_pays(plan) else None

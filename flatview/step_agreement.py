@@ -16,6 +16,9 @@ from flatview.comm.ledger import Ledger
 from flatview.errors import FlatViewError
 from flatview.table import ParamTable
 
+PRINTS_CACHE = 256
+"""Fingerprints kept (skip sets may vary every step)."""
+
 
 class SkipAgreement:
     """The check in flight, if any (see the module docstring)."""
@@ -25,6 +28,9 @@ class SkipAgreement:
         self.adapter = adapter
         self.ledger = ledger
         self._pending: Agreement | None = None
+        # Fingerprints of recent (skip set, frozen) pairs: skip sets repeat, and a
+        # fingerprint sorts and hashes every index in them.
+        self._prints: dict[tuple[frozenset[int], frozenset[int]], int] = {}
         self.failed_outside = False
         """The last :meth:`settle` raised for an iteration outside any step."""
 
@@ -38,10 +44,10 @@ class SkipAgreement:
         """Start the check of a step skipping ``skipped`` (``failure``: this rank's own
         error, sent in place of its fingerprint), or of an iteration ``outside`` any step."""
         params = self.table.params
-        frozen = frozenset(p.index for p in params if not p.tensor.requires_grad)
+        frozen = self.table.frozen()
         if outside:
             agreement = Agreement(
-                fingerprint((), frozen),
+                self._fingerprint(frozenset(), frozen),
                 list,
                 self.adapter.agreement_group,
                 self.adapter.device,
@@ -51,7 +57,7 @@ class SkipAgreement:
             )
         else:
             agreement = Agreement(
-                fingerprint(skipped, frozen),
+                self._fingerprint(skipped, frozen),
                 lambda: [params[i].name for i in sorted(skipped)],
                 self.adapter.agreement_group,
                 self.adapter.device,
@@ -63,6 +69,15 @@ class SkipAgreement:
             agreement.settle()
         else:
             self._pending = agreement
+
+    def _fingerprint(self, skipped: frozenset[int], frozen: frozenset[int]) -> int:
+        key = (skipped, frozen)
+        found = self._prints.get(key)
+        if found is None:
+            if len(self._prints) >= PRINTS_CACHE:
+                self._prints.clear()
+            found = self._prints[key] = fingerprint(skipped, frozen)
+        return found
 
     def settle(self) -> None:
         """Wait for the check in flight, if any, raising

@@ -15,6 +15,7 @@ order once the views are shown. The only change afterwards is
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -130,6 +131,13 @@ class ParamTable:
         ]
         """Per unit, the indices of the parameters it manages."""
         self._resolver = self._build_resolver(model)
+        # Resolved skip sets by the hashable form they were given in (skip sets repeat:
+        # the same frozenset object each time lets every later cache hash it once).
+        self._resolved: OrderedDict[object, frozenset[int]] = OrderedDict()
+        # What is trainable is read afresh every step (requires_grad may change any
+        # time), in one pass; the frozen set of the last reading is kept.
+        self._frozen: tuple[tuple[bool, ...], frozenset[int]] = ((), frozenset())
+        self._tensors = [p.tensor for p in self.params]
         self.order: list[int] = list(range(len(self.params)))
         """Indices in the unwrapped model's ``named_parameters()`` order (see
         :meth:`settle_order`)."""
@@ -237,6 +245,8 @@ class ParamTable:
         self._index_of_tensor[id(param)] = index
         self._tensor_items.pop(id(old.tensor), None)
         self._tensor_items[id(param)] = [index]
+        self._resolved.clear()
+        self._tensors[index] = param
 
     # ------------------------------------------------------------------ lookups
 
@@ -245,8 +255,30 @@ class ParamTable:
 
     def resolve(self, skip: SkipSet) -> frozenset[int]:
         """The indices a skip set stands for (:class:`~flatview.errors.SkipSetError`
-        naming anything that is not part of the model)."""
-        return self._resolver.resolve(skip)
+        naming anything that is not part of the model); the same set given again (as
+        a tuple, set or single item: anything hashable; a list as its tuple) resolves
+        from a cache of recent ones."""
+        key = _cache_key(skip)
+        if key is None:
+            return self._resolver.resolve(skip)
+        found = self._resolved.get(key)
+        if found is None:
+            found = self._resolved[key] = self._resolver.resolve(skip)
+            if len(self._resolved) > RESOLVED_CACHE:
+                self._resolved.popitem(last=False)
+        else:
+            self._resolved.move_to_end(key)
+        return found
+
+    def frozen(self) -> frozenset[int]:
+        """Indices of the original parameters that are frozen now (``requires_grad``
+        False): one pass over the parameters."""
+        trainable = tuple(map(_requires_grad, self._tensors))
+        last, frozen = self._frozen
+        if trainable != last:
+            frozen = frozenset(i for i, t in enumerate(trainable) if not t)
+            self._frozen = (trainable, frozen)
+        return frozen
 
     def index_of(self, tensor: object) -> int | None:
         """The index of the original parameter ``tensor`` is (view or plain), if any."""
@@ -301,6 +333,29 @@ class ParamTable:
         ``use_orig_params`` views, not a plain parameter)."""
         param = self.params[index]
         return param.flat is not None and not self.flats[param.flat].spec.wrapper_views
+
+
+def _cache_key(skip: SkipSet) -> object | None:
+    """A hashable key for ``skip`` made of names and modules only (compared by value and
+    by identity), or ``None``: tensors compare elementwise, iterators are used up."""
+    if isinstance(skip, (str, nn.Module)):
+        return skip
+    items: tuple[object, ...] | frozenset[object]
+    if isinstance(skip, (list, tuple)):
+        items = tuple(skip)
+    elif isinstance(skip, (set, frozenset)):
+        items = frozenset(skip)
+    else:
+        return None
+    if all(isinstance(i, (str, nn.Module)) for i in items):
+        return items
+    return None
+
+
+RESOLVED_CACHE = 256
+"""Skip sets whose resolution a table keeps (skip sets may vary every step)."""
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _traversal_order(

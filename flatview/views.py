@@ -40,12 +40,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from flatview.errors import FlatViewError
 from flatview.layout import FlatLayout, Piece, PieceKind
+from flatview.view_grads import ViewGrads, piece_of
 
 
 class Shown(enum.Enum):
@@ -73,6 +75,12 @@ class ViewSet:
     when parameters are tied); the same view object is shown at all of them. While the
     views are shown the flat parameter is hidden from its owner, so that no traversal
     (``model.parameters()``, a plain parent's ``.parameters()``) meets both.
+
+    Per-step work is kept to what the step must change: the places the views are
+    shown at are resolved once (:meth:`show`, :meth:`hide`), writes through views are
+    looked for with one comparison per view (:meth:`write_back`), and the gradients
+    (:class:`~flatview.view_grads.ViewGrads`) are cut once per gradient storage; an empty
+    view gets no gradient.
     """
 
     def __init__(
@@ -100,51 +108,24 @@ class ViewSet:
         # Where each view's data must be: a view found elsewhere was given new data
         # (``view.data = t``), to be written back into the shard.
         self._bound_ptrs = [view.data_ptr() for view in self.views]
-        self._split = self._split_sizes()
-        # The gradient tensors this set last handed to the views (and their storage),
-        # and the sharded gradient they were cut from: anything else found there later
-        # was put there by someone else (an optimizer's zero_grad, or the user, also
-        # through ``view.grad.data = t``).
-        self._exposed: list[torch.Tensor | None] = [None] * len(self.views)
-        self._exposed_ptrs: list[int] = [0] * len(self.views)
-        self._exposed_from: torch.Tensor | None = None
-        # While a forward and its backward run, the wrapper computes a fresh sharded
-        # gradient; the one from before (which the views may still alias) waits here.
-        self._detached = False
-        self._before: torch.Tensor | None = None
+        self.grads = ViewGrads(flat, layout, self.pieces, self.views)
+        """The views' gradients, kept in agreement with the sharded gradient."""
         self.shown = Shown.WRAPPER
+        self._slots: tuple[tuple[dict[str, Any], dict[str, Any], str, nn.Parameter], ...] = ()
+        self._place_slots()
 
-    def _split_sizes(self) -> list[int] | None:
-        """Sizes that ``Tensor.split`` turns into every piece, in order, and the padding
-        after them; ``None`` if pieces are not laid end to end (alignment gaps)."""
-        sizes, cursor = [], 0
-        for piece in self.pieces:
-            if piece.numel and piece.shard_offset != cursor:
-                return None
-            sizes.append(piece.numel)
-            cursor += piece.numel
-        sizes.append(self.layout.shard_numel - cursor)
-        return sizes
-
-    def _pieces_of(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every piece of a shard-shaped tensor: one ``split`` call when possible, since
-        this runs for every view after every backward."""
-        if self._split is None:
-            return [self._piece_of(tensor, piece) for piece in self.pieces]
-        chunks = tensor.split(self._split)
-        return [
-            chunk.view(self.layout.segments[piece.segment].shape)
-            if piece.kind is PieceKind.FULL
-            else chunk
-            for chunk, piece in zip(chunks, self.pieces, strict=False)
-        ]
+    def _place_slots(self) -> None:
+        """Per place a view is shown at: the owner's instance dict, its registered
+        parameters, the attribute and the view (what :meth:`show` and :meth:`hide` touch
+        every step, resolved once)."""
+        self._slots = tuple(
+            (owner.module.__dict__, owner.module._parameters, owner.attr, view)
+            for view, owners in zip(self.views, self.owners, strict=True)
+            for owner in owners
+        )
 
     def _piece_of(self, tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
-        start, end = piece.shard_interval
-        flat_piece = tensor[start:end]
-        if piece.kind is PieceKind.FULL:
-            return flat_piece.view(self.layout.segments[piece.segment].shape)
-        return flat_piece
+        return piece_of(tensor, piece, self.layout)
 
     # ----------------------------------------------------------------- placement
 
@@ -152,21 +133,19 @@ class ViewSet:
         """Register the views on their submodules, replacing what the wrapper put there."""
         assert self.shown is Shown.WRAPPER, self.shown
         self.flat_owner.module._parameters.pop(self.flat_owner.attr, None)
-        for view, owners in zip(self.views, self.owners, strict=True):
-            for owner in owners:
-                # The wrapper leaves plain tensors as instance attributes, which would
-                # shadow a registered parameter.
-                owner.module.__dict__.pop(owner.attr, None)
-                owner.module._parameters.pop(owner.attr, None)
-                owner.module._parameters[owner.attr] = view
+        for instance, params, attr, view in self._slots:
+            # The wrapper leaves plain tensors as instance attributes, which would
+            # shadow a registered parameter.
+            instance.pop(attr, None)
+            params.pop(attr, None)
+            params[attr] = view
         self.shown = Shown.VIEWS
 
     def hide(self) -> None:
         """Step aside so the wrapper can set its own tensors under the original names."""
         assert self.shown is Shown.VIEWS, self.shown
-        for owners in self.owners:
-            for owner in owners:
-                owner.module._parameters.pop(owner.attr, None)
+        for _, params, attr, _ in self._slots:
+            params.pop(attr, None)
         self.flat_owner.module._parameters[self.flat_owner.attr] = self.flat
         self.shown = Shown.WRAPPER
 
@@ -181,6 +160,16 @@ class ViewSet:
             view.data = self._piece_of(local_shard, piece)
         self._bound_storage = storage
         self._bound_ptrs = [view.data_ptr() for view in self.views]
+
+    def _untouched(self) -> bool:
+        """Whether every view is where it was bound, and (shown) registered at all its
+        places: nothing to write back (the per-step check, in as few Python steps as
+        possible)."""
+        if [view.data_ptr() for view in self.views] != self._bound_ptrs:
+            return False
+        if self.shown is not Shown.VIEWS:
+            return True
+        return all(params.get(attr) is view for _, params, attr, view in self._slots)
 
     def write_back(
         self, names: Sequence[str], *, replace: bool = True
@@ -198,6 +187,8 @@ class ViewSet:
                 new parameter in a view's place, naming the parameter; nothing is
                 written then.
         """
+        if self._untouched():
+            return []
         replaced: list[tuple[int, nn.Parameter]] = []
         writes: list[tuple[int, torch.Tensor]] = []
         shown = self.shown is Shown.VIEWS
@@ -241,6 +232,9 @@ class ViewSet:
             for owner in self.owners[index]:
                 owner.module._parameters[owner.attr] = param
         self.views = tuple(views)
+        if replaced:
+            self._place_slots()
+            self.grads.views = self.views
         for index, _ in writes:
             self.views[index].data = self._piece_of(self._shard, self.pieces[index])
             self._bound_ptrs[index] = self.views[index].data_ptr()
@@ -269,136 +263,27 @@ class ViewSet:
 
     # ----------------------------------------------------------------- gradients
 
+    # ----------------------------------------------------------------- gradients
+
     def push_grads(self) -> None:
-        """Make the sharded gradient agree with the view gradients before a backward.
+        """Make the sharded gradient agree with the view gradients (:meth:`ViewGrads.push`)."""
+        self.grads.push()
 
-        Optimizers over views zero or drop *view* gradients; this carries that into the
-        sharded gradient, so nothing stale accumulates there. When the sharded gradient
-        itself changed since the views last saw it (an optimizer over the flat
-        parameter), the flat parameter wins.
-        """
-        flat = self.flat
-        if flat.grad is not self._exposed_from:
-            self.pull_grads(used=None)
-            return
-        grads = [view.grad for view in self.views]
-        if self._as_exposed(grads):
-            return
-        if all(g is None for g in grads):
-            flat.grad = None
-            self._exposed = [None] * len(self.views)
-            self._exposed_from = None
-            return
-        if flat.grad is None:
-            flat.grad = torch.zeros(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
-        flat_grad = flat.grad
-        for index, (piece, grad) in enumerate(zip(self.pieces, grads, strict=True)):
-            if grad is not None and self._still_exposed(index, grad):
-                continue
-            start, end = piece.shard_interval
-            if grad is None:
-                flat_grad[start:end].zero_()
-            else:
-                flat_grad[start:end].copy_(grad.reshape(-1))
-        self.pull_grads(used=[g is not None for g in grads])
-
-    def pull_grads(self, used: Sequence[bool] | None) -> None:
-        """Hand each view its piece of the sharded gradient.
-
-        ``used[i]`` says whether original parameter ``i`` took part in the step(s) this
-        gradient comes from; one that did not keeps ``grad is None`` unless it already
-        had a gradient. ``used=None`` means every parameter did.
-        """
-        flat_grad = self.flat.grad
-        if flat_grad is None:
-            for view in self.views:
-                view.grad = None
-            self._exposed = [None] * len(self.views)
-            self._exposed_from = None
-            return
-        for index, (view, grad) in enumerate(
-            zip(self.views, self._pieces_of(flat_grad), strict=True)
-        ):
-            if used is None or used[index] or view.grad is not None:
-                view.grad = grad
-            self._exposed[index] = view.grad
-            self._exposed_ptrs[index] = view.grad.data_ptr() if view.grad is not None else 0
-        self._exposed_from = flat_grad
-
-    def _still_exposed(self, index: int, grad: torch.Tensor | None) -> bool:
-        """Whether ``grad`` is the gradient last handed to view ``index``, still on the
-        storage it was cut from (``view.grad.data = t`` keeps the object, not the data)."""
-        if grad is not self._exposed[index]:
-            return False
-        return grad is None or grad.numel() == 0 or grad.data_ptr() == self._exposed_ptrs[index]
-
-    def _as_exposed(self, grads: Sequence[torch.Tensor | None]) -> bool:
-        return all(self._still_exposed(i, g) for i, g in enumerate(grads))
+    def pull_grads(self, used: tuple[bool, ...] | None) -> None:
+        """Hand each view its piece of the sharded gradient (:meth:`ViewGrads.pull`)."""
+        self.grads.pull(used)
 
     def detach_grads(self) -> None:
-        """A forward starts: hand the wrapper no gradient to accumulate into (it computes
-        a fresh sharded gradient), keeping the views' gradients as they are.
+        """A forward starts (:meth:`ViewGrads.detach`)."""
+        self.grads.detach()
 
-        Whatever happens to view gradients until the backward ends (an optimizer's
-        ``zero_grad`` after the forward, say) is then what :meth:`combine_grads` adds
-        the new gradient to, as autograd accumulates into the unwrapped model's
-        ``.grad``. A no-op while already detached (several forwards, one backward)."""
-        if self._detached:
-            return
-        flat = self.flat
-        if flat.grad is not self._exposed_from:
-            self.pull_grads(used=None)
-        self._before = flat.grad
-        flat.grad = None
-        self._detached = True
-
-    def combine_grads(self, used: Sequence[bool]) -> None:
-        """A synchronising backward ended: the sharded gradient becomes the new one plus
-        the view gradients of this moment (a ``None`` one adds nothing), and each view
-        gets its piece (one neither used nor holding a gradient keeps ``None``)."""
-        if not self._detached:
-            self.pull_grads(used=used)
-            return
-        before, self._before = self._before, None
-        self._detached = False
-        flat = self.flat
-        new = flat.grad
-        grads = [view.grad for view in self.views]
-        if (
-            before is not None
-            and before is self._exposed_from
-            and all(g is not None for g in grads)
-            and self._as_exposed(grads)
-        ):
-            # Nothing touched the old gradient: one addition instead of one per view.
-            if new is None:
-                flat.grad = before
-            else:
-                new.add_(before)
-        else:
-            held = [(p, g) for p, g in zip(self.pieces, grads, strict=True) if g is not None]
-            if held and new is None:
-                # A view holding a gradient keeps one, also where this rank holds none of
-                # its elements (an empty gradient, as on the unwrapped model a zeroed one).
-                new = torch.zeros(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
-                flat.grad = new
-            for piece, grad in held:
-                if piece.numel:
-                    assert new is not None
-                    start, end = piece.shard_interval
-                    new[start:end].add_(grad.reshape(-1))
-        self.pull_grads(used=used)
+    def combine_grads(self, used: tuple[bool, ...]) -> None:
+        """A synchronising backward ended (:meth:`ViewGrads.combine`)."""
+        self.grads.combine(used)
 
     def reattach_grads(self) -> None:
-        """The forward that detached the gradients had no backward (run without
-        autograd): the old sharded gradient is the flat parameter's again."""
-        if not self._detached:
-            return
-        self._detached = False
-        before, self._before = self._before, None
-        if self.flat.grad is None:
-            self.flat.grad = before
-            self._exposed_from = before
+        """The forward had no backward (:meth:`ViewGrads.reattach`)."""
+        self.grads.reattach()
 
 
 class WrapperViews:
@@ -421,14 +306,14 @@ class WrapperViews:
     def push_grads(self) -> None:
         pass
 
-    def pull_grads(self, used: Sequence[bool] | None) -> None:
+    def pull_grads(self, used: tuple[bool, ...] | None) -> None:
         pass
 
     # torch keeps the gradients and writes parameters back itself (use_orig_params).
     def detach_grads(self) -> None:
         pass
 
-    def combine_grads(self, used: Sequence[bool]) -> None:
+    def combine_grads(self, used: tuple[bool, ...]) -> None:
         pass
 
     def reattach_grads(self) -> None:

@@ -35,6 +35,7 @@ from tests.scenarios import (
     make_net,
     wrap_fsdp,
 )
+from tests.workers import empty_elsewhere
 
 # ------------------------------------------------------------- counting per group
 
@@ -266,6 +267,7 @@ def bytes_per_group(scenario: Scenario, skips: Sequence[Sequence[int | str]]) ->
                     "used_bytes": stats.used_bytes,
                     "units_skipped": stats.units_skipped,
                     "grads_none": sorted(n for n, p in fv.named_parameters() if p.grad is None),
+                    "empty_elsewhere": empty_elsewhere(fv),
                 }
             )
         return {"steps": out}

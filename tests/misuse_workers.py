@@ -196,5 +196,10 @@ def wrap_mid_iteration(scenario: Scenario) -> dict[str, Any]:
             fv = flatview.wrap(model)
             with fv.step(skip=["body.1"]):
                 loss_of(model(x, ("body.1",)), y).backward()
-            out["after"] = sorted(n for n, p in fv.named_parameters() if p.grad is None)
+            # (Empty views of parameters held elsewhere get no gradient either.)
+            out["after"] = sorted(
+                n
+                for n, p in fv.named_parameters()
+                if p.grad is None and not (p.numel() == 0 and fv.numel(p) > 0)
+            )
         return out

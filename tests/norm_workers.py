@@ -383,13 +383,21 @@ def bad_arguments(scenario: Scenario) -> dict[str, str]:
         from tests.workers import flats_and_shards
 
         flats = flats_and_shards(model, scenario.backend)
+        # A gradient every rank holds (an empty view has none): the call must be the
+        # same everywhere.
+        held = [n for n, p in fv.named_parameters() if p.grad is not None]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, held)
+        common = [n for n in held if all(n in other for other in everyone)]
+        grad_of = "stem.bias" if "stem.bias" in common else common[0]
+        grad = dict(fv.named_parameters())[grad_of].grad
         cases: dict[str, Any] = {
             "name": lambda: fv.param_norms(["head.weight", "body.9.up.weight"]),
             "typo": lambda: fv.param_norms("head.wieght"),
             "foreign": lambda: fv.param_norms([tree.head.weight, torch.zeros(3)]),
             # DDP flattens nothing: there is no flat parameter to pass.
             "flat": lambda: fv.param_norms([flats[0][0]]) if flats else fv.param_norms([3]),
-            "grad": lambda: fv.param_norms([tree.stem.bias.grad]),
+            "grad": lambda: fv.param_norms([grad]),
             "number": lambda: fv.param_norms([3]),
             "mapping": lambda: fv.param_norms({"head.weight": 1}),
             "module": lambda: fv.param_norms(tree.head),

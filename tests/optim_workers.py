@@ -313,11 +313,13 @@ def error_cases(scenario: Scenario) -> dict[str, tuple[str, int]]:
             everywhere = [torch.empty_like(here) for _ in range(dist.get_world_size())]
             dist.all_gather(everywhere, here)
             shared = group[int((everywhere[0] & everywhere[1]).nonzero()[0])]
-            saved_step = adamw.state[shared]["step"].clone()
+            # (A rank holding none of it has no state for it: its view got no gradient.)
             if rank == 1:
+                saved_step = adamw.state[shared]["step"].clone()
                 adamw.state[shared]["step"] += 1
             out["step_disagrees"] = _attempt(lambda: fv.optim_state_dict(adamw))
-            adamw.state[shared]["step"] = saved_step
+            if rank == 1:
+                adamw.state[shared]["step"] = saved_step
             # Rank 1 lost the state of a parameter it holds elements of.
             held = next(p for p in adamw.param_groups[0]["params"] if _local_numel(p) > 0)
             kept = adamw.state[held]

@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "flatview.phase",
         "flatview.stats",
         "flatview.skip",
+        "flatview.view_grads",
         "flatview.views",
     ),
     # Collectives: functions and reduction objects that take what they need.
@@ -43,6 +44,7 @@ BELOW_THE_CORE = (
     "flatview.layout",
     "flatview.stats",
     "flatview.skip",
+    "flatview.view_grads",
     "flatview.views",
     "flatview.comm",
     "flatview.backends",

@@ -260,7 +260,7 @@ BAD_ARGUMENTS = {
     "typo": r"NormError: params names 'head\.wieght'.*did you mean 'head\.weight'",
     "foreign": r"NormError: .*not an original parameter.*Tensor of shape \(3,\)",
     "flat": r"NormError: params holds a flat parameter",
-    "grad": r"NormError: params holds the gradient of 'stem\.bias'",
+    "grad": r"NormError: params holds the gradient of '[\w.]+'",
     "number": r"NormError: params must hold parameters \(views\) or names, got int",
     "mapping": r"NormError: params must be parameters or names, not a mapping",
     "module": r"NormError: params must be .* not a module \(Linear\); pass module\.param",

@@ -83,6 +83,12 @@ def flats_and_shards(model: nn.Module, backend: str) -> list[tuple[nn.Parameter,
     ]
 
 
+def empty_elsewhere(fv: flatview.FlatView) -> list[str]:
+    """Views with none of their parameter's elements on this rank (which has some
+    elsewhere): flatview gives them no gradient."""
+    return sorted(n for n, v in fv.named_parameters() if v.numel() == 0 and fv.numel(v) > 0)
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -172,8 +178,12 @@ def alias_after_operations(scenario: Scenario) -> dict[str, bool]:
                 view.grad is not None for view in fv.parameters()
             ) and all(f.grad is None for f in flats)
         else:
+            # A view with elements here aliases the sharded gradient; an empty one (its
+            # parameter's elements are all on other ranks) gets no gradient.
             out["grads_alias_flat_grad"] = all(
-                view.grad is not None
+                view.grad is None
+                if view.numel() == 0 and fv.numel(view) > 0
+                else view.grad is not None
                 and (
                     view.numel() == 0
                     or any(f.grad is not None and _same_storage(view.grad, f.grad) for f in flats)
@@ -401,6 +411,7 @@ def count_step(scenario: Scenario, skip: Sequence[int | str], strategy: str) -> 
             "dense_bytes": stats.dense_bytes,
             "units_skipped": stats.units_skipped,
             "grads_none": sorted(n for n, v in fv.named_parameters() if v.grad is None),
+            "empty_elsewhere": empty_elsewhere(fv),
         }
 
 

@@ -85,9 +85,11 @@ from flatview.backends.fsdp2_hooks import (
     decide_bucketing,
     drop_unreduced_grads,
     hold_plan,
+    known_params,
     refuse_reduce_options,
     restore_prefetch,
     shard_layout,
+    shard_numels,
     steer_prefetch,
 )
 from flatview.comm.held import HeldReduceScatters
@@ -289,6 +291,10 @@ class FSDP2Adapter(AdapterBase):
             ]
             for unit in self.units
         ]
+        # Asked every backward, per group (by id): its known parameters, shard sizes.
+        groups = [g for u in self.units for g in u.groups]
+        self._known = {id(g): known_params(g, core.index_of) for g in groups}
+        self._numels = {id(g): shard_numels(g, self.world_size) for g in groups}
         self._count_collectives()
 
     def uninstall(self) -> None:
@@ -369,7 +375,8 @@ class FSDP2Adapter(AdapterBase):
                 group.reduce_scatter_unused_params = False
                 if counting and self._holds is not None and group.reduce_grads:
                     small = self.options.in_place_min_numel
-                    comm.plan = hold_plan(group, comm.inner, self.world_size, small, self._holds)
+                    numels = self._numels[id(group)]
+                    comm.plan = hold_plan(group, comm.inner, numels, small, self._holds)
                 original(*unused)
             except BaseException:
                 self._drop_held()  # what is held never runs: its gradients never exist
@@ -386,18 +393,15 @@ class FSDP2Adapter(AdapterBase):
         used = core.plain_used()
         ran = index in self._ran
         reducing = bool(group.reduce_grads)
-        for fsdp_param in group.fsdp_params:
-            param_index = core.index_of(fsdp_param.sharded_param)
-            if param_index is None or not fsdp_param.sharded_param.requires_grad:
+        versions, got = self._versions, self._got
+        for fsdp_param, sharded, param_index in self._known[id(group)]:
+            if not sharded.requires_grad:
                 continue
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             grad = unsharded.grad if unsharded is not None else None
             # Without mixed precision earlier micro-batches accumulate in the same
             # tensor: only one that changed since the last backward is this one's.
-            fresh = grad is not None and self._versions.get(param_index) != (
-                id(grad),
-                grad._version,
-            )
+            fresh = grad is not None and versions.get(param_index) != (id(grad), grad._version)
             if param_index not in used:
                 if fresh:
                     raise SkippedParameterUsedError(
@@ -407,14 +411,14 @@ class FSDP2Adapter(AdapterBase):
                     )
                 continue
             if fresh:
-                self._got.add(param_index)
+                got.add(param_index)
             elif (
                 ran
                 and reducing
                 and unsharded is not None
                 and grad is None
                 and fsdp_param.unsharded_accumulated_grad is None
-                and param_index not in self._got
+                and param_index not in got
             ):
                 # Zeros, what this rank contributes: its reduce-scatter keeps the layout
                 # the other ranks give theirs.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -287,7 +287,7 @@ class HoldPlan:
 
 
 def hold_plan(
-    group: Any, inner: Any, world_size: int, small_numel: int, default: type
+    group: Any, inner: Any, numels: Sequence[int], small_numel: int, default: type
 ) -> HoldPlan | None:
     """The plan for ``group``'s reduce-scatter, computed just before its ``post_backward``
     (which picks the same parameters: those with an unsharded or accumulated gradient),
@@ -295,14 +295,15 @@ def hold_plan(
     all-reduce hook, a post-accumulate-grad hook, a custom reduce-scatter (the user's own
     collective, which must not be bypassed) or sharded gradients of another dtype.
     ``inner`` is the reduce-scatter object the counting one delegates to, ``default``
-    FSDP2's own class (:func:`decide_bucketing`)."""
+    FSDP2's own class (:func:`decide_bucketing`); ``numels``, per parameter of the
+    group, its shard's elements (:func:`shard_numels`, worked out once)."""
     if type(inner) is not default or group._all_reduce_hook is not None:
         return None
     accumulate: list[Accumulate] = []
     fresh: list[torch.Tensor] = []
     dtypes: set[torch.dtype] = set()
     start = 0
-    for fsdp_param in group.fsdp_params:
+    for fsdp_param, numel in zip(group.fsdp_params, numels, strict=True):
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         if unsharded is None or (
             fsdp_param.unsharded_accumulated_grad is None and unsharded.grad is None
@@ -316,10 +317,28 @@ def hold_plan(
             accumulate.append(Accumulate(local_tensor(sharded.grad), start))
         else:
             fresh.append(sharded)
-        start += shard_layout(tuple(int(d) for d in fsdp_param._orig_size), world_size).shard_numel
+        start += numel
     if len(dtypes) != 1:
         return None
     return HoldPlan(start, dtypes.pop(), tuple(accumulate), tuple(fresh), small_numel)
+
+
+def known_params(
+    group: Any, index_of: Callable[[torch.Tensor], int | None]
+) -> list[tuple[Any, Any, int]]:
+    """(FSDP parameter, sharded parameter, core index) of ``group``'s parameters that
+    the core knows."""
+    found = [(p, p.sharded_param, index_of(p.sharded_param)) for p in group.fsdp_params]
+    return [(p, sharded, index) for p, sharded, index in found if index is not None]
+
+
+def shard_numels(group: Any, world_size: int) -> list[int]:
+    """Per parameter of ``group``, the elements of its shard (what its reduce-scatter
+    output holds of it)."""
+    return [
+        shard_layout(tuple(int(d) for d in p._orig_size), world_size).shard_numel
+        for p in group.fsdp_params
+    ]
 
 
 def clear_dropped(held: Sequence[Held]) -> None:

@@ -46,8 +46,10 @@ travels in the same all-reduce, so it costs no extra collective.
 from __future__ import annotations
 
 import functools
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -61,6 +63,9 @@ from flatview.comm.options import ReduceOptions
 from flatview.comm.replicated import ReplicatedReduction
 from flatview.errors import StateError, UndeclaredUnusedError
 from flatview.phase import Phase
+
+_KEPT = 256
+"""Skip sets whose buckets an adapter keeps (skip sets vary: recent ones only)."""
 
 
 def in_backward() -> bool:
@@ -117,8 +122,11 @@ class ReplicatedAdapter(AdapterBase):
         self._reduced = reduced
         self._first_bucket_bytes = min(FIRST_BUCKET_BYTES, bucket_bytes)
         self._bucket_bytes = bucket_bytes
-        self._bucket_plans: OrderedDict[tuple[int, ...], list[list[int]]] = OrderedDict()
-        """Per first-bucket size and parameters to reduce: their buckets."""
+        self._bucket_plans: OrderedDict[
+            tuple[int, ...], tuple[list[list[int]], dict[int, int], list[list[torch.Tensor]]]
+        ] = OrderedDict()
+        """Per first-bucket size and parameters to reduce: their buckets, each index's
+        bucket and each bucket's parameters."""
         self._round: BucketRound | None = None
         overlap = self.options.overlap
         self.overlap = self.device.type != "cpu" if overlap is None else overlap
@@ -145,11 +153,16 @@ class ReplicatedAdapter(AdapterBase):
         self._reduction = ReplicatedReduction(
             self.group, self.rank, self.world_size, core.ledger, self.options, self.bucket_numel
         )
+        self._tensors: dict[int, torch.Tensor] = {}
+        """Per core index of a parameter flatview reduces, the parameter."""
         for _, param in self._params:
             index = core.index_of(param)
             if index is not None and id(param) in self._reduced:
-                ready = functools.partial(self._grad_ready, index)
-                self._hook(param.register_post_accumulate_grad_hook(ready))
+                self._tensors[index] = param
+                if self.overlap:  # only overlapping needs to know when each is ready
+                    ready = functools.partial(self._grad_ready, index)
+                    self._hook(param.register_post_accumulate_grad_hook(ready))
+        self._reduced_of: dict[frozenset[int], list[int]] = {}
 
     def uninstall(self) -> None:
         super().uninstall()
@@ -204,9 +217,19 @@ class ReplicatedAdapter(AdapterBase):
                 self._observed = []  # _grad_ready records this backward's order
 
     def _reduced_now(self) -> list[int]:
-        """Core indices to reduce at this synchronising backward, in model order."""
-        used = (i for i in self.core.plain_used() if id(self.core.tensor(i)) in self._reduced)
-        return sorted(self._window.union(used))
+        """Core indices to reduce at this synchronising backward, in model order (per
+        skip set, kept: the same set of used parameters comes back every few steps)."""
+        plain_used = self.core.plain_used()
+        found = self._reduced_of.get(plain_used)
+        if found is None:
+            if len(self._reduced_of) >= _KEPT:
+                self._reduced_of.clear()
+            found = self._reduced_of[plain_used] = sorted(
+                i for i in plain_used if i in self._tensors
+            )
+        if self._window:
+            return sorted(self._window.union(found))
+        return found
 
     def _learn_order(self, observed: list[int]) -> None:
         """Bucket from now on in the order the first overlapped backward produced the
@@ -237,21 +260,26 @@ class ReplicatedAdapter(AdapterBase):
             for index in order:
                 param = self.core.tensor(index)
                 sizes.append((param.numel() * param.element_size(), (param.dtype, param.device)))
-            plan = [
+            buckets = [
                 [order[p] for p in bucket]
                 for bucket in plan_buckets(sizes, first_cap, self._bucket_bytes)
             ]
-            self._bucket_plans[key] = plan
-            if len(self._bucket_plans) > 256:  # skip sets vary: recent ones only
+            plan = self._bucket_plans[key] = (
+                buckets,
+                {index: b for b, bucket in enumerate(buckets) for index in bucket},
+                [[self._tensors[i] for i in bucket] for bucket in buckets],
+            )
+            if len(self._bucket_plans) > _KEPT:  # skip sets vary: recent ones only
                 self._bucket_plans.popitem(last=False)
         else:
             self._bucket_plans.move_to_end(key)
-        round_ = BucketRound.of(plan)
+        round_ = BucketRound.of(*plan)
         # Used only in earlier micro-batches (under no_sync()): ready already.
-        used_now = set(self.core.plain_used())
-        for index in indices:
-            if index not in used_now:
-                round_.mark_ready(index)
+        if self._window:
+            used_now = self.core.plain_used()
+            for index in indices:
+                if index not in used_now:
+                    round_.mark_ready(index)
         return round_
 
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -273,14 +301,18 @@ class ReplicatedAdapter(AdapterBase):
         core = self.core
         if round_.started == 0:
             core.settle_agreement()
-        grads = []
-        for index in round_.buckets[round_.started]:
-            param = core.tensor(index)
-            if param.grad is None:
-                # Used, but this rank's backward did not reach it: zeros (see above).
-                param.grad = torch.zeros_like(param)
-                round_.zero_filled.add(index)
-            grads.append(param.grad)
+        params = round_.members[round_.started]
+        grads = [param.grad for param in params]
+        # (By identity: `None in grads` would compare tensors with ==, slowly.)
+        if any(map(operator.is_, grads, repeat(None))):
+            for position, (index, param) in enumerate(
+                zip(round_.buckets[round_.started], params, strict=True)
+            ):
+                if param.grad is None:
+                    # Used, but this rank's backward did not reach it: zeros (see above).
+                    param.grad = torch.zeros_like(param)
+                    round_.zero_filled.add(index)
+                    grads[position] = param.grad
         self._reduction.start_all_reduce_whole(
             [*grads, *extra], float(self.world_size), slot=round_.started
         )
@@ -331,19 +363,23 @@ class ReplicatedAdapter(AdapterBase):
             return  # everything skipped or frozen, on every rank alike
         core = self.core
         core.settle_agreement()
-        params = [core.tensor(index) for index in indices]
-        had = [p.grad is not None and i not in filled for p, i in zip(params, indices, strict=True)]
+        tensors = self._tensors
+        params = [tensors[index] for index in indices]
+        had = [p.grad is not None for p in params]
+        if filled:
+            had = [h and i not in filled for h, i in zip(had, indices, strict=True)]
         # In the parameters' dtype, so that they can share the last bucket's all-reduce.
         dtype = params[-1].dtype if params[-1].dtype.is_floating_point else torch.float32
         # Ones, and a fill per missing gradient: a copy from the host would wait for the
         # GPU to finish the backward.
         flags = torch.ones(len(had), dtype=dtype, device=params[-1].device)
-        for k, present in enumerate(had):
-            if not present:
-                flags[k] = 0
+        if False in had:
+            for k, present in enumerate(had):
+                if not present:
+                    flags[k] = 0
         while round_.started < len(round_.buckets) - 1:
             self._start_bucket(round_)
-        tail = core.tensor(round_.buckets[-1][-1])
+        tail = round_.members[-1][-1]
         same = tail.dtype == flags.dtype and tail.device == flags.device
         self._start_bucket(round_, (flags,) if same else ())
         if not same:
@@ -351,7 +387,7 @@ class ReplicatedAdapter(AdapterBase):
                 [flags], float(self.world_size), slot=round_.started
             )
         self._reduction.wait_in_flight()
-        if all(had):
+        if False not in had:
             # This rank's own flags make every sum positive; reading them back would only
             # make the host wait for the GPU.
             return

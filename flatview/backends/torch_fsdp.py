@@ -94,6 +94,15 @@ __all__ = [
     "torch_version",
 ]
 
+_SAFE_SETATTR: Any = None
+"""torch's default way of setting compute tensors on the submodules (2.13), if found."""
+try:
+    from torch.distributed.fsdp._flat_param import _safe_setattr_tensor_or_param
+
+    _SAFE_SETATTR = _safe_setattr_tensor_or_param
+except ImportError:  # another torch: its own is left as it is
+    pass
+
 TESTED_TORCH = ((2, 13),)
 """``(major, minor)`` versions of torch whose FSDP1 internals this adapter was checked
 against."""
@@ -124,6 +133,18 @@ def check_torch_version(relies: str) -> str:
 # The hook reduces at once, so nothing waits in the reductions' buckets between units (see
 # TorchFSDPAdapter.reduce); the bucket size only has to exceed any one gradient.
 _NO_BUCKETING = 2**62
+
+
+def _setattr_stepped_aside(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """torch's ``_safe_setattr_tensor_or_param`` (delete what is there, then set through
+    ``nn.Module``'s checks), asking the instance dictionary and the registered parameters
+    first: with the views stepped aside the name is in neither, and the ``hasattr`` torch
+    asks would raise and catch an ``AttributeError`` per parameter and forward. A
+    parameter's name is no buffer, submodule or class attribute (``register_parameter``
+    refuses those), so nothing else could be there to delete."""
+    if name in module.__dict__ or name in module._parameters:
+        delattr(module, name)
+    setattr(module, name, tensor)
 
 
 class _UnitHookState:
@@ -261,6 +282,8 @@ class TorchFSDPAdapter(TorchSkipping):
             handle = unit._handle
             if handle is not None:
                 self._summon.patch(handle, self.patch)
+                if handle._setattr_tensor is _SAFE_SETATTR:
+                    self.patch(handle, "_setattr_tensor", _setattr_stepped_aside)
                 if handle._use_orig_params:
                     prepare = handle.prepare_gradient_for_backward
                     self.patch(handle, "prepare_gradient_for_backward", self._noting_none(prepare))

@@ -107,6 +107,7 @@ _HANDLE_PRIVATES = (
     "flat_param",
     "_training_state",
     "_use_orig_params",
+    "_setattr_tensor",
     "uses_sharded_strategy",
     "needs_unshard",
     "pre_unshard",

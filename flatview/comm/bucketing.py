@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 FIRST_BUCKET_BYTES = 2**20
 """DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): small, so that the first
@@ -80,12 +81,21 @@ class BucketRound:
     zero_filled: set[int] = field(default_factory=set)
     """Parameters this rank's backward gave no gradient, given zeros when their bucket
     started."""
+    members: Sequence[Sequence[Any]] = ()
+    """Per bucket, what the adapter resolved its indices to (its parameters), if given."""
 
     @classmethod
-    def of(cls, buckets: list[list[int]]) -> BucketRound:
-        """A round of ``buckets``, no gradient ready and none started."""
-        bucket_of = {index: b for b, bucket in enumerate(buckets) for index in bucket}
-        return cls(buckets, bucket_of, [len(bucket) for bucket in buckets])
+    def of(
+        cls,
+        buckets: list[list[int]],
+        bucket_of: dict[int, int] | None = None,
+        members: Sequence[Sequence[Any]] = (),
+    ) -> BucketRound:
+        """A round of ``buckets``, no gradient ready and none started; ``bucket_of`` (the
+        bucket of each index) and ``members`` may be given, worked out once per plan."""
+        if bucket_of is None:
+            bucket_of = {index: b for b, bucket in enumerate(buckets) for index in bucket}
+        return cls(buckets, bucket_of, [len(bucket) for bucket in buckets], members=members)
 
     def mark_ready(self, index: int) -> None:
         self.ready.add(index)

@@ -28,6 +28,11 @@ from flatview.comm.packing import plan_index
 from flatview.comm.reduction import InPlace, Reduction
 from flatview.layout import MaskPlan
 
+LAYOUTS = 256
+"""Bucket layouts kept (skip sets vary: each set of parameters has its own buckets)."""
+
+_unflatten = torch._utils._unflatten_dense_tensors
+
 
 @dataclass
 class _Bucket:
@@ -46,6 +51,8 @@ class _Whole:
     buffer: torch.Tensor
     """Their values, concatenated: what the collective reduces."""
     work: dist.Work
+    pieces: list[torch.Tensor]
+    """The buffer's pieces, shaped like the targets."""
 
 
 class ReplicatedReduction(Reduction):
@@ -65,6 +72,9 @@ class ReplicatedReduction(Reduction):
         self._buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
         self._whole: list[_Whole] = []
         self._native_average: bool | None = None
+        # Per buffer key and the shapes of a bucket's tensors: the buffer's pieces
+        # shaped like them (buckets repeat: made once, not every step).
+        self._layouts: dict[tuple[object, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     @torch.no_grad()
     def add(
@@ -152,10 +162,15 @@ class ReplicatedReduction(Reduction):
         ``_foreach_copy_`` out, whatever the number of tensors.
         """
         first = tensors[0]
-        numel = sum(t.numel() for t in tensors)
         key = ("whole", slot, first.dtype, first.device)
-        buffer = self._buffer(key, first, numel, 0)[:numel]
-        torch.cat([t.reshape(-1) for t in tensors], out=buffer)
+        shapes = (key, *(t.shape for t in tensors))
+        layout = self._layouts.get(shapes)
+        if layout is None or layout[0]._base is not self._buffers.get(key):
+            numel = sum(t.numel() for t in tensors)
+            whole = self._buffer(key, first, numel, 0)[:numel]
+            layout = self._layouts[shapes] = (whole, list(_unflatten(whole, tensors)))
+        buffer, pieces = layout
+        torch._foreach_copy_(pieces, list(tensors))
         op = dist.ReduceOp.SUM
         if predivide == self.world_size and self._averages_natively():
             op = dist.ReduceOp.AVG  # divided inside the collective: one pass less over memory
@@ -164,7 +179,7 @@ class ReplicatedReduction(Reduction):
         self.ledger.record("all_reduce", buffer)
         work = dist.all_reduce(buffer, op=op, group=self.group, async_op=True)
         assert work is not None
-        self._whole.append(_Whole(list(tensors), buffer, work))
+        self._whole.append(_Whole(list(tensors), buffer, work, pieces))
 
     def _averages_natively(self) -> bool:
         """Whether the group's backend has ``ReduceOp.AVG`` (NCCL; gloo has not)."""
@@ -193,7 +208,14 @@ class ReplicatedReduction(Reduction):
             bucket.work.wait()
             if discard:
                 continue
-            sizes = [t.numel() for t in bucket.targets]
-            pieces = bucket.buffer.split(sizes)
-            views = [p.view(t.shape) for p, t in zip(pieces, bucket.targets, strict=True)]
-            torch._foreach_copy_(bucket.targets, views)
+            torch._foreach_copy_(bucket.targets, bucket.pieces)
+
+    def _trim_buffers(self) -> None:
+        super()._trim_buffers()
+        # A layout over a buffer dropped (or regrown) would keep its memory alive.
+        kept = {id(b) for b in self._buffers.values()}
+        for shapes, (whole, _) in list(self._layouts.items()):
+            if id(whole._base) not in kept:
+                del self._layouts[shapes]
+        if len(self._layouts) > LAYOUTS:
+            self._layouts.clear()
