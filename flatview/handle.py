@@ -10,7 +10,7 @@ pieces that do the work:
 * the runtime the backend adapter drives (:class:`flatview.runtime.Runtime`,
   :attr:`FlatView.runtime`), handed to ``adapter.install``;
 * the optimizer checks (:class:`flatview.optimizer_checks.OptimizerChecks`), registered
-  with :mod:`flatview.registry`.
+  with :mod:`flatview.wrapped_models`.
 
 Norms (:mod:`flatview.norms`) and optimizer state (:mod:`flatview.optim_state`) are
 plain functions over the table and the runtime: the handle calls them, they never
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from flatview import norms as _norms
-from flatview import optim_state, registry
+from flatview import optim_state, wrapped_models
 from flatview.backends.base import Adapter
 from flatview.comm.ledger import Ledger
 from flatview.errors import NormError, ParameterError
@@ -61,7 +61,7 @@ class FlatView:
         self.adapter = adapter
         units = adapter.describe()
         self._modules = [unit.module for unit in units]
-        registry.check_not_wrapped(self._modules)
+        wrapped_models.check_not_wrapped(self._modules)
         self.table = ParamTable(units, model, adapter.clean_name, adapter.describe_flat)
         """Every original parameter and its lookups (for flatview's own modules)."""
         self.runtime = Runtime(
@@ -76,7 +76,7 @@ class FlatView:
         # With the views shown, a walk of the module tree meets the parameters in the
         # unwrapped model's order.
         self.table.settle_order(model)
-        registry.register(self, self._modules, self._checks)
+        wrapped_models.register(self, self._modules, self._checks)
         adapter.install(self.runtime)
 
     @property
@@ -400,7 +400,7 @@ class FlatView:
         (or wrap again and build them over the new views).
         """
         self.runtime.detach()
-        registry.unregister(self._modules, self._checks)
+        wrapped_models.unregister(self._modules, self._checks)
         # Views the model no longer holds are stale handles: an optimizer over them
         # would step tensors nothing reads.
         # torch's use_orig_params parameters are the wrapper's, never stale: a
@@ -410,8 +410,8 @@ class FlatView:
         for index, param in enumerate(self.table.params):
             wrappers = param.flat is not None and not self.table.own_view(index)
             if not wrappers and id(param.tensor) not in registered:
-                registry.mark_stale(param.tensor, param.name)
-        registry.bump_generation()
+                wrapped_models.mark_stale(param.tensor, param.name)
+        wrapped_models.bump_generation()
 
     # ------------------------------------------------------------------ stats
 

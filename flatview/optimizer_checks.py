@@ -7,7 +7,7 @@
 * An optimizer must not hold a flat parameter, alone or beside the views inside it
   (:meth:`OptimizerChecks.check_optimizer`, before every first step).
 
-Registered with :mod:`flatview.registry`, whose step pre-hook calls the last two.
+Registered with :mod:`flatview.wrapped_models`, whose step pre-hook calls the last two.
 """
 
 from __future__ import annotations

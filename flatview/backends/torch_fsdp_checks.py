@@ -25,7 +25,7 @@ from torch.distributed import utils as dist_utils
 
 from flatview.backends._common import optional_class, require_attrs, require_autograd_internals
 from flatview.errors import WrapError
-from flatview.registry import check_not_wrapped
+from flatview.wrapped_models import check_not_wrapped
 
 FSDP2_MESSAGE = (
     "flatview.wrap was given a model sharded with FSDP2 (torch.distributed.fsdp.fully_shard). "
