@@ -41,11 +41,11 @@ from flatview.iteration import Iteration, bind
 from flatview.layout import MaskPlan
 from flatview.model_views import ModelViews
 from flatview.phase import Phase
-from flatview.wrapped_models import forget_checks
 from flatview.skip import SkipSet
 from flatview.stats import StepStats
 from flatview.step_agreement import SkipAgreement
 from flatview.table import FlatRecord, ParamTable
+from flatview.wrapped_models import forget_checks
 
 
 def _in_backward() -> bool:

@@ -152,19 +152,19 @@ BACKEND_CONFIGS: tuple[BackendConfig, ...] = (*QUICK_CONFIGS, *THOROUGH_CONFIGS)
 
 def torch_backend_tested() -> bool:
     """Whether flatview's torch backend accepts this torch (it refuses untested versions)."""
-    from flatview.backends import torch_fsdp
+    from flatview.backends import torch_versions
 
-    return torch_fsdp.torch_version() in torch_fsdp.TESTED_TORCH
+    return torch_versions.torch_version() in torch_versions.TESTED_TORCH
 
 
 def only_on_tested_torch(backend: str) -> pytest.MarkDecorator:
     """A module's ``pytestmark`` for flatview's torch-based ``backend`` (``"torch"``,
     ``"FSDP2"``): skipped on a torch it was not tested with (it refuses those)."""
-    from flatview.backends import torch_fsdp
+    from flatview.backends import torch_versions
 
     return pytest.mark.skipif(
         not torch_backend_tested(),
-        reason=f"flatview's {backend} backend is tested with torch {torch_fsdp.TESTED_TORCH}",
+        reason=f"flatview's {backend} backend is tested with torch {torch_versions.TESTED_TORCH}",
     )
 
 

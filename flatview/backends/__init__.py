@@ -34,9 +34,16 @@ def detect(
 
 
 def _choose(model: object, compute_on_views: bool | None, options: ReduceOptions) -> Adapter:
-    from flatview.backends import ddp, fairscale, fsdp2, torch_fsdp, torch_replicated
+    from flatview.backends import (
+        ddp,
+        fairscale,
+        fsdp2,
+        torch_fsdp,
+        torch_replicated,
+        torch_versions,
+    )
 
-    if torch_fsdp.is_torch_fsdp(model):
+    if torch_versions.is_torch_fsdp(model):
         assert isinstance(model, nn.Module)
         adapter = torch_fsdp.TorchFSDPAdapter(model, options)
         if compute_on_views is False:
@@ -62,7 +69,7 @@ def _choose(model: object, compute_on_views: bool | None, options: ReduceOptions
     if ddp.is_ddp(model):
         assert isinstance(model, nn.Module)
         return ddp.DDPAdapter(model, options)
-    if torch_fsdp.is_fsdp2(model):
+    if torch_versions.is_fsdp2(model):
         assert isinstance(model, nn.Module)
         return fsdp2.FSDP2Adapter(model, options)
     raise WrapError(

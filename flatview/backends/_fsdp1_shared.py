@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flatview.backends._common import LENDING_METHODS, ROOT_LENDING_METHODS, AdapterBase
+from flatview.backends._common import AdapterBase
+from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS
 from flatview.errors import StateError, WrapError
 
 UnitCheck = Callable[[str, Any], None]

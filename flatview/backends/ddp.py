@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import optional_class, require_attrs, require_autograd_internals
 from flatview.backends.base import PlainSpec, UnitSpec
+from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
 from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError

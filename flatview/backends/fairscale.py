@@ -34,14 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import (
-    forward_in_summon,
-    join,
-    nested_unit_message,
-    optional_class,
-    owners_and_names,
-    without_segments,
-)
 from flatview.backends._fsdp1_shared import UnitAdapter
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
 from flatview.backends.fairscale_checks import (
@@ -50,7 +42,10 @@ from flatview.backends.fairscale_checks import (
     check_version,
 )
 from flatview.backends.fairscale_gather import MaskedGatherDist
+from flatview.backends.internals import optional_class
 from flatview.backends.messages import undeclared_units
+from flatview.backends.names import join, nested_unit_message, owners_and_names, without_segments
+from flatview.backends.summoning import forward_in_summon
 from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.comm.options import ReduceOptions
 from flatview.comm.sharded import ShardedReduction

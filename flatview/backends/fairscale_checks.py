@@ -8,12 +8,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from flatview.backends._common import (
-    LENDING_METHODS,
-    ROOT_LENDING_METHODS,
-    require_attrs,
-    require_autograd_internals,
-)
+from flatview.backends.internals import require_attrs, require_autograd_internals
+from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS
 from flatview.errors import WrapError
 
 LOCAL_LENDING_METHODS = ("local_state_dict", "load_local_state_dict")

@@ -48,7 +48,7 @@ cannot run alongside it, since a rank whose skip set fails to resolve raises fro
 consolidation run within the shard group (replicas hold the same pieces).
 
 torch privates touched (checked at wrap time, torch versions in
-:data:`flatview.backends.torch_fsdp.TESTED_TORCH`): ``FSDPModule._get_fsdp_state``;
+:data:`flatview.backends.torch_versions.TESTED_TORCH`): ``FSDPModule._get_fsdp_state``;
 ``FSDPState._lazy_init``, ``_is_root``, ``_fsdp_param_groups``, ``_training_state``,
 ``_states_to_forward_prefetch``, ``_states_to_backward_prefetch``,
 ``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params``,
@@ -90,6 +90,7 @@ from flatview.backends.fsdp2_hooks import (
     shard_layout,
     steer_prefetch,
 )
+from flatview.backends.torch_versions import check_torch_version
 from flatview.comm.held import HeldReduceScatters
 from flatview.comm.options import ReduceOptions
 from flatview.errors import SkippedParameterUsedError, StateError, UndeclaredUnusedError, WrapError
@@ -105,8 +106,6 @@ class FSDP2Adapter(AdapterBase):
 
     def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
         super().__init__()
-        from flatview.backends.torch_fsdp import check_torch_version
-
         self.options = options if options is not None else ReduceOptions()
         refuse_reduce_options(self.options)
         check_torch_version("FSDP2 backend relies on fully_shard")

@@ -45,8 +45,6 @@ communication hook, removed by :meth:`TorchFSDPAdapter.uninstall`.
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -55,25 +53,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import nested_unit_message
 from flatview.backends.base import UnitSpec
 from flatview.backends.messages import undeclared_units
+from flatview.backends.names import nested_unit_message
 from flatview.backends.torch_fsdp_checks import (
-    FSDP2_MESSAGE,
     check_flat,
     check_initialised,
     check_no_pending_backward,
     check_privates,
-    fsdp_class,
-    is_fsdp2,
-    is_torch_fsdp,
     refuse_unit,
-    torch_version,
 )
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
 from flatview.backends.torch_fsdp_skips import TorchSkipping
 from flatview.backends.torch_hybrid import hybrid_groups, replica_of, set_comm_hook
 from flatview.backends.torch_summon import SummonLending, summonable
+from flatview.backends.torch_versions import check_torch_version, fsdp_class
 from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.comm.options import ReduceOptions
 from flatview.comm.packing import plan_index
@@ -84,41 +78,6 @@ from flatview.layout import MaskPlan
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
-
-__all__ = [
-    "FSDP2_MESSAGE",
-    "TorchFSDPAdapter",
-    "clean_name",
-    "is_fsdp2",
-    "is_torch_fsdp",
-    "torch_version",
-]
-
-TESTED_TORCH = ((2, 13),)
-"""``(major, minor)`` versions of torch whose FSDP1 internals this adapter was checked
-against."""
-
-UNTESTED_TORCH_ENV = "FLATVIEW_ALLOW_UNTESTED_TORCH"
-"""Set to ``1`` to wrap torch FSDP1 models on a torch outside :data:`TESTED_TORCH` (with a
-warning): the internals read are checked attribute by attribute at wrap time, so a torch
-that moved them still fails there, but one that changed their meaning would not."""
-
-
-def check_torch_version(relies: str) -> str:
-    """Refuse a torch outside :data:`TESTED_TORCH` (unless :data:`UNTESTED_TORCH_ENV` is
-    set: then warn) for the adapter whose ``relies`` (e.g. ``"FSDP2 backend relies on
-    fully_shard"``) names what it depends on; return the "checked against ... found ..."
-    phrase the internals checks quote."""
-    tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
-    found = f"torch {tested}; found torch {torch.__version__}"
-    if torch_version() not in TESTED_TORCH:
-        message = f"flatview's {relies} internals checked against {found}"
-        if os.environ.get(UNTESTED_TORCH_ENV) != "1":
-            raise WrapError(f"{message} (set {UNTESTED_TORCH_ENV}=1 to try it anyway)")
-        # Points at the user's flatview.wrap call: this function, the adapter's __init__,
-        # backends._choose, backends.detect, flatview.wrap, the caller.
-        warnings.warn(f"{message}; going ahead ({UNTESTED_TORCH_ENV}=1)", stacklevel=6)
-    return found
 
 
 # The hook reduces at once, so nothing waits in the reductions' buckets between units (see

@@ -1,10 +1,10 @@
-"""Which models flatview's torch FSDP1 adapter takes (FSDP1, not FSDP2), and what it
-refuses at wrap time: torch internals it touches that are missing (every attribute it
-reads, calls or replaces, checked before anything is patched, so that a torch that
-renamed one is refused with the attribute named instead of failing in the middle of a
-backward), units it cannot drive (CPU offload, a communication hook of someone
-else's), flat parameters whose layout views cannot follow, and a model caught between a
-forward and its backward. Hybrid sharding's own checks are in
+"""What flatview's torch FSDP1 adapter refuses at wrap time (which models it takes is
+:mod:`~flatview.backends.torch_versions`'s): torch internals it touches that are missing
+(every attribute it reads, calls or replaces, checked before anything is patched, so
+that a torch that renamed one is refused with the attribute named instead of failing in
+the middle of a backward), units it cannot drive (CPU offload, a communication hook of
+someone else's), flat parameters whose layout views cannot follow, and a model caught
+between a forward and its backward. Hybrid sharding's own checks are in
 :mod:`~flatview.backends.torch_hybrid`.
 
 Wrapping runs torch's lazy initialisation (it would otherwise run at the first forward).
@@ -18,52 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
 from torch.distributed import utils as dist_utils
 
-from flatview.backends._common import optional_class, require_attrs, require_autograd_internals
+from flatview.backends.internals import require_attrs, require_autograd_internals
 from flatview.errors import WrapError
 from flatview.wrapped_models import check_not_wrapped
-
-FSDP2_MESSAGE = (
-    "flatview.wrap was given a model sharded with FSDP2 (torch.distributed.fsdp.fully_shard). "
-    "FSDP2 keeps every original parameter as its own sharded DTensor and has no flat "
-    "parameters, so there is nothing for flatview to give back: build optimizers from "
-    "submodule.parameters() directly. FSDP2 already reduce-scatters only the parameters "
-    "that received a gradient."
-)
-
-
-def fsdp_class() -> type[nn.Module] | None:
-    if not dist.is_available():
-        return None
-    return optional_class("torch.distributed.fsdp", "FullyShardedDataParallel")
-
-
-def is_torch_fsdp(model: object) -> bool:
-    """Whether ``model`` is a torch FSDP1 ``FullyShardedDataParallel`` module."""
-    cls = fsdp_class()
-    return cls is not None and isinstance(model, cls)
-
-
-def is_fsdp2(model: object) -> bool:
-    """Whether ``model`` or one of its submodules was sharded with FSDP2 ``fully_shard``."""
-    if not isinstance(model, nn.Module) or not dist.is_available():
-        return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def torch_version() -> tuple[int, int]:
-    """``(major, minor)`` of the running torch."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
 
 _UNIT_PRIVATES = (
     "_is_root",

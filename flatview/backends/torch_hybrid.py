@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flatview.backends._common import require_attrs
+from flatview.backends.internals import require_attrs
 from flatview.comm.hybrid import HybridGroups, check_grid
 from flatview.errors import WrapError
 

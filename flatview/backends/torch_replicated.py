@@ -47,10 +47,11 @@ import torch
 from torch import nn
 from torch.distributed.utils import _to_kwargs
 
-from flatview.backends._common import LENDING_METHODS, forward_in_summon
 from flatview.backends.base import PlainSpec, UnitSpec
 from flatview.backends.messages import double_count
+from flatview.backends.patches import LENDING_METHODS
 from flatview.backends.replicated import ReplicatedAdapter, in_backward
+from flatview.backends.summoning import forward_in_summon
 from flatview.backends.torch_fsdp import TorchFSDPAdapter, clean_name
 from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.comm.options import ReduceOptions

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed import utils as dist_utils
 
-from flatview.backends._common import forward_in_summon
+from flatview.backends.summoning import forward_in_summon
 
 
 class SummonLending:
