@@ -37,7 +37,7 @@ and maps the skip set onto the runtime:
 * each group's all-gather and reduce-scatter objects (``set_custom_all_gather`` /
   ``set_custom_reduce_scatter``, public) are wrapped to count bytes in the ledger at the
   collective; for HSDP the all-reduce of the reduce-scatter output across the replicate
-  dimension is counted there too. Where :func:`~flatview.backends.fsdp2_hooks.decide_bucketing`
+  dimension is counted there too. Where :func:`~flatview.backends.fsdp2_reduce.decide_bucketing`
   says so, small reduce-scatters are held and run as one at the end of the backward
   (:mod:`flatview.comm.held`): on CPU a step goes by its number of collectives.
 
@@ -72,27 +72,28 @@ from torch import nn
 
 from flatview.backends._common import AdapterBase
 from flatview.backends.base import PlainSpec, UnitSpec
-from flatview.backends.fsdp2_hooks import (
+from flatview.backends.fsdp2_checks import (
     STATE_ATTRS,
-    CountingAllGather,
-    CountingReduceScatter,
-    FlagExchange,
     Unit,
     check_attrs,
     check_group,
     check_no_pending_backward,
+    refuse_reduce_options,
+    shard_layout,
+)
+from flatview.backends.fsdp2_prefetch import restore_prefetch, steer_prefetch
+from flatview.backends.fsdp2_reduce import (
+    CountingAllGather,
+    CountingReduceScatter,
     clear_dropped,
     decide_bucketing,
     drop_unreduced_grads,
     hold_plan,
-    refuse_reduce_options,
-    restore_prefetch,
-    shard_layout,
-    steer_prefetch,
 )
 from flatview.backends.torch_versions import check_torch_version
 from flatview.comm.held import HeldReduceScatters
 from flatview.comm.options import ReduceOptions
+from flatview.comm.unused import FlagExchange
 from flatview.errors import SkippedParameterUsedError, StateError, UndeclaredUnusedError, WrapError
 
 if TYPE_CHECKING:
