@@ -2,8 +2,8 @@
 
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizers)`` would take
 each view's optimizer state for that of a whole flat parameter (or parameter):
-:func:`guard_torch_checkpoint`, installed by the FSDP adapters, makes it raise before
-any collective, naming :mod:`flatview.checkpoint`, which offers the same functions.
+:func:`guard_torch_checkpoint`, installed by the handle on FSDP models, makes it raise
+before any collective, naming :mod:`flatview.checkpoint`, which offers the same functions.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class Guarded(Protocol):
-    """The adapter :func:`guard_torch_checkpoint` patches (an ``AdapterBase``)."""
+    """Where :func:`guard_torch_checkpoint` installs itself (the handle's site)."""
 
     backend: str
     root: Any

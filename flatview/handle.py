@@ -10,7 +10,9 @@ pieces that do the work:
 * the runtime the backend adapter drives (:class:`flatview.runtime.Runtime`,
   :attr:`FlatView.runtime`), handed to ``adapter.install``;
 * the optimizer checks (:class:`flatview.optimizer_checks.OptimizerChecks`), registered
-  with :mod:`flatview.wrapped_models`.
+  with :mod:`flatview.wrapped_models`;
+* the guard on torch's checkpoint functions (:mod:`flatview.checkpoint_guard`) where
+  the wrapper flattens: installed here, as adapters import no feature module.
 
 Norms (:mod:`flatview.norms`) and optimizer state (:mod:`flatview.optim_state`) are
 plain functions over the table and the runtime: the handle calls them, they never
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,6 +32,8 @@ from torch import nn
 from flatview import norms as _norms
 from flatview import optim_state, wrapped_models
 from flatview.backends.base import Adapter
+from flatview.backends.patches import Patches
+from flatview.checkpoint_guard import Guarded, guard_torch_checkpoint
 from flatview.comm.ledger import Ledger
 from flatview.errors import NormError, ParameterError
 from flatview.layout import Placement, Shape
@@ -78,6 +83,12 @@ class FlatView:
         self.table.settle_order(model)
         wrapped_models.register(self, self._modules, self._checks)
         adapter.install(self.runtime)
+        self._patches = Patches()  # the handle's own, beside the adapter's
+        if adapter.flattens:
+            site = SimpleNamespace(
+                backend=adapter.backend, root=model, core=self.runtime, patch=self._patches.patch
+            )
+            guard_torch_checkpoint(cast(Guarded, site))
 
     @property
     def phase(self) -> Phase:
@@ -400,6 +411,7 @@ class FlatView:
         (or wrap again and build them over the new views).
         """
         self.runtime.detach()
+        self._patches.remove()
         wrapped_models.unregister(self._modules, self._checks)
         # Views the model no longer holds are stale handles: an optimizer over them
         # would step tensors nothing reads.

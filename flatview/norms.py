@@ -43,9 +43,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from flatview.comm.collectives import gather_objects
 from flatview.comm.norms import COLUMNS, NormExchange, request_code
 from flatview.errors import FlatViewError, NormError, StateError
 from flatview.layout import Placement
@@ -317,9 +317,8 @@ def _raise_failures(rt: Runtime, exchange: NormExchange, error: FlatViewError | 
         # The flags were reduced over the agreement group (the world under hybrid
         # sharding): so are the reports.
         group = rt.adapter.agreement_group
-        reports = [None] * dist.get_world_size(group)
         mine = None if error is None else (type(error).__name__, str(error))
-        dist.all_gather_object(reports, mine, group=group)
+        reports = gather_objects(mine, group)
     if error is not None:
         raise error
     told = "; ".join(

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatview.backends.base import is_rank0
+from flatview.comm.collectives import all_to_all, gather_objects
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
 from flatview.layout import Interval
@@ -216,8 +217,7 @@ class Whole(torch.optim.Optimizer):
         )
         digest = hashlib.blake2b(description.encode(), digest_size=8).hexdigest()
         mine = (digest, None if failure is None else f"{type(failure).__name__}: {failure}")
-        everyone: list[Any] = [None] * self._world
-        dist.all_gather_object(everyone, mine, group=self._group)
+        everyone = gather_objects(mine, self._group)
         failed = [(r, message) for r, (_, message) in enumerate(everyone) if message]
         if failed:
             rank, message = failed[0]
@@ -343,7 +343,7 @@ class Whole(torch.optim.Optimizer):
         outgoing = torch.cat([t.reshape(-1) for chunk in send for t in chunk] or [template[:0]])
         incoming = outgoing.new_empty(sum(out_splits))
         self.ledger.record("all_to_all", outgoing)
-        dist.all_to_all_single(incoming, outgoing, out_splits, in_splits, group=self._group)
+        all_to_all(incoming, outgoing, out_splits, in_splits, self._group)
         offset = 0
         for chunk in receive:
             for m, kind, numel, interval in chunk:
@@ -408,8 +408,7 @@ class Whole(torch.optim.Optimizer):
                 mine[m.name] = {k: snapshot(v) for k, v in state.items()}
         everything = mine
         if self._sharded:
-            gathered: list[Any] = [None] * self._world
-            dist.all_gather_object(gathered, mine, group=self._group)
+            gathered = gather_objects(mine, self._group)
             everything = {k: v for part in gathered for k, v in part.items()}
         if rank0_only and not self._rank0:
             everything = {}

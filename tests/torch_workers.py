@@ -117,7 +117,7 @@ def uninstall_task(scenario: Scenario) -> list[str]:
     fv = flatview.wrap(root, **scenario.flatview_options)
     with fv.step(skip=["body.1"]):
         loss_of(root(x, ("body.1",)), y).backward()
-    patched = list(fv.adapter._patched)  # type: ignore[attr-defined]
+    patched = list(fv.adapter._patches._patched)  # type: ignore[attr-defined]
     fv.adapter.uninstall()
     left = [f"{type(owner).__name__}.{name}" for owner, name in patched if name in vars(owner)]
     units = [m for m in root.modules() if isinstance(m, type(root))]

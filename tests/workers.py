@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatview
-from flatview.backends.replicated import ReplicatedAdapter
+from flatview.backends.torch_replicated import TorchReplicatedAdapter
 from flatview.errors import SkipSetError, StateError
 from flatview.layout import PieceKind
 from flatview.testing.counting import CollectiveCounter
@@ -165,7 +165,7 @@ def alias_after_operations(scenario: Scenario) -> dict[str, bool]:
         train_step(model, fv, scenario, 0, ())
         out["after_backward"] = aliased()
         flats = [flat for flat, _ in flats_and_shards(model, scenario.backend)]
-        if isinstance(fv.adapter, ReplicatedAdapter):
+        if isinstance(fv.adapter, TorchReplicatedAdapter):
             # Computed on views (torch, every unit NO_SHARD): the gradients are the views'
             # own, and the flat parameters get none.
             out["grads_alias_flat_grad"] = all(

@@ -22,8 +22,9 @@ How DDP is driven (public behaviour, checked against torch 2.13):
 * DDP broadcasts buffers (``broadcast_buffers``) before a forward only if the forward
   before was a synchronising one (``require_forward_param_sync``, set in
   ``_post_forward``); the forward hook sets it as DDP would have.
-* The reduction (buckets, overlap, the check for parameters no rank used) is shared
-  with torch FSDP1 ``NO_SHARD`` computed on views: :mod:`flatview.backends.replicated`.
+* The reduction (buckets, overlap, the check for parameters no rank used) is the
+  component it shares with torch FSDP1 ``NO_SHARD`` computed on views:
+  :class:`~flatview.backends.replicated.ReplicatedBackward`.
 
 What the adapter reads of DDP, its private attributes included, is checked at wrap time
 (:data:`_PRIVATES`): a torch that renamed one is refused with the attribute named.
@@ -37,9 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatview.backends.base import PlainSpec, UnitSpec
+from flatview.autograd import in_backward
+from flatview.backends.base import Adapter, PlainSpec, UnitSpec
 from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
-from flatview.backends.replicated import ReplicatedAdapter, in_backward
+from flatview.backends.patches import Patches
+from flatview.backends.replicated import ReplicatedBackward
+from flatview.backends.torch_versions import tested_torch
 from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 
@@ -49,7 +53,6 @@ if TYPE_CHECKING:
 _WRAPPER = "module"
 """The attribute DDP keeps the user's module under (dropped from original names)."""
 
-TESTED = "torch 2.13.x"
 _PRIVATES = (
     "module",
     "process_group",
@@ -73,6 +76,7 @@ def _ddp_class() -> type[nn.Module] | None:
 
 
 def is_ddp(model: object) -> bool:
+    """Whether ``model`` is a ``DistributedDataParallel`` module."""
     ddp = _ddp_class()
     return ddp is not None and isinstance(model, ddp)
 
@@ -84,14 +88,16 @@ def clean_name(name: str) -> str:
     return name.removeprefix(_WRAPPER + ".")
 
 
-class DDPAdapter(ReplicatedAdapter):
-    """Maps the flatview core onto one DDP model: one unit, every parameter plain."""
+class DDPAdapter(Adapter):
+    """Maps the flatview runtime onto one DDP model: one unit, every parameter plain."""
 
     backend = "ddp"
     clean_name = staticmethod(clean_name)
+    # DDP's forward communicates nothing the skip set decides.
+    overlaps_agreement = True
+    takes_overlap = True
 
     def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
-        super().__init__()
         ddp: Any = model
         self.root = ddp
         self._check_supported(ddp)
@@ -115,11 +121,22 @@ class DDPAdapter(ReplicatedAdapter):
                 self._aliases[id(param)] = []
                 params.append((name, param))
         reduced = {id(p) for name, p in params if name not in ignored}
-        self._init_reduction(params, reduced, int(ddp.bucket_bytes_cap), options)
+        self._backward = ReplicatedBackward(
+            params,
+            reduced,
+            int(ddp.bucket_bytes_cap),
+            options if options is not None else ReduceOptions(),
+            device=self.device,
+            group=self.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            bucket_numel=self.bucket_numel,
+        )
+        self._patches = Patches()
 
     @staticmethod
     def _check_supported(ddp: Any) -> None:
-        found = f"{TESTED}; found torch {torch.__version__}"
+        found = f"{tested_torch()}; found torch {torch.__version__}"
         require_autograd_internals(found)
         require_attrs(ddp, _PRIVATES, "the DistributedDataParallel model", found)
         if ddp.static_graph:
@@ -161,22 +178,27 @@ class DDPAdapter(ReplicatedAdapter):
                 name,
                 param,
                 tuple(param.shape),
-                reduced=id(param) in self._reduced,
+                reduced=id(param) in self._backward.reduced,
                 aliases=tuple(self._aliases[id(param)]),
             )
-            for name, param in self._params
+            for name, param in self._backward.params
         )
         return [UnitSpec("", self.root, (), plain, True)]
 
     # ---------------------------------------------------------------- install
 
-    def install(self, core: Runtime) -> None:
-        self._core = core
-        self._hook(self.root.register_forward_pre_hook(self._pre_forward))
+    def install(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        patches = self._patches
+        patches.hook(self.root.register_forward_pre_hook(self._pre_forward))
         # always_call: a forward that raises an Exception ends its iteration here.
-        self._hook(self.root.register_forward_hook(self._after_forward, always_call=True))
-        self.patch(self.root, "forward", self._quiet_forward(self.root.forward))
-        self._install_reduction()
+        patches.hook(self.root.register_forward_hook(self._after_forward, always_call=True))
+        patches.patch(self.root, "forward", self._quiet_forward(self.root.forward))
+        self._backward.install(runtime, patches)
+
+    def uninstall(self) -> None:
+        self._patches.remove()
+        self._backward.uninstall()
 
     # -------------------------------------------------------------- lifecycle
 
@@ -184,11 +206,11 @@ class DDPAdapter(ReplicatedAdapter):
         ddp: Any = self.root
         if not in_backward():
             # Not a recomputation (checkpointing around the whole model): a new iteration.
-            self._begin_forward(bool(ddp.require_backward_grad_sync))
+            self._backward.begin_forward(bool(ddp.require_backward_grad_sync))
             if ddp.will_sync_module_buffers():
                 # DDP broadcasts buffers in this forward: a rank that failed in step()
                 # must have been heard before that collective.
-                self.core.settle_agreement()
+                self.runtime.settle_agreement()
 
     def _quiet_forward(self, original: Any) -> Any:
         ddp: Any = self.root
@@ -209,7 +231,7 @@ class DDPAdapter(ReplicatedAdapter):
         ddp: Any = self.root
         if in_backward():
             return  # a recomputation: its outputs feed the backward in flight
-        if self._end_forward(output):
+        if self._backward.end_forward(output):
             # What DDP's _post_forward does after a synchronising forward: buffers are
             # broadcast again before the next one.
-            ddp.require_forward_param_sync = self._synced
+            ddp.require_forward_param_sync = self._backward.reduces

@@ -72,3 +72,20 @@ def restore_prefetch(order: Sequence[Any], saved: Steered) -> None:
         if state._states_to_backward_prefetch is steered_b:
             state._states_to_backward_prefetch = backward
     saved.clear()
+
+
+class PrefetchSteering:
+    """The explicit prefetch lists of ``states`` (every unit's FSDP state, in module
+    order), steered off each step's skipped units and given back at the end."""
+
+    def __init__(self, states: Sequence[Any]) -> None:
+        self.states = states
+        self._saved: Steered = {}
+
+    def steer(self, skipped: set[int]) -> None:
+        """Steer every list off the states whose ids are in ``skipped``."""
+        steer_prefetch(self.states, skipped, self._saved)
+
+    def restore(self) -> None:
+        """Give the user's lists back."""
+        restore_prefetch(self.states, self._saved)

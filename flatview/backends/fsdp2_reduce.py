@@ -21,12 +21,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatview.backends.base import Runtime
 from flatview.backends.fsdp2_checks import shard_layout
 from flatview.comm.held import Accumulate, Held, HeldReduceScatters
 from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
 from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 from flatview.local_tensors import local_tensor
+from flatview.skip import skipped_used
 
 
 def decide_bucketing(
@@ -219,3 +221,98 @@ def drop_unreduced_grads(fsdp_params: Iterable[Any]) -> None:
         if unsharded is not None:
             unsharded.grad = None
         fsdp_param.unsharded_accumulated_grad = None
+
+
+def count_collectives(
+    units: Sequence[Any], ledger: Ledger, hybrid: bool, held: HeldReduceScatters | None
+) -> None:
+    """Wrap every group's all-gather and reduce-scatter (again, if the user set a custom
+    one since) so that the ledger counts them; ``held``: where small reduce-scatters are
+    held, if they are."""
+    for unit in units:
+        for group in unit.groups:
+            if not isinstance(group._all_gather_comm, CountingAllGather):
+                group._all_gather_comm = CountingAllGather(group._all_gather_comm, ledger)
+            if not isinstance(group._reduce_scatter_comm, CountingReduceScatter):
+                group._reduce_scatter_comm = CountingReduceScatter(
+                    group._reduce_scatter_comm, ledger, group if hybrid else None, held
+                )
+
+
+def stop_counting(units: Sequence[Any]) -> None:
+    """Give every group back the all-gather and reduce-scatter objects counted."""
+    for unit in units:
+        for group in unit.groups:
+            for attr in ("_all_gather_comm", "_reduce_scatter_comm"):
+                comm = getattr(group, attr)
+                if isinstance(comm, (CountingAllGather, CountingReduceScatter)):
+                    setattr(group, attr, comm.inner)
+
+
+class Contributions:
+    """What this rank's backward contributes to each used parameter's reduce-scatter,
+    decided just before each group's ``post_backward`` packs it: a skipped parameter
+    that received a gradient is an error, a used one without a gradient on this rank
+    gets zeros (so that every rank's reduce-scatter has the same layout), and the
+    parameters this rank gave a gradient since the last synchronising backward are
+    noted for the flags (:class:`~flatview.comm.unused.UsageFlags`)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.gave: set[int] = set()
+        """Runtime indices of the parameters this rank's backwards gave a gradient since
+        the last synchronising one."""
+        self._versions: dict[int, tuple[int, int]] = {}
+        """Per parameter, its unsharded gradient (identity and version) at the end of
+        the last backward under ``no_sync()``."""
+
+    def before_reduce(self, group: Any, ran: bool) -> None:
+        """Settle ``group``'s gradients before its ``post_backward`` (``ran``: its unit's
+        forward ran in this iteration)."""
+        runtime = self.runtime
+        used = runtime.plain_used()
+        reducing = bool(group.reduce_grads)
+        for fsdp_param in group.fsdp_params:
+            param_index = runtime.index_of(fsdp_param.sharded_param)
+            if param_index is None or not fsdp_param.sharded_param.requires_grad:
+                continue
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            grad = unsharded.grad if unsharded is not None else None
+            # Without mixed precision earlier micro-batches accumulate in the same
+            # tensor: only one that changed since the last backward is this one's.
+            fresh = grad is not None and self._versions.get(param_index) != (
+                id(grad),
+                grad._version,
+            )
+            if param_index not in used:
+                if fresh:
+                    raise skipped_used(runtime.name(param_index))
+                continue
+            if fresh:
+                self.gave.add(param_index)
+            elif (
+                ran
+                and reducing
+                and unsharded is not None
+                and grad is None
+                and fsdp_param.unsharded_accumulated_grad is None
+                and param_index not in self.gave
+            ):
+                # Zeros, what this rank contributes: its reduce-scatter keeps the layout
+                # the other ranks give theirs.
+                unsharded.grad = torch.zeros_like(unsharded)
+
+    def accumulated(self, params_of: Sequence[Sequence[tuple[Any, int | None]]]) -> None:
+        """A backward under ``no_sync()`` ended: note each unsharded gradient as it is,
+        so that the next backward tells its own from what is accumulated."""
+        self._versions = {}
+        for entries in params_of:
+            for fsdp_param, position in entries:
+                grad = getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None)
+                if position is not None and grad is not None:
+                    self._versions[position] = (id(grad), grad._version)
+
+    def reset(self) -> None:
+        """The window is over (reduced, or dropped by an aborted backward)."""
+        self.gave.clear()
+        self._versions = {}

@@ -15,8 +15,8 @@ from flatview.backends.internals import optional_class
 from flatview.errors import WrapError
 
 TESTED_TORCH = ((2, 13),)
-"""``(major, minor)`` versions of torch whose FSDP1 internals this adapter was checked
-against."""
+"""``(major, minor)`` versions of torch whose internals the torch adapters (FSDP1, FSDP2,
+DDP) were checked against."""
 
 
 UNTESTED_TORCH_ENV = "FLATVIEW_ALLOW_UNTESTED_TORCH"
@@ -30,8 +30,7 @@ def check_torch_version(relies: str) -> str:
     set: then warn) for the adapter whose ``relies`` (e.g. ``"FSDP2 backend relies on
     fully_shard"``) names what it depends on; return the "checked against ... found ..."
     phrase the internals checks quote."""
-    tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
-    found = f"torch {tested}; found torch {torch.__version__}"
+    found = f"{tested_torch()}; found torch {torch.__version__}"
     if torch_version() not in TESTED_TORCH:
         message = f"flatview's {relies} internals checked against {found}"
         if os.environ.get(UNTESTED_TORCH_ENV) != "1":
@@ -42,7 +41,13 @@ def check_torch_version(relies: str) -> str:
     return found
 
 
+def tested_torch() -> str:
+    """The tested torch versions, as messages name them (``"torch 2.13.x"``)."""
+    return "torch " + ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
+
+
 def fsdp_class() -> type[nn.Module] | None:
+    """torch's FSDP1 ``FullyShardedDataParallel``, where ``torch.distributed`` is built."""
     if not dist.is_available():
         return None
     return optional_class("torch.distributed.fsdp", "FullyShardedDataParallel")
