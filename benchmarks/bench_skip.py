@@ -330,13 +330,13 @@ def _flatview_fsdp2(
     """flatview + FSDP2 per block: no views (FSDP2 keeps the original parameters), skip
     sets, the agreement check and the flags that catch undeclared unused parameters; with
     ``prefetch`` (see :func:`_fsdp2_model`) flatview steers prefetching off skipped blocks.
-    ``held``: ``ReduceOptions.bucket_whole`` (``None``: small reduce-scatters held and run
+    ``held``: ``ReduceOptions.bucket_all_used`` (``None``: small reduce-scatters held and run
     as one on 2 shards, ``False``: each unit's on its own, as FSDP2 runs them)."""
 
     def build(cfg: Config) -> Trainer:
         import flatview
 
-        options = flatview.ReduceOptions(bucket_whole=held)
+        options = flatview.ReduceOptions(bucket_all_used=held)
         model = _fsdp2_model(cfg, prefetch)
         return _with_flatview(model, cfg, check, "auto", reduce_options=options)
 
@@ -420,9 +420,9 @@ def _flatview_torch(
     unpacked: bool | None = None,
     runtime: bool = False,
     orig_params: bool = False,
-    bucket_whole: bool | None = None,
+    bucket_all_used: bool | None = None,
 ) -> Callable[[Config], Trainer]:
-    """``bucket_whole``: ``ReduceOptions.bucket_whole`` (``None``: torch's layout, each
+    """``bucket_all_used``: ``ReduceOptions.bucket_all_used`` (``None``: torch's layout, each
     fully used gradient reduced on its own). ``runtime``: keep torch's unit runtime
     (``compute_on_views=False``) where flatview would compute on views (NO_SHARD).
     ``orig_params``: ``use_orig_params=True``. ``unpacked`` (torch's runtime only) overrides
@@ -439,12 +439,12 @@ def _flatview_torch(
         options: dict[str, Any] = {"compute_on_views": False} if runtime else {}
         if unpacked is False:
             options["reduce_options"] = flatview.ReduceOptions(
-                in_place_tolerance=None, bucket_whole=True
+                in_place_tolerance=None, bucket_all_used=True
             )
         elif unpacked:
             options["reduce_options"] = flatview.ReduceOptions(in_place_min_numel=0)
-        elif bucket_whole is not None:
-            options["reduce_options"] = flatview.ReduceOptions(bucket_whole=bucket_whole)
+        elif bucket_all_used is not None:
+            options["reduce_options"] = flatview.ReduceOptions(bucket_all_used=bucket_all_used)
         return _with_flatview(model, cfg, check, "auto", **options)
 
     return build
@@ -667,7 +667,7 @@ PAIRS: tuple[Pair, ...] = (
     Pair(
         "fsdp2_held_skipping",
         "FSDP2 per block, skipping: flatview with each unit's reduce-scatter on its own "
-        "(bucket_whole=False) vs held and run as one (the default on 2 shards)",
+        "(bucket_all_used=False) vs held and run as one (the default on 2 shards)",
         ("one each", _flatview_fsdp2(True, held=False)),
         ("held", _flatview_fsdp2(True)),
         skip=True,
@@ -781,12 +781,12 @@ PAIRS: tuple[Pair, ...] = (
         skip=False,
     ),
     Pair(
-        "sharded_bucket_whole",
+        "sharded_bucket_all_used",
         "flatview + torch FSDP1 per block, FULL_SHARD (check off), skipping: every fully "
         "used gradient reduce-scattered on its own, as torch does (the default: torch's "
-        "rounding bit for bit) vs fully used gradients sharing buckets (bucket_whole=True)",
+        "rounding bit for bit) vs fully used gradients sharing buckets (bucket_all_used=True)",
         ("alone", _flatview_torch("FULL_SHARD", check=False)),
-        ("bucketed", _flatview_torch("FULL_SHARD", check=False, bucket_whole=True)),
+        ("bucketed", _flatview_torch("FULL_SHARD", check=False, bucket_all_used=True)),
         skip=True,
     ),
     Pair(

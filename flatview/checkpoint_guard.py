@@ -113,8 +113,8 @@ def _views_held(core: Runtime, optimizer: torch.optim.Optimizer) -> list[str]:
             if index is None:
                 continue
             table = core.table
-            # A plain parameter with a whole-shard placement is one the wrapper shards
+            # A plain parameter with a padded-shard placement is one the wrapper shards
             # by itself (fairscale's flatten_parameters=False).
-            if table.own_view(index) or table.placement_of(index).whole_shard:
+            if table.own_view(index) or table.placement_of(index).padded_shard:
                 names.append(table.name(index))
     return names

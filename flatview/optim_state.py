@@ -103,7 +103,7 @@ def local_part(
     piece = home.piece(home.rank)
     start, end = piece.param_interval
     values = full.reshape(-1)[start:end]
-    if home.whole_shard:
+    if home.padded_shard:
         # Padding only ever gets zero gradients: its state is zero.
         out = full.new_zeros(home.local_numel)
         lo, hi = home.local_interval

@@ -179,7 +179,7 @@ def local_of_sharded(home: Placement, value: Any, like: torch.Tensor | None = No
             f"{end - start} elements: load the sharded form into the dict "
             "flatview.checkpoint.get_state_dict returned for this model"
         )
-    if home.whole_shard:
+    if home.padded_shard:
         return out
     if like is not None and like.numel() == out.numel():
         return out.view(like.shape)

@@ -100,14 +100,15 @@ def _flat_grads(model: torch.nn.Module) -> list[np.ndarray | None]:
     return [None if p.grad is None else p.grad.detach().float().numpy().copy() for p in flats]
 
 
-def reduce_calls(scenario: Scenario, bucket_whole: bool | None) -> tuple[int, list[np.ndarray]]:
-    """One step skipping nothing with ``ReduceOptions(bucket_whole=...)``: the
+def reduce_calls(scenario: Scenario, bucket_all_used: bool | None) -> tuple[int, list[np.ndarray]]:
+    """One step skipping nothing with ``ReduceOptions(bucket_all_used=...)``: the
     reduce-scatters counted at the collective, and this rank's flat gradient shards."""
     from flatview.testing.counting import CollectiveCounter
 
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, _net(scenario, zeroed=False))
-        fv = flatview.wrap(model, reduce_options=flatview.ReduceOptions(bucket_whole=bucket_whole))
+        options = flatview.ReduceOptions(bucket_all_used=bucket_all_used)
+        fv = flatview.wrap(model, reduce_options=options)
         x, y = local_batch(scenario, 0)
         with CollectiveCounter() as counter, fv.step():
             loss_of(model(x), y).backward()

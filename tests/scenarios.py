@@ -400,11 +400,11 @@ class Scenario:
         """The options of ``flatview.wrap`` the scenario's ``options`` hold."""
         keys = {"overlap": "overlap_reduction", "compute_on_views": "compute_on_views"}
         chosen = {keys[k]: v for k, v in self.options.items() if k in keys}
-        if "bucket_whole" in self.options:
+        if "bucket_all_used" in self.options:
             import flatview
 
-            bucket = self.options["bucket_whole"]
-            chosen["reduce_options"] = flatview.ReduceOptions(bucket_whole=bucket)
+            bucket = self.options["bucket_all_used"]
+            chosen["reduce_options"] = flatview.ReduceOptions(bucket_all_used=bucket)
         return chosen
 
 
@@ -506,7 +506,7 @@ def scenarios(
         options["prefetch"] = draw(st.booleans())
     if config.backend == "fsdp2" and not config.hybrid and draw(st.booleans()):
         # Small reduce-scatters held and run as one (the default on 2 shards) or not.
-        options["bucket_whole"] = draw(st.sampled_from((True, False)))
+        options["bucket_all_used"] = draw(st.sampled_from((True, False)))
     if config.strategy in HYBRID_STRATEGIES:
         options["hybrid"] = draw(st.sampled_from(("mesh", "tuple")))
     if config.backend == "ddp" and draw(st.booleans()):
@@ -849,7 +849,7 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
         )
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     prefetch = options.pop("prefetch", False)
-    options.pop("bucket_whole", None)  # flatview's (Scenario.flatview_options)
+    options.pop("bucket_all_used", None)  # flatview's (Scenario.flatview_options)
     blocks: list[Any] = []
     if scenario.nested:
         blocks = [fully_shard(block, **kwargs) for block in net.body]

@@ -90,7 +90,7 @@ def test_gradients_used_whole_go_alone_unless_bucketing_is_asked_for(
     dist_pool: PoolFactory,
 ) -> None:
     """torch FSDP1 reduce-scatters each unit on its own, and so does flatview by default
-    (its layout, its rounding); ``bucket_whole=True`` shares one collective. On 2 ranks
+    (its layout, its rounding); ``bucket_all_used=True`` shares one collective. On 2 ranks
     both give the same sums (two values add up the same either way)."""
     scenario = FULL.scenario(world_size=2, inner=(3, 4, 2), norms=(True, False, True))
     alone = dist_pool(2).run(reduce_calls, scenario, None, timeout=TIMEOUT)

@@ -203,7 +203,7 @@ def test_equivalent_random(dist_pool: PoolFactory, data: st.DataObject) -> None:
 def test_equivalent_random_hybrid(dist_pool: PoolFactory, data: st.DataObject) -> None:
     scenario = data.draw(scenarios(world_sizes=(4,), configs=(FSDP2,)))
     # Held reduce-scatters are refused with HSDP (test_fsdp2_held.py).
-    options = {k: v for k, v in scenario.options.items() if k != "bucket_whole"}
+    options = {k: v for k, v in scenario.options.items() if k != "bucket_all_used"}
     scenario = replace(scenario, options={**options, "hsdp": 2})
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 

@@ -1,6 +1,7 @@
-"""What a backend adapter tells the core, and what the core asks of an adapter.
+"""The adapter contract: what a backend adapter tells the runtime, and what the runtime
+asks of an adapter.
 
-An adapter maps one FSDP implementation onto flatview's backend-neutral core: it
+An adapter maps one wrapper onto flatview's backend-neutral runtime: it
 describes the flat parameters (layout, owners, names, where the local shard lives:
 :class:`FlatSpec`, :class:`PlainSpec`, :class:`UnitSpec`), calls the runtime
 (:class:`Runtime`) at the points of the wrapper's lifecycle (a pass begins, a backward
@@ -9,7 +10,7 @@ with a reduction object of its own (:mod:`flatview.comm.sharded`,
 :mod:`flatview.comm.replicated`) that counts into the runtime's ledger.
 
 This module is the bottom of the backend side: it imports nothing of flatview's above
-the layout, the views and the communication primitives, so the core and every adapter
+the layout, the views and the communication primitives, so the runtime and every adapter
 can import it (:class:`Runtime` is a protocol that :class:`flatview.runtime.Runtime`
 satisfies).
 """
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FlatSpec:
-    """One flat parameter, as the core needs to know it."""
+    """One flat parameter, as the runtime needs to know it."""
 
     flat: nn.Parameter
     flat_owner: Owner
@@ -50,7 +51,7 @@ class FlatSpec:
     """The current full-precision local shard (its storage can move, e.g. on ``.to()``)."""
     wrapper_views: tuple[nn.Parameter, ...] | None = None
     """Set when the wrapper already keeps its own per-parameter views (torch FSDP with
-    ``use_orig_params=True``): the core then uses them as they are and neither creates,
+    ``use_orig_params=True``): the runtime then uses them as they are and neither creates,
     shows, hides nor feeds gradients to views for this flat parameter."""
 
 
@@ -66,14 +67,14 @@ class PlainSpec:
     layout: FlatLayout | None = None
     """Set when the wrapper shards the parameter on its own (fairscale's
     ``flatten_parameters=False``): a one-segment layout, of which the parameter holds
-    rank ``rank``'s whole padded shard. ``None``: every rank holds all of it."""
+    rank ``rank``'s padded shard. ``None``: every rank holds all of it."""
     rank: int = 0
     reduced: bool = False
     """flatview all-reduces its gradient itself (DDP): counted in ``FlatView.stats``."""
     aliases: tuple[str, ...] = ()
     """Its other original names: a tied parameter is registered at several places."""
-    whole_shard: bool = True
-    """With ``layout``: the parameter holds rank ``rank``'s whole padded shard (True), or
+    padded_shard: bool = True
+    """With ``layout``: the parameter holds rank ``rank``'s padded shard (True), or
     only its piece of the segment, unpadded (False: FSDP2's ``DTensor`` local tensors)."""
 
 

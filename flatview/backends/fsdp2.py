@@ -33,7 +33,7 @@ and maps the skip set onto the runtime:
   all-reduce of flags, started by the last group's post_backward alongside its
   reduce-scatter and waited for at the end of the backward, raises
   :class:`~flatview.errors.UndeclaredUnusedError` on every rank if any rank lacked it);
-* the root's post-backward final callback is shadowed to end the core's backward;
+* the root's post-backward final callback is shadowed to end the runtime's backward;
 * each group's all-gather and reduce-scatter objects (``set_custom_all_gather`` /
   ``set_custom_reduce_scatter``, public) are wrapped to count bytes in the ledger at the
   collective; for HSDP the all-reduce of the reduce-scatter output across the replicate
@@ -188,7 +188,7 @@ class FSDP2Adapter(Adapter):
             self.rank,
             reduced=True,
             aliases=tuple(self.model.aliases[id(param)]),
-            whole_shard=False,
+            padded_shard=False,
         )
 
     # ---------------------------------------------------------------- install

@@ -81,14 +81,14 @@ class Unit:
 
 def refuse_reduce_options(options: ReduceOptions) -> None:
     """FSDP2 reduces gradients in its own collectives, which flatview does not replace, so
-    flatview's reduction options but those of its held reduce-scatters (``bucket_whole``,
+    flatview's reduction options but those of its held reduce-scatters (``bucket_all_used``,
     ``in_place_min_numel``: :func:`decide_bucketing`) would be ignored: refuse them rather
     than accept them silently. ``overlap`` is refused by :func:`flatview.backends.detect`."""
     default = ReduceOptions()
     given = [
         f"{f.name}={getattr(getattr(options, f.name), 'value', getattr(options, f.name))!r}"
         for f in dataclasses.fields(options)
-        if f.name not in ("overlap", "bucket_whole", "in_place_min_numel")
+        if f.name not in ("overlap", "bucket_all_used", "in_place_min_numel")
         and getattr(options, f.name) != getattr(default, f.name)
     ]
     if given:

@@ -37,18 +37,18 @@ def decide_bucketing(
     """Whether to hold small reduce-scatters and run them as one (:mod:`flatview.comm.held`):
     FSDP2's default reduce-scatter class (only its calls are held), else ``None``.
 
-    ``bucket_whole=None`` holds them where that gives FSDP2's numbers bit for bit and
+    ``bucket_all_used=None`` holds them where that gives FSDP2's numbers bit for bit and
     saves time: on CPU (where a step goes by its number of collectives) over a shard
     group of 2 ranks (beyond 2, gloo's summation order follows the position in the
     buffer). ``True`` holds them at any size of group; never on an accelerator, whose
     reduce-scatters FSDP2 runs asynchronously on their own stream, nor with HSDP, whose
     all-reduce reads each reduce-scatter's output at once."""
-    wanted = options.bucket_whole
+    wanted = options.bucket_all_used
     if wanted is None:
         bucketing = device.type == "cpu" and not hybrid and world_size == 2
     elif wanted and (device.type != "cpu" or hybrid):
         raise WrapError(
-            "ReduceOptions(bucket_whole=True) cannot bucket FSDP2's reduce-scatters "
+            "ReduceOptions(bucket_all_used=True) cannot bucket FSDP2's reduce-scatters "
             + ("with HSDP (its all-reduce reads each output at once)" if hybrid else "")
             + (" and " if hybrid and device.type != "cpu" else "")
             + (
@@ -56,14 +56,14 @@ def decide_bucketing(
                 if device.type != "cpu"
                 else ""
             )
-            + "; leave bucket_whole at None or False"
+            + "; leave bucket_all_used at None or False"
         )
     else:
         bucketing = wanted
     if not bucketing and options.in_place_min_numel != ReduceOptions().in_place_min_numel:
         raise WrapError(
             "ReduceOptions(in_place_min_numel=...) only sets which FSDP2 reduce-scatters "
-            "are held and run as one, and this wrap holds none (bucket_whole="
+            "are held and run as one, and this wrap holds none (bucket_all_used="
             f"{wanted!r}, {device.type}, shard group of {world_size}"
             + (", HSDP" if hybrid else "")
             + "): it would be ignored; leave it at its default"
@@ -75,7 +75,7 @@ def decide_bucketing(
     except ImportError:
         if wanted:
             raise WrapError(
-                "ReduceOptions(bucket_whole=True): this torch's FSDP2 has no "
+                "ReduceOptions(bucket_all_used=True): this torch's FSDP2 has no "
                 f"DefaultReduceScatter, which flatview holds calls of (torch {torch.__version__})"
             ) from None
         return None

@@ -21,7 +21,7 @@ the next backward synchronises, and calls :meth:`ReplicatedBackward.begin_forwar
 * A gradient accumulated again after its bucket started (a parameter that takes part in
   two graph tasks of one backward, as with reentrant checkpointing) would be reduced
   without its second part: the callback then waits for the buckets in flight, discards
-  their results and reduces everything again, whole (``overlap_reduction=False``
+  their results and reduces everything again (``overlap_reduction=False``
   avoids the waste for models that always do this). A forward inside the backward
   (checkpointing around the whole model recomputes it) is not a new iteration.
 * Nothing in a step waits for the GPU (as DDP's reducer does not): the flags below are
@@ -246,7 +246,7 @@ class ReplicatedBackward:
                 param.grad = torch.zeros_like(param)
                 round_.zero_filled.add(index)
             grads.append(param.grad)
-        self._reduction.start_all_reduce_whole(
+        self._reduction.start_all_reduce_tensors(
             [*grads, *extra], float(self.world_size), slot=round_.started
         )
         round_.started += 1
@@ -270,7 +270,7 @@ class ReplicatedBackward:
             runtime.forget_plain_window()
             filled: set[int] = set()
             if round_ is not None and round_.grew_after_start:
-                # Some gradient grew after its bucket started: start over, whole.
+                # Some gradient grew after its bucket started: start over, every bucket.
                 self._reduction.wait_in_flight(discard=True)
                 filled, round_ = round_.zero_filled, None
             if round_ is None:
@@ -308,7 +308,7 @@ class ReplicatedBackward:
         same = tail.dtype == flags.tensor.dtype and tail.device == flags.tensor.device
         self._start_bucket(round_, (flags.tensor,) if same else ())
         if not same:
-            self._reduction.start_all_reduce_whole(
+            self._reduction.start_all_reduce_tensors(
                 [flags.tensor], float(self.world_size), slot=round_.started
             )
         self._reduction.wait_in_flight()

@@ -196,7 +196,7 @@ class TorchFSDPReduction:
             target = output if queued else flat._saved_grad_shard
             target.add_(shard)
 
-        sharded.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded, whole=grad)
+        sharded.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded, padded=grad)
         queued = False
 
     def wait_in_flight(self) -> None:

@@ -2,7 +2,7 @@
 on its own (FSDP2), where on CPU a step's time goes more by the number of collectives
 than by their bytes.
 
-A held reduce-scatter is the wrapper's own: its input is the wrapper's whole padded
+A held reduce-scatter is the wrapper's own: its input is the wrapper's entire padded
 layout (``world_size`` equal chunks, chunk ``r`` for rank ``r``), its output the
 wrapper's buffer that this rank's sharded gradients are (views of) or are added from.
 :meth:`HeldReduceScatters.run` lays the held inputs side by side within each rank's
