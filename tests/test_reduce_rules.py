@@ -451,4 +451,5 @@ def test_bucket_whole_is_a_deprecated_alias_of_bucket_all_used() -> None:
         with pytest.warns(DeprecationWarning, match="bucket_all_used"):
             assert options.bucket_whole is value
     with pytest.raises(ValueError, match="contradicts bucket_all_used=True"):
-        ReduceOptions(bucket_all_used=True, bucket_whole=False)
+        with pytest.warns(DeprecationWarning):
+            ReduceOptions(bucket_all_used=True, bucket_whole=False)
