@@ -450,6 +450,6 @@ def test_bucket_whole_is_a_deprecated_alias_of_bucket_all_used() -> None:
         assert options == ReduceOptions(bucket_all_used=value)
         with pytest.warns(DeprecationWarning, match="bucket_all_used"):
             assert options.bucket_whole is value
-    with pytest.raises(ValueError, match="contradicts bucket_all_used=True"):
-        with pytest.warns(DeprecationWarning):
-            ReduceOptions(bucket_all_used=True, bucket_whole=False)
+    contradicts = pytest.raises(ValueError, match="contradicts bucket_all_used=True")
+    with contradicts, pytest.warns(DeprecationWarning):
+        ReduceOptions(bucket_all_used=True, bucket_whole=False)
