@@ -306,6 +306,7 @@ def consolidate(
 
 
 def snapshot(value: Any) -> Any:
+    """A state value the caller owns: a tensor as a fresh CPU copy, the rest deep-copied."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     return copy.deepcopy(value)

@@ -50,6 +50,7 @@ from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
 from flatview.layout import Interval
 from flatview.local_tensors import local_tensor
+from flatview.optim_state import snapshot
 from flatview.whole_members import (
     EVERY_RANK,
     Member,
@@ -57,7 +58,6 @@ from flatview.whole_members import (
     checksum,
     probe,
     requires_closure,
-    snapshot,
     whole_shaped,
 )
 
