@@ -40,11 +40,10 @@ hold, a state tensor that cannot be consolidated on a replicated parameter) are 
 before any collective. Without a collective to follow (every rank holds everything)
 they are raised at once; otherwise the rank that found one sends it in place of its
 description, and every rank raises it, so that no rank is left waiting in a collective
-the others never join. Then that one
-small all-gather of descriptions (keys, kinds, dtypes and scalar values, no data) lets
-every rank check the same facts: that the optimizers on all ranks hold the same
-parameters, that every rank holding elements of a parameter has its state, and that
-those ranks agree on its keys, dtypes and scalars. Ranks holding none of a parameter
+the others never join. Then that one small all-gather of descriptions (keys, kinds,
+dtypes and scalar values, no data) lets every rank check the same facts: that the
+optimizers on all ranks hold the same parameters, that every rank holding elements of a
+parameter has its state, and that those ranks agree on its keys, dtypes and scalars. Ranks holding none of a parameter
 are not asked: torch's ``use_orig_params`` views give them no gradient, so no state, or
 after a load state that no longer moves. A disagreement raises the same error on every
 rank before any state tensor moves. The state of parameters that every rank holds whole
