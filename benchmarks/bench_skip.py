@@ -25,7 +25,7 @@ trains it on the same batches with the same skip sequence, each in fresh worker 
 Each approach runs once per round (``--rounds``), round-robin, so that drift in the load
 of a shared machine is spread over all of them. Differences smaller than that noise are
 measured as *pairs*: two variants built side by side in the same processes, their steps
-interleaved (plain vs flatview-wrapped fairscale with nothing skipped; reduce_scatter vs
+interleaved (bare vs flatview-wrapped fairscale with nothing skipped; reduce_scatter vs
 all_to_all; skip-set check off vs on).
 
 Run ``python benchmarks/bench_skip.py --quick`` for a one-minute version; results go to
@@ -462,7 +462,7 @@ def _flatview_ddp(check: bool) -> Callable[[Config], Trainer]:
     return build
 
 
-def _torch_plain(strategy: str) -> Callable[[Config], Trainer]:
+def _torch_bare(strategy: str) -> Callable[[Config], Trainer]:
     """torch FSDP1 without flatview, flat parameters (``use_orig_params=False``): trains only
     when nothing is skipped or the skipped units' flat gradients may stay None."""
 
@@ -637,23 +637,23 @@ class Pair:
 PAIRS: tuple[Pair, ...] = (
     Pair(
         "fsdp2_skipping",
-        "FSDP2 per block, skipping: plain FSDP2 (every rank skips the same blocks) vs "
+        "FSDP2 per block, skipping: bare FSDP2 (every rank skips the same blocks) vs "
         "wrapped by flatview (check on)",
-        ("plain FSDP2", build_torch_fsdp2),
+        ("bare FSDP2", build_torch_fsdp2),
         ("flatview", _flatview_fsdp2(True)),
         skip=True,
     ),
     Pair(
         "fsdp2_nothing_skipped",
-        "FSDP2 per block, nothing skipped: plain FSDP2 vs wrapped by flatview (check on)",
-        ("plain FSDP2", build_torch_fsdp2),
+        "FSDP2 per block, nothing skipped: bare FSDP2 vs wrapped by flatview (check on)",
+        ("bare FSDP2", build_torch_fsdp2),
         ("flatview", _flatview_fsdp2(True)),
         skip=False,
     ),
     Pair(
         "fsdp2_nothing_skipped_nocheck",
-        "FSDP2 per block, nothing skipped: plain FSDP2 vs wrapped by flatview (check off)",
-        ("plain FSDP2", build_torch_fsdp2),
+        "FSDP2 per block, nothing skipped: bare FSDP2 vs wrapped by flatview (check off)",
+        ("bare FSDP2", build_torch_fsdp2),
         ("flatview", _flatview_fsdp2(False)),
         skip=False,
     ),
@@ -674,34 +674,34 @@ PAIRS: tuple[Pair, ...] = (
     ),
     Pair(
         "fsdp2_prefetch_skipping",
-        "FSDP2 per block with explicit prefetching, skipping: plain FSDP2 (which all-gathers "
+        "FSDP2 per block with explicit prefetching, skipping: bare FSDP2 (which all-gathers "
         "prefetched blocks that are skipped) vs wrapped by flatview (check on; prefetching "
         "steered off skipped blocks)",
-        ("plain FSDP2", _torch_fsdp2(True)),
+        ("bare FSDP2", _torch_fsdp2(True)),
         ("flatview", _flatview_fsdp2(True, prefetch=True)),
         skip=True,
     ),
     Pair(
         "fsdp2_prefetch_nothing_skipped",
-        "FSDP2 per block with explicit prefetching, nothing skipped: plain FSDP2 vs wrapped "
+        "FSDP2 per block with explicit prefetching, nothing skipped: bare FSDP2 vs wrapped "
         "by flatview (check on)",
-        ("plain FSDP2", _torch_fsdp2(True)),
+        ("bare FSDP2", _torch_fsdp2(True)),
         ("flatview", _flatview_fsdp2(True, prefetch=True)),
         skip=False,
     ),
     Pair(
         "views_cost_nothing",
-        "Views must cost nothing: fairscale FSDP per block, nothing skipped, plain vs wrapped "
+        "Views must cost nothing: fairscale FSDP per block, nothing skipped, bare vs wrapped "
         "by flatview (check off)",
-        ("plain fairscale", _fairscale(True, True)),
+        ("bare fairscale", _fairscale(True, True)),
         ("flatview", _flatview_fairscale(False, "reduce_scatter")),
         skip=False,
     ),
     Pair(
         "views_cost_nothing_torch",
         "Views must cost nothing: torch FSDP1 per block (FULL_SHARD, use_orig_params=False), "
-        "nothing skipped, plain vs wrapped by flatview (check off)",
-        ("plain torch FSDP1", _torch_plain("FULL_SHARD")),
+        "nothing skipped, bare vs wrapped by flatview (check off)",
+        ("bare torch FSDP1", _torch_bare("FULL_SHARD")),
         ("flatview", _flatview_torch("FULL_SHARD", check=False)),
         skip=False,
     ),
@@ -754,9 +754,9 @@ PAIRS: tuple[Pair, ...] = (
     Pair(
         "replicated_views_cost",
         "DDP-style, what flatview adds: torch FSDP1 per block, NO_SHARD, skipping (skipped units "
-        "are not called, so plain torch all-reduces only used units too), plain vs wrapped by "
+        "are not called, so bare torch all-reduces only used units too), bare vs wrapped by "
         "flatview, on views (check off)",
-        ("plain torch FSDP1", _torch_plain("NO_SHARD")),
+        ("bare torch FSDP1", _torch_bare("NO_SHARD")),
         ("flatview", _flatview_torch("NO_SHARD", check=False)),
         skip=True,
     ),

@@ -6,7 +6,7 @@ fingerprint, with the check on) and the flags that catch undeclared unused param
 processes over gloo with their steps interleaved, the model of ``bench_skip.py`` (FSDP2
 per block) as:
 
-* ``plain``: plain FSDP2;
+* ``plain``: bare FSDP2;
 * ``old``: flatview with the earlier schedule, emulated: the flags started and waited
   for together at the end of the backward;
 * ``new``: flatview as it is (the flags start at the last parameter group's
@@ -14,7 +14,7 @@ per block) as:
   backward);
 * ``new_off``, ``old_off``: the same with the check off (the flags only).
 
-and prints each one's median step time, its ratio to plain FSDP2 and the host's time
+and prints each one's median step time, its ratio to bare FSDP2 and the host's time
 per step inside the two control collectives (start and wait), which is the robust
 number on a shared machine: step-time ratios move by several percent between runs
 there, the wait barely does.

@@ -235,7 +235,7 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
 
 def check_mixed_precision(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
     """torch FSDP1 per block in bf16 (``MixedPrecision``), with flatview against without:
-    skipped blocks are not called, so plain FSDP1 leaves their gradients ``None`` too and
+    skipped blocks are not called, so bare FSDP1 leaves their gradients ``None`` too and
     both runs must agree (up to the order of the bf16 reduction)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import MixedPrecision

@@ -286,7 +286,7 @@ class FlatView:
         ``torch.nn.utils.clip_grad_norm_`` does on the unwrapped model.
 
         ``torch.nn.utils.clip_grad_norm_(fv.parameters(), ...)`` takes the norm of this
-        rank's pieces only (as it does on plain FSDP): each rank would clip by a different,
+        rank's pieces only (as it does on bare FSDP): each rank would clip by a different,
         too small norm. This takes the norm of every whole gradient in ``params`` with
         one all-reduce (:meth:`grad_norms`), combines them into the total norm, and
         scales every gradient in ``params`` by ``min(1, max_norm / (total + 1e-6))``.
@@ -400,7 +400,7 @@ class FlatView:
         return self.table.placement(tensor, self)
 
     def unwrap(self) -> None:
-        """Detach flatview: the model is plain FSDP again.
+        """Detach flatview: the model is bare FSDP again.
 
         Views leave the submodules, flat parameters are registered again, and every hook
         and patch flatview installed is removed. What was written through the views

@@ -188,7 +188,7 @@ class OptimizerChecks:
                 f"unit {unit!r} (holding {names}{more}): it would step every parameter in "
                 "it, skipped ones too, and it does not see gradients zeroed through the "
                 "views. Build optimizers from views (submodule.parameters() or "
-                "FlatView.parameters()), or call FlatView.unwrap() to train on plain FSDP."
+                "FlatView.parameters()), or call FlatView.unwrap() to train on bare FSDP."
             )
 
 

@@ -29,7 +29,7 @@ UNITS = 3  # the blocks of the scenarios below, each its own unit, and the root
 
 def held_against_unheld(scenario: Scenario, bucket: bool | None) -> dict[str, Any]:
     """Train ``scenario`` with ``bucket_all_used=bucket`` and with ``False`` (each unit
-    reduce-scattered on its own, as plain FSDP2 does) in the same processes: their final
+    reduce-scattered on its own, as bare FSDP2 does) in the same processes: their final
     parameters, and per optimizer step what each reduced (counted at the collectives)."""
     out: dict[str, Any] = {}
     for key, value in (("held", bucket), ("unheld", False)):

@@ -368,7 +368,7 @@ class Scenario:
     ``"between"`` (between the first forward of each step and its backward)."""
     unwrap_after: int | None = None
     """After this optimizer step (counting from 0), ``fv.unwrap()``; training goes on as
-    plain FSDP with one fresh optimizer over ``model.parameters()`` (the reference: a
+    bare FSDP with one fresh optimizer over ``model.parameters()`` (the reference: a
     fresh one over the plain net's), and later micro-batches must skip nothing."""
     batch_per_rank: int = 3
     seed: int = 0
@@ -379,7 +379,7 @@ class Scenario:
     """Check with every step that all ranks pass the same skip set."""
     declare: bool = True
     """Run each backward inside ``fv.step(skip=...)``; False runs it outside any step,
-    as plain FSDP (only for scenarios that skip nothing)."""
+    as bare FSDP (only for scenarios that skip nothing)."""
     evaluate: bool = False
     """After every optimizer step, a forward whose graph no backward consumes (a
     validation loss computed with autograd on), then ``zero_grad``, then a forward under
@@ -519,14 +519,14 @@ def scenarios(
         options["overlap"] = True
     zero_grad_at = draw(st.sampled_from(ZERO_GRAD_PLACES))
     unwrap_after = None
-    # Plain FSDP cannot skip or freeze parts of a flat parameter: unwrapping is drawn
+    # Bare FSDP cannot skip or freeze parts of a flat parameter: unwrapping is drawn
     # only where it would train the same afterwards.
     # With use_orig_params, torch zeroes (in a no_sync() window, until a synchronising
     # backward) what accumulates for a parameter whose .grad is None while others of its
-    # flat parameter have one: after a step that skipped it, plain torch training does
+    # flat parameter have one: after a step that skipped it, bare torch training does
     # that too (docs/limitations.md).
     orig_window = bool(options.get("use_orig_params")) and accumulate > 1
-    # Plain FSDP2 (torch 2.13) trains otherwise than the unwrapped model after a forward
+    # Bare FSDP2 (torch 2.13) trains otherwise than the unwrapped model after a forward
     # with autograd on and no backward (the evaluate passes): up to 2e-2 off on 2 and 4
     # ranks without flatview ever wrapping it, while wrapped it trains right.
     plain_fsdp2_evaluates = config.backend == "fsdp2" and evaluate
@@ -670,7 +670,7 @@ def zero_grads(scenario: Scenario, opts: Sequence[torch.optim.Optimizer]) -> Non
 
 
 def plain_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer a plain FSDP user trains with after :attr:`Scenario.unwrap_after`
+    """The optimizer a bare FSDP user trains with after :attr:`Scenario.unwrap_after`
     (elementwise, so flat and original parameters step alike)."""
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
@@ -925,7 +925,7 @@ def synced_backward(
     """The backward passes of micro-batches ``micros`` (one optimizer step's) on this
     rank's chunks: all but the last under ``no_sync()``, each inside
     ``fv.step(skip=...)`` unless the scenario does not declare its skips (or ``fv`` is
-    None: plain FSDP, after unwrap). ``before_backward`` runs between the first forward
+    None: bare FSDP, after unwrap). ``before_backward`` runs between the first forward
     and its backward."""
     for micro in micros:
         xs, ys = local_batch(scenario, micro)
@@ -982,7 +982,7 @@ def distributed_training(
 
 
 def plain_parameters(scenario: Scenario, model: nn.Module) -> list[nn.Parameter]:
-    """``model.parameters()`` as a plain FSDP user builds an optimizer over them.
+    """``model.parameters()`` as a bare FSDP user builds an optimizer over them.
 
     torch FSDP1 ``SHARD_GRAD_OP`` with ``use_orig_params=True`` keeps a unit unsharded
     after a forward with autograd on but no backward, and registers non-leaf views of the

@@ -99,7 +99,7 @@ NOT_HELD = {
 def test_not_held_where_the_output_is_read_at_once(dist_pool: PoolFactory, kind: str) -> None:
     """A user's own reduce-scatter, a sum divided afterwards, an all-reduce hook, a
     post-accumulate-grad hook and a cast of the output all need the output right after
-    the call: each unit's reduce-scatter runs on its own there, as plain FSDP2's."""
+    the call: each unit's reduce-scatter runs on its own there, as bare FSDP2's."""
     result = dist_pool(2).run(w.one_step, kind, NOT_HELD[kind], timeout=TIMEOUT)[0]
     compare(result["flatview"], result["plain"], tolerance=0.0)
     units = w.UNITS + 1

@@ -3,7 +3,7 @@
 FSDP2 keeps every original parameter where the user put it, as a ``DTensor`` sharded on
 dim 0 (``Shard(0)``) over the mesh's shard dimension: there is nothing to view, and
 ``fv.parameters()`` are the model's own parameters under their own names. What flatview
-adds is the skip set. Measured on torch 2.13 (CPU, gloo), plain FSDP2 with one unit per
+adds is the skip set. Measured on torch 2.13 (CPU, gloo), bare FSDP2 with one unit per
 block:
 
 * a block whose forward is not called is neither all-gathered nor reduce-scattered, and

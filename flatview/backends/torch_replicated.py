@@ -133,7 +133,7 @@ class TorchReplicatedAdapter(Adapter):
                     # writes the local shard in place (summon_full_params copies it onto
                     # itself), which bumps the version counter of every tensor aliasing it
                     # as a view; `.data` is an alias with a counter of its own, so a write
-                    # autograd must not see stays unseen, as for plain FSDP's tensors.
+                    # autograd must not see stays unseen, as for bare FSDP's tensors.
                     shard = spec.local_shard().data
                     views = ViewSet(spec.flat, spec.flat_owner, spec.layout, 0, shard, spec.owners)
                     self._view_sets.append(views)
@@ -201,7 +201,7 @@ class TorchReplicatedAdapter(Adapter):
         self._summon.close()
         self._write_back()
         for views in self._view_sets:
-            # Plain FSDP goes on from the flat parameters: they take the views' values
+            # Bare FSDP goes on from the flat parameters: they take the views' values
             # and gradients.
             views.push_grads()
             views.hide()

@@ -33,7 +33,7 @@ from flatview.comm.ledger import Ledger
 
 HELD_CAP_NUMEL = 2**23
 """Elements (32 MiB in float32) held at most before the held reduce-scatters run, which
-bounds the memory holding costs: plain FSDP2 frees a reduce-scatter's input once it ran,
+bounds the memory holding costs: bare FSDP2 frees a reduce-scatter's input once it ran,
 a held one lives until the run (and is copied once into the combined input). Not tuned:
 the benchmarks' held inputs stay far below it."""
 

@@ -16,8 +16,8 @@ reduced with one collective per bucket. Two collectives can do it:
 and its padding would cost more than :data:`PAD_TOLERANCE` over the exact size. A bucket
 with nothing masked always takes the wrapper's own collective: the all-to-all's local sum
 adds the ``world_size`` parts in another order than the reduce-scatter (and, in fp16,
-another precision), so on 3 or more ranks it rounds differently from plain FSDP, and what
-a step that skips nothing computes must be plain FSDP's, bit for bit. The result handed
+another precision), so on 3 or more ranks it rounds differently from bare FSDP, and what
+a step that skips nothing computes must be bare FSDP's, bit for bit. The result handed
 back is a sharded gradient with zeros wherever nothing was used.
 
 A padded unsharded gradient that the in-place rule takes (:mod:`flatview.comm.reduction`)
