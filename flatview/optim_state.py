@@ -43,13 +43,13 @@ description, and every rank raises it, so that no rank is left waiting in a coll
 the others never join. Then that one small all-gather of descriptions (keys, kinds,
 dtypes and scalar values, no data) lets every rank check the same facts: that the
 optimizers on all ranks hold the same parameters, that every rank holding elements of a
-parameter has its state, and that those ranks agree on its keys, dtypes and scalars. Ranks holding none of a parameter
-are not asked: torch's ``use_orig_params`` views give them no gradient, so no state, or
-after a load state that no longer moves. A disagreement raises the same error on every
-rank before any state tensor moves. The state of parameters that every rank holds whole
-is this rank's, taken as it is and not compared (FSDP keeps it identical across ranks,
-except for parameters torch FSDP is told to ignore, which are each rank's own).
-Loading communicates nothing.
+parameter has its state, and that those ranks agree on its keys, dtypes and scalars.
+Ranks holding none of a parameter are not asked: torch's ``use_orig_params`` views give
+them no gradient, so no state, or after a load state that no longer moves. A
+disagreement raises the same error on every rank before any state tensor moves. The
+state of parameters that every rank holds whole is this rank's, taken as it is and not
+compared (FSDP keeps it identical across ranks, except for parameters torch FSDP is told
+to ignore, which are each rank's own). Loading communicates nothing.
 """
 
 from __future__ import annotations
