@@ -41,11 +41,10 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flatview.backends.base import is_rank0
-from flatview.comm.collectives import all_to_all, gather_objects
+from flatview.comm.collectives import all_reduce_max, all_to_all, gather_objects
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
 from flatview.layout import Interval
@@ -280,7 +279,7 @@ class Whole(torch.optim.Optimizer):
                 changed = piece is not None and piece.numel() > 0 and m.checksum != checksum(piece)
                 flags[2 * position + 1] = changed
             self.ledger.record("all_reduce", flags)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            all_reduce_max(flags, self._group)
             found = flags.tolist()
             grads = [m for i, m in enumerate(self._split) if found[2 * i]]
             stale = [m for i, m in enumerate(self._split) if found[2 * i + 1]]
