@@ -66,12 +66,11 @@ def _old_schedule(trainer: bench.Trainer) -> bench.Trainer:
         start(adapter)
         flags, adapter._flags = adapter._flags, None
         if flags is None:
-            missing = sorted(adapter._window_used - adapter._got)
-            return missing, missing
-        result: tuple[list[int], list[int]] = flags.result()
-        return result
+            lacking = sorted(adapter.runtime.plain_used_so_far() - adapter._contributions.gave)
+            return lacking, lacking
+        return flags.lacked(), flags.unused()
 
-    adapter._exchange_missing = exchange
+    adapter._exchange_flags = exchange
     return trainer
 
 
@@ -80,13 +79,14 @@ def worker(rank: int, port: int, steps: int, skip: bool, variants: list[str]) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     import flatview.comm.agreement as agreement
-    import flatview.comm.unused as hooks
+    import flatview.comm.unused as unused
 
     for owner, name in (
         (agreement.Agreement, "__init__"),
         (agreement.Agreement, "settle"),
-        (hooks.FlagExchange, "__init__"),
-        (hooks.FlagExchange, "result"),
+        (unused.UsageFlags, "exchanged"),
+        (unused.UsageFlags, "lacked"),
+        (unused.UsageFlags, "unused"),
     ):
         _timed(owner, name)
     cfg = bench.Config()

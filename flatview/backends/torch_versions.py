@@ -35,9 +35,10 @@ def check_torch_version(relies: str) -> str:
         message = f"flatview's {relies} internals checked against {found}"
         if os.environ.get(UNTESTED_TORCH_ENV) != "1":
             raise WrapError(f"{message} (set {UNTESTED_TORCH_ENV}=1 to try it anyway)")
-        # Points at the user's flatview.wrap call: this function, the adapter's __init__,
-        # backends._choose, backends.detect, flatview.wrap, the caller.
-        warnings.warn(f"{message}; going ahead ({UNTESTED_TORCH_ENV}=1)", stacklevel=6)
+        # Points at the user's flatview.wrap call: this function, the checks' inspect(),
+        # the registry entry's build, registry.detect, backends.detect, flatview.wrap, the
+        # caller.
+        warnings.warn(f"{message}; going ahead ({UNTESTED_TORCH_ENV}=1)", stacklevel=7)
     return found
 
 
