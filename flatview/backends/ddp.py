@@ -27,7 +27,8 @@ How DDP is driven (public behaviour, checked against torch 2.13):
   :class:`~flatview.backends.replicated.ReplicatedBackward`.
 
 What the adapter reads of DDP, its private attributes included, is checked at wrap time
-(:data:`_PRIVATES`): a torch that renamed one is refused with the attribute named.
+(:mod:`~flatview.backends.ddp_checks`): a torch that renamed one is refused with the
+attribute named.
 """
 
 from __future__ import annotations
@@ -35,50 +36,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter, PlainSpec, UnitSpec
-from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
+from flatview.backends.ddp_checks import DDPModel
 from flatview.backends.patches import Patches
 from flatview.backends.replicated import ReplicatedBackward
-from flatview.backends.torch_versions import tested_torch
 from flatview.comm.options import ReduceOptions
-from flatview.errors import WrapError
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
 _WRAPPER = "module"
 """The attribute DDP keeps the user's module under (dropped from original names)."""
-
-_PRIVATES = (
-    "module",
-    "process_group",
-    "bucket_bytes_cap",
-    "parameters_to_ignore",
-    "require_backward_grad_sync",
-    "require_forward_param_sync",
-    "will_sync_module_buffers",
-    "static_graph",
-    "mixed_precision",
-    "_comm_hooks",
-    "_use_python_reducer",
-    "_delay_all_reduce_params",
-)
-"""What the adapter reads or sets of a DDP model, checked at wrap time: the refusals
-below would pass silently on a torch that renamed what they read."""
-
-
-def _ddp_class() -> type[nn.Module] | None:
-    return optional_class("torch.nn.parallel", "DistributedDataParallel")
-
-
-def is_ddp(model: object) -> bool:
-    """Whether ``model`` is a ``DistributedDataParallel`` module."""
-    ddp = _ddp_class()
-    return ddp is not None and isinstance(model, ddp)
 
 
 def clean_name(name: str) -> str:
@@ -97,13 +68,12 @@ class DDPAdapter(Adapter):
     overlaps_agreement = True
     takes_overlap = True
 
-    def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
-        ddp: Any = model
+    def __init__(self, model: DDPModel, options: ReduceOptions) -> None:
+        ddp: Any = model.root
         self.root = ddp
-        self._check_supported(ddp)
-        self.group: dist.ProcessGroup | None = ddp.process_group
-        self.rank: int = dist.get_rank(self.group)
-        self.world_size: int = dist.get_world_size(self.group)
+        self.group = model.group
+        self.rank = model.rank
+        self.world_size = model.world_size
         first = next(ddp.module.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         element = first.element_size() if first is not None else 4
@@ -122,55 +92,9 @@ class DDPAdapter(Adapter):
                 params.append((name, param))
         reduced = {id(p) for name, p in params if name not in ignored}
         self._backward = ReplicatedBackward(
-            params,
-            reduced,
-            int(ddp.bucket_bytes_cap),
-            options if options is not None else ReduceOptions(),
-            device=self.device,
-            group=self.group,
-            rank=self.rank,
-            world_size=self.world_size,
-            bucket_numel=self.bucket_numel,
+            params, reduced, int(ddp.bucket_bytes_cap), options, self
         )
         self._patches = Patches()
-
-    @staticmethod
-    def _check_supported(ddp: Any) -> None:
-        found = f"{tested_torch()}; found torch {torch.__version__}"
-        require_autograd_internals(found)
-        require_attrs(ddp, _PRIVATES, "the DistributedDataParallel model", found)
-        if ddp.static_graph:
-            raise WrapError(
-                "DDP was built with static_graph=True, which promises the same used "
-                "parameters every step; skip sets break that promise. Build DDP without "
-                "static_graph (flatview reduces the gradients itself)"
-            )
-        if ddp._comm_hooks:
-            raise WrapError(
-                "DDP has a communication hook (register_comm_hook); flatview all-reduces "
-                "the gradients itself and would bypass it"
-            )
-        if ddp.mixed_precision is not None:
-            raise WrapError(
-                "DDP's mixed_precision is not supported by flatview; use torch.autocast "
-                "or cast the model instead"
-            )
-        if ddp._use_python_reducer:
-            raise WrapError(
-                "DDP uses its Python reducer (compiled autograd); flatview drives DDP's "
-                "C++ reducer only"
-            )
-        if ddp._delay_all_reduce_params:
-            raise WrapError(
-                "DDP delays the all-reduce of some parameters to the end of the backward "
-                "(device mesh / delay_all_reduce_named_params); flatview does not support that"
-            )
-        for name, module in ddp.module.named_modules():
-            if getattr(module, "sparse", False) is True:
-                raise WrapError(
-                    f"module {name!r} produces sparse gradients (sparse=True); flatview "
-                    "all-reduces dense gradients only"
-                )
 
     def describe(self) -> list[UnitSpec]:
         plain = tuple(

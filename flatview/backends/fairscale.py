@@ -68,9 +68,9 @@ class FairscaleAdapter(Adapter):
     clean_name = staticmethod(clean_name)
     flattens = True
 
-    def __init__(self, model: FairscaleModel, options: ReduceOptions | None = None) -> None:
+    def __init__(self, model: FairscaleModel, options: ReduceOptions) -> None:
         self.model = model
-        self.options = options if options is not None else ReduceOptions()
+        self.options = options
         root: Any = model.root
         self.root = root
         self.units = model.units

@@ -118,11 +118,11 @@ class FSDP2Adapter(Adapter):
     backend = "fsdp2"
     bucket_numel = 2**62
 
-    def __init__(self, model: FSDP2Model, options: ReduceOptions | None = None) -> None:
+    def __init__(self, model: FSDP2Model, options: ReduceOptions) -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
         self.model = model
-        self.options = options if options is not None else ReduceOptions()
+        self.options = options
         self.root: Any = model.root
         self.units = model.units
         self.hybrid = model.hybrid

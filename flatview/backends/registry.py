@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from flatview.backends import ddp, fairscale_checks, fsdp2_checks, torch_fsdp_checks
+from flatview.backends import ddp_checks, fairscale_checks, fsdp2_checks, torch_fsdp_checks
 from flatview.backends.base import Adapter
 from flatview.backends.ddp import DDPAdapter
 from flatview.backends.fairscale import FairscaleAdapter
@@ -67,7 +67,7 @@ def _fairscale(model: nn.Module, options: ReduceOptions, _: bool | None) -> Adap
 
 
 def _ddp(model: nn.Module, options: ReduceOptions, _: bool | None) -> Adapter:
-    return DDPAdapter(model, options)
+    return DDPAdapter(ddp_checks.inspect(model), options)
 
 
 def _fsdp2(model: nn.Module, options: ReduceOptions, _: bool | None) -> Adapter:
@@ -90,7 +90,7 @@ BACKENDS: tuple[Backend, ...] = (
         fairscale_checks.is_fairscale_fsdp,
         _fairscale,
     ),
-    Backend("ddp", "torch's DistributedDataParallel", tested_torch, ddp.is_ddp, _ddp),
+    Backend("ddp", "torch's DistributedDataParallel", tested_torch, ddp_checks.is_ddp, _ddp),
     Backend(
         "fsdp2",
         "a model sharded with torch's FSDP2 fully_shard, the root included",

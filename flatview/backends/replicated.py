@@ -50,12 +50,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from flatview.autograd import at_end_of_backward
-from flatview.backends.base import Runtime
+from flatview.backends.base import Adapter, Runtime
 from flatview.backends.bucket_order import BucketPlans
 from flatview.backends.patches import Patches
 from flatview.comm.bucketing import FIRST_BUCKET_BYTES, BucketRound
@@ -101,7 +100,8 @@ class ReplicatedBackward:
     each iteration's end (see the module docstring).
 
     ``params``: (first name, parameter) in registration order; ``reduced``: ids of
-    those flatview all-reduces; ``bucket_bytes``: the wrapper's bucket size."""
+    those flatview all-reduces; ``bucket_bytes``: the wrapper's bucket size; ``adapter``:
+    whose group, rank, world size, device and bucket size the reduction works with."""
 
     def __init__(
         self,
@@ -109,20 +109,16 @@ class ReplicatedBackward:
         reduced: set[int],
         bucket_bytes: int,
         options: ReduceOptions,
-        *,
-        device: torch.device,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
-        bucket_numel: int,
+        adapter: Adapter,
     ) -> None:
         self.params = params
         self.reduced = reduced
         self.options = options
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
-        self.bucket_numel = bucket_numel
+        self.group = adapter.group
+        self.rank = adapter.rank
+        self.world_size = adapter.world_size
+        self.bucket_numel = adapter.bucket_numel
+        device = adapter.device
         self._first_bucket_bytes = min(FIRST_BUCKET_BYTES, bucket_bytes)
         self._plans = BucketPlans(bucket_bytes)
         self._round: BucketRound | None = None

@@ -76,12 +76,12 @@ class TorchFSDPAdapter(Adapter):
     clean_name = staticmethod(clean_name)
     flattens = True
 
-    def __init__(self, model: TorchFSDPModel, options: ReduceOptions | None = None) -> None:
+    def __init__(self, model: TorchFSDPModel, options: ReduceOptions) -> None:
         from torch.distributed.fsdp import _runtime_utils
         from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
 
         self.model = model
-        self.options = options if options is not None else ReduceOptions()
+        self.options = options
         self.root: Any = model.root
         self.units = model.units
         self.group = model.group

@@ -99,7 +99,7 @@ class TorchReplicatedAdapter(Adapter):
     overlaps_agreement = True
     takes_overlap = True
 
-    def __init__(self, model: TorchFSDPModel, options: ReduceOptions | None = None) -> None:
+    def __init__(self, model: TorchFSDPModel, options: ReduceOptions) -> None:
         reason = ineligibility(model)
         assert reason is None, reason
         self.root: Any = model.root
@@ -159,17 +159,7 @@ class TorchReplicatedAdapter(Adapter):
         element = first.element_size() if first is not None else 4
         self.bucket_numel = _DDP_BUCKET_BYTES // element
         self._summon = SummonLending(self._lend)
-        self._backward = ReplicatedBackward(
-            params,
-            reduced,
-            _DDP_BUCKET_BYTES,
-            options if options is not None else ReduceOptions(),
-            device=self.device,
-            group=self.group,
-            rank=self.rank,
-            world_size=self.world_size,
-            bucket_numel=self.bucket_numel,
-        )
+        self._backward = ReplicatedBackward(params, reduced, _DDP_BUCKET_BYTES, options, self)
         self._patches = Patches()
         # Shown from the start: the runtime finds plain parameters where they are registered.
         for views in self._view_sets:
