@@ -4,8 +4,9 @@ One per wrapped model, made by :class:`flatview.FlatView` and handed to the adap
 ``install``. It owns the phase (:class:`~flatview.phase.Phase`) and its transitions, the
 step in force and the iteration bound to each forward (:mod:`flatview.iteration`), the
 skip-set agreement, the guards on skipped parameters (:mod:`flatview.guards`), the masks
-of the reduction and the all-gather, the window of segments used since the last
-synchronising backward (gradient accumulation under ``no_sync()``), lending the model
+of the reduction and the all-gather, the window of what was used since the last
+synchronising backward (gradient accumulation under ``no_sync()``: segments of flat
+parameters and plain parameters, for every adapter), lending the model
 to a wrapper operation, carrying what was written through views back into the shards,
 and what :attr:`flatview.FlatView.stats` is computed from.
 
