@@ -1,13 +1,14 @@
 """The adapter contract: what a backend adapter tells the runtime, and what the runtime
 asks of an adapter.
 
-An adapter maps one wrapper onto flatview's backend-neutral runtime: it
-describes the flat parameters (layout, owners, names, where the local shard lives:
-:class:`FlatSpec`, :class:`PlainSpec`, :class:`UnitSpec`), calls the runtime
-(:class:`Runtime`) at the points of the wrapper's lifecycle (a pass begins, a backward
-ends, a wrapper operation such as ``state_dict`` runs), and reduces gradients
-with a reduction object of its own (:mod:`flatview.comm.sharded`,
-:mod:`flatview.comm.replicated`) that counts into the runtime's ledger.
+An adapter maps one wrapper onto flatview's backend-neutral runtime: it describes the
+flat parameters (layout, owners, names, where the local shard lives: :class:`FlatSpec`,
+:class:`PlainSpec`, :class:`UnitSpec`), calls the runtime (:class:`Runtime`) at the
+points of the wrapper's lifecycle (a pass begins, a backward ends, a wrapper operation
+such as ``state_dict`` runs), and reduces gradients with a reduction object of its own
+(:mod:`flatview.comm.sharded`, :mod:`flatview.comm.replicated`) that counts into the
+runtime's ledger. Every adapter class derives from :class:`Adapter` alone and is built
+from components (``docs/internals.md``: "The components", "Adding a backend").
 
 This module is the bottom of the backend side: it imports nothing of flatview's above
 the layout, the views and the communication primitives, so the runtime and every adapter
