@@ -55,8 +55,9 @@ reduce-scatters, counting them and holding small ones
 :class:`~flatview.comm.unused.UsageFlags`. torch privates touched here (checked at wrap
 time, torch versions in :data:`flatview.backends.torch_versions.TESTED_TORCH`):
 ``FSDPState._states_to_forward_prefetch``, ``_states_to_backward_prefetch``,
-``_root_post_backward_final_callback``, ``reset_iter_state``; ``FSDPParamGroup.post_backward``,
-``_training_state``, ``reduce_grads``, ``reduce_scatter_unused_params``,
+``_root_post_backward_final_callback``; ``FSDPModule.reset_iter_state``;
+``FSDPParamGroup.post_backward``, ``_training_state``, ``reduce_grads``,
+``reduce_scatter_unused_params``,
 ``_reduce_scatter_comm``; ``FSDPParam.sharded_param``, ``_orig_size``,
 ``_unsharded_param``.
 

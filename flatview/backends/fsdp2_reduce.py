@@ -1,4 +1,6 @@
-"""The FSDP2 adapter's side of FSDP2's reduction: each parameter group's all-gather and
+"""The FSDP2 adapter's side of FSDP2's reduction: what this rank contributes to each
+reduce-scatter (:class:`Contributions`: zeros for a used parameter its backward did not
+reach, an error for a skipped one it did), each parameter group's all-gather and
 reduce-scatter objects wrapped to count bytes at the collective, and small
 reduce-scatters held and run as one at the end of the backward (:mod:`flatview.comm.held`)
 where nothing reads their output before (:func:`hold_plan`).
