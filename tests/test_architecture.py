@@ -49,6 +49,13 @@ BELOW_THE_CORE = (
     "flatview.testing",
 )
 CORE = ("flatview.core", "flatview.handle", "flatview.runtime")
+# Where users train (Lightning, accelerate): above the handle and above the package's
+# own `wrap`, which its framework modules call as users' code does. Nothing below imports
+# the room, except `flatview.wrap`'s one call to find the wrapper inside a framework
+# object (INTEGRATIONS_ENTRY), which imports nothing but the errors.
+INTEGRATIONS = ("flatview.integrations",)
+INTEGRATIONS_ENTRY = "flatview.integrations.frameworks"
+ENTRY_MAY_IMPORT = ("flatview.errors",)
 # torch's own privates that flatview's adapters read on torch objects on purpose, and that
 # flatview happens to define too: nn.Module's registries, FlatParameter's records.
 THIRD_PARTY_PRIVATES = {
@@ -124,7 +131,12 @@ def test_no_import_cycle() -> None:
     graph = _graph()
     # The package's __init__ re-exports the public names; modules inside must not
     # import it (they would import everything), so it is a sink here.
-    offenders = sorted(n for n, targets in graph.items() if "flatview" in targets)
+    # The integrations' framework modules are the exception: they sit above it.
+    offenders = sorted(
+        n
+        for n, targets in graph.items()
+        if "flatview" in targets and not (_within(n, INTEGRATIONS) and n != INTEGRATIONS_ENTRY)
+    )
     assert not offenders, f"modules importing the flatview package itself: {offenders}"
     cycles: list[list[str]] = []
     state: dict[str, int] = {}
@@ -158,6 +170,23 @@ def test_layers_point_one_way() -> None:
             )
             if target_level is None or target_level > level:
                 wrong.append(f"{name}:{line} imports {target} (a higher layer)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_integrations_sit_on_top() -> None:
+    wrong = []
+    for name in _modules():
+        for target, line in _imports(name):
+            if not _within(target, INTEGRATIONS) or _within(name, INTEGRATIONS):
+                continue
+            if name == "flatview" and target == INTEGRATIONS_ENTRY:
+                continue  # flatview.wrap's one call
+            wrong.append(f"{name}:{line} imports {target} (the integrations)")
+    for package in (INTEGRATIONS_ENTRY, *INTEGRATIONS):
+        for target, line in _imports(package):
+            allowed = (*ENTRY_MAY_IMPORT, INTEGRATIONS_ENTRY, package)
+            if not _within(target, allowed):
+                wrong.append(f"{package}:{line} imports {target} (import flatview must stay light)")
     assert not wrong, "\n".join(wrong)
 
 
