@@ -196,3 +196,66 @@ def without_prefix(params: dict[str, np.ndarray], prefix: str) -> dict[str, np.n
 
 def names(skip: Sequence[str], prefix: str) -> list[str]:
     return [prefix + name for name in skip]
+
+
+# ------------------------------------------- accelerate's FSDP1 order, without accelerate
+
+
+class FakeFSDP1Accelerator:
+    """What :func:`flatview.integrations.accelerate.prepare` uses of an ``Accelerator``
+    under FSDP1, which accelerate runs only on GPUs: ``prepare`` wraps a model in torch
+    FSDP1 (on CPU here: flat parameters, a unit per block) and returns optimizers as
+    they are; ``clip_grad_norm_`` is accelerate's fallback (torch's, on the pieces)."""
+
+    distributed_type = "FSDP"
+    is_fsdp2 = False
+    num_processes = 2
+
+    def prepare(self, *objs: Any) -> Any:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from tests.scenarios import Block
+
+        out = [
+            FSDP(
+                obj,
+                device_id=torch.device("cpu"),
+                use_orig_params=False,
+                auto_wrap_policy=ModuleWrapPolicy({Block}),
+            )
+            if isinstance(obj, nn.Module)
+            else obj
+            for obj in objs
+        ]
+        return tuple(out) if len(out) > 1 else out[0]
+
+    def unscale_gradients(self) -> None:
+        pass
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
+
+
+def accelerate_fsdp1_order(run: Run) -> dict[str, np.ndarray] | None:
+    """Train ``run`` through ``prepare`` on :class:`FakeFSDP1Accelerator`: the optimizers
+    are built over views (FSDP1's flat parameters would be all they could get before),
+    and ``accelerator.clip_grad_norm_`` over them is routed to the whole norm."""
+    from flatview.integrations.accelerate import prepare
+
+    accelerator = FakeFSDP1Accelerator()
+    net = make_net(run.scenario)
+    model, fv, opts = prepare(accelerator, net, lambda m: make_optimizers(m, run))
+    for micro, (x, y) in enumerate(local_batches(run)):
+        skip = skip_names(run.scenario, micro)
+        with fv.step(skip=skip):
+            loss_of(model(x, skip), y).backward()
+        if run.clip is not None:
+            for opt in opts:
+                params = [p for group in opt.param_groups for p in group["params"]]
+                accelerator.clip_grad_norm_(params, run.clip)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    params = params_of(model)
+    return params if dist.get_rank() == 0 else None

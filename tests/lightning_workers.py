@@ -236,3 +236,83 @@ def _fully_shard(module: nn.Module, mesh: Any) -> nn.Module:
         fully_shard(block, mesh=mesh)
     fully_shard(module, mesh=mesh)
     return module
+
+
+class _Failing(Lit):
+    """Raises before the second batch's backward, after its forward (flatview's
+    iteration is then in flight: only leaving the step with the error ends it)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.batch_now = batch_idx
+        return super().training_step(batch, batch_idx)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        if self.batch_now == 1:
+            raise RuntimeError("boom before the backward")
+
+
+def exception_leaves_the_step() -> dict[str, Any]:
+    """A batch that raises: the step is left (the next one can be entered), the
+    patches are gone, and the error is the user's."""
+    with framework_env() as tmp:
+        run = Run()
+        callback = FlatViewCallback(skip=Lit.skipped)
+        fit = _trainer(run, "ddp", tmp, [callback], epochs=1)
+        try:
+            fit.fit(_Failing(run), _loader(run))
+            raised = "nothing"
+        except RuntimeError as error:
+            raised = str(error)
+        fv = callback.fv
+        assert fv is not None
+        phase = fv.phase.name
+        with fv.step(skip=["net.body.1"]):
+            pass  # would raise "cannot be nested" if the failed batch's step were open
+        patched = "training_step" in vars(fit.strategy) or "clip_grad_by_norm" in vars(
+            fit.precision_plugin
+        )
+    return {"raised": raised, "phase": phase, "patched": patched}
+
+
+class _FakeFabric:
+    """What :func:`flatview.integrations.lightning.setup_optimizers` uses of Fabric, with
+    Fabric's real FSDPStrategy (Fabric itself refuses FSDP on CPU)."""
+
+    def __init__(self) -> None:
+        from lightning.fabric.strategies import FSDPStrategy
+
+        self.strategy = FSDPStrategy(use_orig_params=False)
+
+    def setup_optimizers(self, *optimizers: Any) -> Any:
+        made = tuple(self.strategy.setup_optimizer(o) for o in optimizers)
+        return made if len(made) > 1 else made[0]
+
+
+def fabric_optimizers_over_views() -> dict[str, str]:
+    """Fabric's FSDPStrategy refuses optimizers over views; setup_optimizers takes them,
+    and refuses one over a flat parameter, naming it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from flatview.integrations.lightning import setup_optimizers
+
+    net = make_net(Run().scenario)
+    model = FSDP(net, device_id=torch.device("cpu"), use_orig_params=False)
+    flat = list(model.parameters())
+    fv = flatview.wrap(model)
+    fabric = _FakeFabric()
+    out = {}
+    over_views = torch.optim.SGD(net.head.parameters(), lr=0.1)
+    try:
+        fabric.setup_optimizers(over_views)
+        out["fabric"] = "accepted"
+    except ValueError as error:
+        out["fabric"] = str(error)
+    out["helper"] = "same" if setup_optimizers(fabric, fv, over_views) is over_views else "other"
+    try:
+        setup_optimizers(fabric, fv, torch.optim.SGD(flat, lr=0.1))
+        out["flat"] = "accepted"
+    except flatview.FlatViewError as error:
+        out["flat"] = f"{type(error).__name__}: {error}"
+    out["restored"] = str("setup_optimizer" not in vars(fabric.strategy))
+    fv.unwrap()
+    return out

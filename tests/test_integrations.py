@@ -181,3 +181,27 @@ def test_accelerate_save_and_load_state_resume_exactly(dist_pool: PoolFactory) -
 def test_accelerate_fsdp_plugin_turned_ddp_is_refused(dist_pool: PoolFactory) -> None:
     for message in _run(dist_pool(2), ACCELERATE, "refused_fsdp_on_cpu"):
         assert message.startswith("MULTI_CPU: ") and "FSDP plugin" in message, message
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_accelerate_fsdp1_order_gives_views_and_whole_norm_clipping(
+    dist_pool: PoolFactory, clip: float | None
+) -> None:
+    # accelerate's FSDP1 runs only on GPUs: a stand-in Accelerator that wraps in torch
+    # FSDP1 on CPU (flat parameters) shows prepare's order and clip_grad_norm_'s routing.
+    run = iw.Run(manual=True, clip=clip)
+    _check(dist_pool(2).run(iw.accelerate_fsdp1_order, run, timeout=TIMEOUT), run)
+
+
+@needs_lightning
+def test_trainer_exception_leaves_the_step(dist_pool: PoolFactory) -> None:
+    for result in _run(dist_pool(2), LIGHTNING, "exception_leaves_the_step"):
+        assert result == {"raised": "boom before the backward", "phase": "IDLE", "patched": False}
+
+
+@needs_lightning
+def test_fabric_setup_optimizers_over_views(dist_pool: PoolFactory) -> None:
+    for result in _run(dist_pool(2), LIGHTNING, "fabric_optimizers_over_views"):
+        assert "does not seem to reference any FSDP parameters" in result["fabric"], result
+        assert result["helper"] == "same" and result["restored"] == "True", result
+        assert result["flat"].startswith("OptimStateError: "), result
