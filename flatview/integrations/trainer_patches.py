@@ -23,8 +23,9 @@ removed when the fit ends:
   ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, which over views
   of a sharded wrapper is the norm of this rank's pieces (and Lightning's FSDP plugin
   refuses it). Where that is so (:func:`~flatview.integrations.clipping.clips_locally`),
-  the norm is taken over the whole gradients instead, with one all-reduce; over whole
-  parameters (DDP) Lightning's own clipping runs, exact already.
+  and wherever Lightning's FSDP plugin would refuse, the norm is taken over the whole
+  gradients instead, with one all-reduce; over whole parameters (DDP) Lightning's own
+  clipping runs, exact already.
 """
 
 from __future__ import annotations
@@ -59,9 +60,13 @@ class TrainerPatches:
         lightnings = precision.clip_grad_by_norm
         fv = self.fv
 
+        # Lightning's FSDP precision plugin refuses to clip by norm (it cannot reach the
+        # FSDP root); over flatview's parameters the whole norm is exact at any world size.
+        refuses = any(cls.__name__ == "FSDPPrecision" for cls in type(precision).__mro__)
+
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             params = list(precision.main_params(optimizer))
-            if clips_locally(fv, params):
+            if refuses or clips_locally(fv, params):
                 clip_whole(fv, params, clip_val)
             else:
                 lightnings(optimizer, clip_val)
