@@ -89,6 +89,31 @@ def test_trainer_and_attached_lightning_module_give_the_strategy_model() -> None
     assert find_wrapper(module) is wrapper
 
 
+class Strategy:
+    """Named and placed as Lightning's base strategy."""
+
+    __module__ = "lightning.pytorch.strategies.strategy"
+
+    def __init__(self, model: nn.Module, module: nn.Module) -> None:
+        self.model = model
+        self.lightning_module = module
+
+
+class MyDDPStrategy(Strategy):
+    """A user's subclass, defined outside Lightning."""
+
+    __module__ = "tests.test_integrations_api"
+
+
+def test_a_strategy_of_any_subclass_gives_its_model() -> None:
+    module = LightningModule()
+    wrapper = _Wrapper(module)
+    assert find_wrapper(MyDDPStrategy(wrapper, module)) is wrapper
+    # An object with the same attributes that is no Lightning strategy is not taken.
+    impostor = _Strategy(wrapper, module)
+    assert find_wrapper(impostor) is impostor
+
+
 def test_trainer_before_setup_and_unattached_module_are_refused() -> None:
     module = LightningModule()
     with pytest.raises(WrapError, match="has not set the model up yet"):

@@ -27,6 +27,7 @@ _FABRIC_MODULE = "_FabricModule"
 ``_forward_module``, the user's model its ``_original_module``."""
 _TRAINER = "Trainer"
 _LIGHTNING_MODULE = "LightningModule"
+_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")
 
 
 @overload
@@ -76,11 +77,11 @@ def _named(obj: object, name: str) -> bool:
 
 
 def _is_strategy(obj: object) -> bool:
-    """A Lightning Trainer strategy: it holds the wrapped model and the LightningModule."""
-    return (
-        type(obj).__module__.split(".")[0] in ("lightning", "pytorch_lightning")
-        and _named(obj, "Strategy")
-        and hasattr(obj, "lightning_module")
+    """A Lightning Trainer strategy (or a subclass of one, defined anywhere): it holds
+    the wrapped model and the LightningModule."""
+    return hasattr(obj, "lightning_module") and any(
+        cls.__name__ == "Strategy" and cls.__module__.split(".")[0] in _LIGHTNING_PACKAGES
+        for cls in type(obj).__mro__
     )
 
 

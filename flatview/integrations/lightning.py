@@ -208,14 +208,16 @@ class FlatViewFSDPStrategy(_FSDPStrategy):
     :attr:`flatview` is the handle.
 
     Args:
-        flatview_options: keyword arguments of :func:`flatview.wrap`.
-        *args, **kwargs: those of ``FSDPStrategy``.
+        flatview_options: keyword arguments of :func:`flatview.wrap`; every other
+            argument is ``FSDPStrategy``'s.
 
     Needs a GPU: on CPU Lightning gives torch FSDP no device, which torch refuses; the
     strategy says so before wrapping (use ``ModelParallelStrategy`` or DDP there).
     """
 
-    def __init__(self, *args: Any, flatview_options: dict[str, Any] | None = None, **kwargs: Any):
+    def __init__(
+        self, *args: Any, flatview_options: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.flatview: FlatView | None = None
         self.flatview_options = dict(flatview_options or {})
