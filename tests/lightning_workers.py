@@ -113,7 +113,7 @@ class CPUFlatViewFSDP(FlatViewFSDPStrategy):
         return FSDP(
             model,
             device_id=torch.device("cpu"),
-            use_orig_params=False,
+            use_orig_params=self.kwargs["use_orig_params"],
             auto_wrap_policy=ModuleWrapPolicy({Block}),
         )
 
@@ -124,7 +124,10 @@ def _strategy(name: str) -> Any:
             data_parallel_size=dist.get_world_size(), tensor_parallel_size=1
         )
     if name == "fsdp1_cpu":
-        return CPUFlatViewFSDP()
+        return CPUFlatViewFSDP(use_orig_params=False)
+    if name == "fsdp1_cpu_checkpoint":
+        # Lightning's full state dict offloads to CPU, which torch cannot do from CPU.
+        return CPUFlatViewFSDP(use_orig_params=False, state_dict_type="sharded")
     if name == "fsdp1":
         return FlatViewFSDPStrategy(use_orig_params=False)
     return name

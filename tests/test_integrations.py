@@ -137,6 +137,25 @@ def test_trainer_checkpoint_resumes_exactly(dist_pool: PoolFactory, strategy: st
     _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=strategy), run)
 
 
+@needs_lightning
+def test_flatview_fsdp_strategy_refuses_to_checkpoint_optimizers_over_views(
+    dist_pool: PoolFactory,
+) -> None:
+    # Lightning saves FSDP optimizers with FSDP.optim_state_dict, which does not know
+    # flatview's views (it fails in a mismatched collective): refused on every rank.
+    run = iw.Run(iw.EVEN, manual=True, epochs=2)
+    error = dist_pool(2).run_expecting_error(
+        iw.call,
+        LIGHTNING,
+        "trainer",
+        run,
+        strategy="fsdp1_cpu_checkpoint",
+        match="OptimStateError: FlatViewFSDPStrategy.use_orig_params=False. cannot save",
+        timeout=TIMEOUT,
+    )
+    assert not error.unfinished, error
+
+
 # ------------------------------------------------------------------------- Fabric
 
 
