@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 import flatview
 from flatview.errors import SkipSetError, WrapError
 from flatview.integrations import find_wrapper
-from flatview.integrations.batch_steps import Scope
+from flatview.integrations.batch_steps import Scope, scope_of
 from flatview.integrations.patching import InstancePatches
 from flatview.integrations.trainer_patches import forward_through
 
@@ -136,6 +137,27 @@ def test_scope_maps_names_relative_to_the_users_module() -> None:
     with pytest.raises(SkipSetError, match=r"'head\.weight', which is not inside 'net'"):
         around.skip(["head.weight"])
     assert Scope().skip(["x"]) == ["x"]
+
+
+def test_scope_of_finds_the_users_module_either_way() -> None:
+    # Older Lightning kept the LightningModule in a wrapper's `_forward_module` inside
+    # DDP: names relative to the LightningModule get that path (DDP's own `module.` is
+    # the adapter's to drop). FSDP2 sharding `self.net` of a LightningModule: the
+    # wrapped model is inside the user's module, and names lose its path.
+    class Base(nn.Module):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self._forward_module = module
+
+    user = LightningModule()
+    ddp = _Wrapper(Base(user))
+    adapter = SimpleNamespace(clean_name=lambda name: name.removeprefix("module."))
+    assert scope_of(SimpleNamespace(model=ddp, adapter=adapter), user) == Scope(
+        inside="_forward_module"
+    )
+    assert scope_of(SimpleNamespace(model=user.layer, adapter=adapter), user) == Scope(
+        around="layer"
+    )
 
 
 def test_instance_patches_restore_what_was_there() -> None:
