@@ -99,9 +99,13 @@ def test_torch_state_dict_api_refuses_view_optimizers(
     results = dist_pool(2).run(cw.torch_api_refused, backend.scenario(BASE), timeout=TIMEOUT)
     for rank, out in enumerate(results):
         assert len(out["messages"]) == 10, rank
-        for message, collectives in zip(out["messages"], out["collectives"], strict=True):
+        for message, collectives in zip(out["messages"][:8], out["collectives"][:8], strict=True):
             assert message is not None, rank
             assert collectives == 0, (rank, message)
+        # flatview's own refusals travel in one small exchange first, so that a rank
+        # refusing alone raises on every rank (none waits for it in a collective).
+        assert out["messages"][8] is not None and out["messages"][9] is not None, rank
+        assert out["collectives"][8] == out["collectives"][9] == results[0]["collectives"][8]
         for message in out["messages"][:8]:
             assert "flatview.checkpoint." in message and "views" in message, message
         assert "broadcast_from_rank0" in out["messages"][8]
