@@ -49,6 +49,12 @@ parameter a ``ShardedTensor`` without local shards, which DCP's load planner lea
 of the keys it expects; next to an optimizer's ``param_groups`` that makes the load fail.
 flatview's blocks give such a rank an empty block.)
 
+Parameters an optimizer holds without state (never had a gradient: skipped in every
+step so far) are saved as placeholders, every key ``None``, where torch's functions save
+nothing; :func:`set_state_dict` drops them (see :mod:`flatview.fresh_state`). So a run
+resumed from fresh optimizers, whose template has state for every parameter, loads and
+is exact.
+
 Options flatview refuses (:class:`flatview.FlatViewError`): ``broadcast_from_rank0``
 (load the same full dict on every rank, or use the sharded form) and
 ``flatten_optimizer_state_dict``. Every refusal, even one rank's alone, is raised on
@@ -66,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from flatview import optim_state
+from flatview import fresh_state, optim_state, registry
 from flatview.backends.base import is_rank0
 from flatview.checkpoint_model import (
     IncompatibleKeys,
@@ -109,10 +115,12 @@ def get_state_dict(
     formats).
 
     A collective: every rank calls it with its counterparts of the same optimizers,
-    between iterations. An optimizer without state (freshly built, to load a checkpoint
-    into) is first given zero state by one step with zero gradients and learning rate 0,
-    as torch does, so that the returned dict can receive
-    ``torch.distributed.checkpoint.load``.
+    between iterations. A fresh optimizer (no state, never stepped or loaded: built to
+    load a checkpoint into) is first given zero state by one step with zero gradients
+    and learning rate 0, as torch does, so that the returned dict can receive
+    ``torch.distributed.checkpoint.load``. A parameter an optimizer that has stepped
+    holds without state gets a placeholder entry (every key ``None``), which
+    :func:`set_state_dict` drops.
 
     Args:
         fv: the model's :class:`flatview.FlatView`.
@@ -161,6 +169,9 @@ def set_state_dict(
     Per-element optimizer state may be full tensors (every rank takes its piece) or the
     ``ShardedTensor`` s of this model's own sharded :func:`get_state_dict`. Parameters are
     matched by name within each parameter group, hyperparameters come from the dict.
+
+    Placeholder entries (parameters saved without state) are dropped: those parameters
+    have no state afterwards, as in the run that saved them.
 
     A collective on every backend: what loads locally (the optimizers, and the model
     where flatview loads it) runs first, then one small exchange raises any rank's
@@ -277,23 +288,40 @@ def _optim_state_dict(
 
 
 def _optimizer_part(fv: FlatView, optimizer: torch.optim.Optimizer, info: Any) -> dict[str, Any]:
-    """One optimizer's state by name. What this rank finds wrong before the exchange of
-    descriptions (a refused priming step, say) travels in it."""
+    """One optimizer's state by name, with a placeholder for every parameter it holds
+    without state (see :mod:`flatview.fresh_state`). What this rank finds wrong before
+    the exchange of descriptions (a refused priming step, say) travels in it."""
     failure: BaseException | None = None
+    keys: dict[int, tuple[Any, ...]] = {}
     try:
         _prime(optimizer)
+        lacking = fresh_state.stateless(optimizer)
+        found = fresh_state.fresh_keys(optimizer, lacking)
+        keys = {id(t): k for t, k in zip(lacking, found, strict=True) if k}
     except Exception as err:
         failure = err
     if info.full_state_dict:
-        return optim_state.consolidate(
+        part = optim_state.consolidate(
             fv.table, fv.adapter, optimizer, rank0_only=info.cpu_offload, failure=failure
         )
-    return _sharded_optim_state(fv, optimizer, info.cpu_offload, failure)
+    else:
+        part = _sharded_optim_state(fv, optimizer, info.cpu_offload, failure)
+    if info.full_state_dict and info.cpu_offload and not is_rank0(fv.adapter):
+        return part
+    for group in optimizer.param_groups:
+        for tensor in group["params"]:
+            index = fv.table.index_of(tensor)
+            assert index is not None  # agreed_facts refused foreign tensors
+            name = fv.table.name(index)
+            if name not in part["state"] and id(tensor) in keys:
+                part["state"][name] = fresh_state.placeholder(keys[id(tensor)])
+    return part
 
 
 def _self_consolidated(fv: FlatView, optimizer: Any, info: Any) -> dict[str, Any]:
     """An optimizer that consolidates itself (:class:`flatview.optim.Whole`): its own
-    state by name."""
+    state by name. It keeps state for every parameter it holds, so it needs no
+    placeholders."""
     _prime(optimizer)
     if info.full_state_dict:
         return fv.optim_state_dict(optimizer, rank0_only=info.cpu_offload)
@@ -301,10 +329,13 @@ def _self_consolidated(fv: FlatView, optimizer: Any, info: Any) -> dict[str, Any
 
 
 def _prime(optimizer: torch.optim.Optimizer) -> None:
-    """Give an optimizer without state its zero state (one step with zero gradients at
-    learning rate 0), so that a dict from :func:`get_state_dict` has every entry a
-    checkpoint fills. Like torch's own, left alone if it has state or any gradient."""
-    if optimizer.state:
+    """Give a fresh optimizer (no state, never stepped or loaded) its zero state (one
+    step with zero gradients at learning rate 0), so that a dict from
+    :func:`get_state_dict` has every entry a checkpoint fills. Like torch's own, left
+    alone if it has state or any gradient; unlike torch's, also if it has stepped before
+    (its parameters without state have never had a gradient: priming would give them
+    a ``step`` the uninterrupted run does not have)."""
+    if optimizer.state or registry.has_history(optimizer):
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(p.grad is not None for p in params):
@@ -396,11 +427,14 @@ def _load_optim_state_dict(
         mine = groups[taken : taken + count]
         taken += count
         names = {name for group in mine for name in group.get("params", ())}
+        # Placeholders stand for "no state yet": dropped, the parameter gets none.
+        state = fresh_state.without_placeholders(state_dict["state"])
         part = {
-            "state": {k: v for k, v in state_dict["state"].items() if k in names},
+            "state": {k: v for k, v in state.items() if k in names},
             "param_groups": mine,
         }
         fv.load_optim_state_dict(optimizer, part)
+        registry.record_history(optimizer)
     if taken != len(groups):
         raise OptimStateError(
             f"the optimizer state dict has {len(groups)} parameter group(s), the "

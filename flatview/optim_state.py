@@ -61,6 +61,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from flatview import registry
 from flatview.backends.base import Adapter, is_rank0
 from flatview.comm.consolidate import exchange
 from flatview.errors import OptimStateError
@@ -424,3 +425,6 @@ def load(
                 local[key] = snapshot(value)
         internal_state[position_of[index]] = local
     optimizer.load_state_dict({"state": internal_state, "param_groups": internal_groups})
+    # Parameters it now holds without state never had a gradient: a checkpoint of it
+    # must not prime it as a fresh optimizer.
+    registry.record_history(optimizer)
