@@ -1,5 +1,6 @@
-"""Worker task of tests/test_refusals.py: every collective entry point of the public API
-called with a misuse on rank 1 only (the other ranks' arguments are fine).
+"""Worker tasks of tests/test_refusals.py: every collective entry point of the public API
+called with a misuse on rank 1 only (the other ranks' arguments are fine), and plain
+training after a refused ``flatview.wrap``.
 
 Each case records, per rank, the error the call raised (or ``"no error"``). A call that
 refuses on rank 1 alone leaves the other ranks either waiting in the call's first
@@ -25,9 +26,12 @@ from tests.scenarios import (
     _original_tree,
     backend_context,
     distributed_training,
+    full_state,
     make_net,
     optimizer_steps,
     optimizers,
+    plain_optimizer,
+    synced_backward,
     wrap_fsdp,
 )
 
@@ -99,3 +103,44 @@ def one_rank_refuses(scenario: Scenario) -> dict[str, str]:
         fv.optim_state_dict(good)
         fcp.get_state_dict(fv, model, [good])
     return out
+
+
+# ---------------------------------------------------------------- refused wraps
+
+
+def _wrap_target(scenario: Scenario, model: nn.Module) -> nn.Module:
+    """What a refused ``flatview.wrap`` is given: a nested unit (block 1's), or on DDP
+    (nothing nests) the model itself, built with ``static_graph=True``, which flatview
+    refuses."""
+    if scenario.backend == "ddp":
+        return model
+    net = model if scenario.backend == "fsdp2" else model.module
+    return net.body[1]  # type: ignore[index,union-attr]
+
+
+def _plain_run(scenario: Scenario, attempt_before: int | None) -> dict[str, Any]:
+    """Plain FSDP (or DDP) training over every optimizer step of ``scenario``; before
+    step ``attempt_before`` (0: before the first forward) a ``flatview.wrap`` that is
+    refused. Rank 0's final parameters and what the wrap raised."""
+    model = wrap_fsdp(scenario, make_net(scenario))
+    opt = plain_optimizer(model.parameters())
+    refused = "not attempted"
+    for number, micros in enumerate(optimizer_steps(scenario)):
+        if number == attempt_before:
+            try:
+                flatview.wrap(_wrap_target(scenario, model))
+            except flatview.WrapError as err:
+                refused = f"{type(err).__name__}: {err}"
+            else:
+                refused = "accepted"
+        synced_backward(scenario, model, None, micros)
+        opt.step()
+        opt.zero_grad()
+    return {"refused": refused, "params": full_state(model, scenario)}
+
+
+def refused_wrap_then_plain(scenario: Scenario) -> dict[Any, dict[str, Any]]:
+    """Three plain runs of ``scenario``: without any wrap, with a refused wrap before
+    the first forward, and with one after the first optimizer step."""
+    with backend_context(scenario.backend):
+        return {when: _plain_run(scenario, when) for when in (None, 0, 1)}

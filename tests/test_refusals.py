@@ -17,8 +17,9 @@ that the ranks' collective counts agree after the task; its timeout fails a hang
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 
 from tests import refusal_workers as rw
@@ -67,3 +68,42 @@ def test_one_rank_refusing_raises_on_every_rank(
         assert sorted(out) == sorted(EXPECTED), rank
         for case, pattern in EXPECTED.items():
             assert re.search(pattern, out[case]), (rank, case, out[case])
+
+
+# ---------------------------------------------------------------- refused wraps
+
+NESTED = r"WrapError: flatview\.wrap was given a nested (FSDP unit|FSDP2 module)"
+WRAP_CONFIGS = [
+    *(backend_param(c, {}, ci=c == FSDP2) for c in BACKEND_CONFIGS if not c.runtime),
+    backend_param(BackendConfig("torch", "FULL_SHARD"), {"auto_wrap": True}),
+]
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.parametrize(("backend", "options"), WRAP_CONFIGS)
+def test_a_refused_wrap_leaves_nothing_behind(
+    dist_pool: PoolFactory, backend: BackendConfig, options: dict[str, Any]
+) -> None:
+    """``flatview.wrap`` given a nested unit (on DDP: a model built with
+    ``static_graph=True``), before the first forward and after the first step, is
+    refused with a WrapError, and the plain training that follows ends bit for bit where
+    a run that never called wrap does. It was accepted before the first forward on
+    fairscale (whose hooks then refused every forward), on FSDP2 and on torch units an
+    auto-wrap policy made (both lazily initialised as roots, which the outer model's
+    first forward refused)."""
+    if backend.backend == "ddp":
+        options = {"static_graph": True}
+    scenario = backend.scenario(GATED, world_size=2, skips=((), (), ()), options=options)
+    runs = dist_pool(scenario.world_size).run(
+        rw.refused_wrap_then_plain, scenario, timeout=TIMEOUT
+    )[0]
+    pattern = (
+        r"WrapError: DDP was built with static_graph=True" if backend.backend == "ddp" else NESTED
+    )
+    want = runs[None]["params"]
+    for when in (0, 1):
+        assert re.search(pattern, runs[when]["refused"]), (when, runs[when]["refused"])
+        got = runs[when]["params"]
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            assert np.array_equal(got[name], value), (when, name)

@@ -51,6 +51,7 @@ from flatview.backends.fairscale_checks import (
 )
 from flatview.backends.fairscale_gather import MaskedGatherDist
 from flatview.backends.messages import undeclared_units
+from flatview.backends.nesting import inside_another
 from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.comm.options import ReduceOptions
 from flatview.comm.sharded import ShardedReduction
@@ -100,7 +101,9 @@ class FairscaleAdapter(UnitAdapter):
         self.root = root
         # Before the first forward every unit has `_is_root` None and fairscale leaves no
         # other trace of nesting on a unit: the root's lazy initialisation marks the
-        # others False, which the first forward checks (_pre_forward).
+        # others False. Until then an enclosing unit is looked for among live objects
+        # (inside_another), so that wrap refuses before it installs anything;
+        # _pre_forward still refuses one built around the unit after wrap.
         self._fsdp = fsdp
         units: list[tuple[str, Any]] = [
             (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
@@ -110,7 +113,7 @@ class FairscaleAdapter(UnitAdapter):
         self._pre = TrainingState.BACKWARD_PRE
         self._post = TrainingState.BACKWARD_POST
         self._summoning = TrainingState.SUMMON_FULL_PARAMS
-        if root._is_root is False:
+        if root._is_root is False or (root._is_root is None and inside_another(root, fsdp)):
             raise WrapError(nested_unit_message(root, fsdp, clean_name))
         self.units = units
         self._check_units(TrainingState.IDLE)

@@ -90,6 +90,7 @@ from flatview.backends.fsdp2_hooks import (
     shard_layout,
     steer_prefetch,
 )
+from flatview.backends.nesting import inside_another
 from flatview.comm.held import HeldReduceScatters
 from flatview.comm.options import ReduceOptions
 from flatview.errors import SkippedParameterUsedError, StateError, UndeclaredUnusedError, WrapError
@@ -126,7 +127,12 @@ class FSDP2Adapter(AdapterBase):
         check_attrs(root, ("_get_fsdp_state",), "module")
         root_state = root._get_fsdp_state()
         check_attrs(root_state, STATE_ATTRS, "state")
-        if root_state._is_root is False:
+        # Before lazy initialisation no unit knows it is nested: an enclosing one is
+        # looked for among live objects (lazy initialisation would make this one a root
+        # the outer model's first forward then refuses).
+        if root_state._is_root is False or (
+            root_state._is_root is None and inside_another(root, FSDPModule)
+        ):
             raise WrapError(
                 "flatview.wrap was given a nested FSDP2 module; wrap the outermost "
                 "fully_shard module, the one the training loop calls"

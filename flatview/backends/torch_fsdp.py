@@ -58,6 +58,7 @@ from torch import nn
 from flatview.backends._common import nested_unit_message
 from flatview.backends.base import UnitSpec
 from flatview.backends.messages import undeclared_units
+from flatview.backends.nesting import inside_another
 from flatview.backends.torch_fsdp_checks import (
     FSDP2_MESSAGE,
     check_flat,
@@ -178,8 +179,13 @@ class TorchFSDPAdapter(TorchSkipping):
         # before another FSDP around it is marked by that one's constructor (for Dynamo;
         # in the unit's own __dict__: FSDP forwards missing attributes to the wrapped
         # module, which its own constructor marks). A unit that an auto-wrap policy
-        # created is not marked (see docs/limitations.md).
-        if root._is_root is False or vars(root).get("_is_fsdp_managed_module", False):
+        # created is not marked: an enclosing unit is looked for among live objects
+        # (root.check_is_root below would make it a root the outer model then refuses).
+        if (
+            root._is_root is False
+            or vars(root).get("_is_fsdp_managed_module", False)
+            or (root._is_root is None and inside_another(root, fsdp))
+        ):
             raise WrapError(nested_unit_message(root, fsdp, clean_name))
         self.units = units
         self._check_units(TrainingState.IDLE, then=refuse_unit)
