@@ -127,9 +127,7 @@ class FSDP2Adapter(AdapterBase):
         check_attrs(root, ("_get_fsdp_state",), "module")
         root_state = root._get_fsdp_state()
         check_attrs(root_state, STATE_ATTRS, "state")
-        # Before lazy initialisation no unit knows it is nested: an enclosing one is
-        # looked for among live objects (lazy initialisation would make this one a root
-        # the outer model's first forward then refuses).
+        # Not initialised, no unit knows it is nested: look for an enclosing one.
         if root_state._is_root is False or (
             root_state._is_root is None and inside_another(root, FSDPModule)
         ):
