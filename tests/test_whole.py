@@ -79,6 +79,10 @@ def test_muon_matches_single_process_reference(
         nesterov=data.draw(st.booleans(), label="nesterov"),
         weight_decay=data.draw(st.sampled_from((0.0, 0.1)), label="weight_decay"),
         float32=True,
+        experts=data.draw(st.sampled_from((0, 2, 3)), label="experts"),
+        heads=data.draw(st.sampled_from((1, 2, 3)), label="heads"),
+        overlap=data.draw(st.booleans(), label="overlap"),
+        stacked=data.draw(st.sampled_from((None, False)), label="stacked"),
     )
     results = dist_pool(scenario.world_size).run(ww.distributed, run, timeout=TIMEOUT)
     _check(results, ww.reference(run), scenario)
@@ -89,7 +93,7 @@ def test_skips_cost_nothing_and_replicas_communicate_nothing(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
     scenario = backend.scenario(GATED, world_size=2)
-    run = ww.MuonRun(scenario, float32=True)
+    run = ww.MuonRun(scenario, float32=True, experts=2)
     results = dist_pool(backend.ranks(2)).run(ww.distributed, run, timeout=TIMEOUT)
     _check(results, ww.reference(run), scenario)
     if backend.replicated:
@@ -97,21 +101,21 @@ def test_skips_cost_nothing_and_replicas_communicate_nothing(
         for r in results:
             assert not any(m for m in r["moved"]), r["moved"]
     else:
-        # Something moved, and owners split the matrices' elements roughly evenly (under
-        # hybrid sharding within each shard group, replicas alike).
+        # Something moved, and every owner got a share of the work (the same costs on
+        # every rank: under hybrid sharding each shard group assigns alike).
         assert any(m.get("all_to_all") for r in results for m in r["moved"])
-        owned = [r["owned"] for r in results]
-        assert min(owned) > 0, owned
-        if _hybrid(scenario):
-            assert owned == owned[:HYBRID_SHARD_SIZE] * (len(owned) // HYBRID_SHARD_SIZE), owned
+        costs = [r["costs"] for r in results]
+        assert min(costs[0]) > 0, costs
+        assert all(c == costs[0] for c in costs), costs
 
 
 @pytest.mark.parametrize("backend", [FAIRSCALE, backend_param(FSDP2), BackendConfig("ddp")])
 def test_muon_as_torch_ships_it(dist_pool: PoolFactory, backend: BackendConfig) -> None:
-    """One step of Muon with its own bfloat16 iteration, unpatched: within
-    :data:`BFLOAT16_TOLERANCE` of the reference."""
+    """One step of Muon with its own bfloat16 iteration, unpatched (stacked per shape on
+    the owners, torch's per matrix in the reference), with expert tensors cut per
+    expert and per head: within :data:`BFLOAT16_TOLERANCE` of the reference."""
     scenario = backend.scenario(GATED, world_size=2)
-    run = ww.MuonRun(scenario, steps=(0, 1))
+    run = ww.MuonRun(scenario, steps=(0, 1), experts=3, heads=5)
     results = dist_pool(2).run(ww.distributed, run, timeout=TIMEOUT)
     _check(results, ww.reference(run), scenario, BFLOAT16_TOLERANCE)
 
@@ -189,7 +193,10 @@ def test_refusals_name_the_culprit_on_every_rank(dist_pool: PoolFactory, world_s
     scenario = FAIRSCALE.scenario(Scenario(), world_size=world_size)
     results = dist_pool(scenario.world_size).run(ww.refusals, scenario, timeout=TIMEOUT)
     for messages in results:
-        assert len(messages) == 3, messages
+        assert len(messages) == 6, messages
         assert "Muon refuses parameter 'stem.bias'" in messages[0]
         assert "not an original parameter" in messages[1]
         assert "LBFGS needs a closure" in messages[2]
+        assert "heads=3 for parameter 'stem.weight'" in messages[3]
+        assert "heads= names 'nothing.weight'" in messages[4]
+        assert "stacked=True orthogonalises as torch.optim.Muon" in messages[5]
