@@ -226,6 +226,16 @@ def _optim_state_dict(
 ) -> dict[str, Any]:
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for optimizer in optimizers:
+        if isinstance(optimizer, optim_state.ConsolidatesItself):
+            # flatview.optim.Whole: its state is made eagerly (priming it would run a
+            # step), and it lives on the owners, whole: it builds both forms itself.
+            if info.full_state_dict:
+                part = optimizer.consolidated_state_dict(rank0_only=info.cpu_offload)
+            else:
+                part = optimizer.sharded_state_dict(cpu_offload=info.cpu_offload)
+            merged["state"].update(part["state"])
+            merged["param_groups"].extend(part["param_groups"])
+            continue
         _prime(optimizer)
         if info.full_state_dict:
             part = fv.optim_state_dict(optimizer, rank0_only=info.cpu_offload)

@@ -5,6 +5,7 @@ gradient and update element at most once, and consolidates its state by name."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from tests import whole_workers as ww
 from tests.scenarios import (
     BACKENDS,
+    DDP,
     FAIRSCALE,
     FSDP2,
     GATED,
@@ -200,3 +202,88 @@ def test_refusals_name_the_culprit_on_every_rank(dist_pool: PoolFactory, world_s
         assert "heads=3 for parameter 'stem.weight'" in messages[3]
         assert "heads= names 'nothing.weight'" in messages[4]
         assert "stacked=True orthogonalises as torch.optim.Muon" in messages[5]
+
+
+CHECKPOINT_SPLIT = 1
+"""Saved after the first step of GATED, which skips ``body.1`` (and ``body.2.gate``,
+``body.3.gate``, ``aux``): those matrices have had no gradient when the checkpoint is
+written, so only eagerly made state describes them alike on every rank."""
+
+
+def _same_state(got: dict, want: dict) -> None:
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for name, entry in want["state"].items():
+        assert sorted(got["state"][name]) == sorted(entry), name
+        for key, value in entry.items():
+            np.testing.assert_array_equal(
+                np.asarray(got["state"][name][key]), np.asarray(value), err_msg=f"{name} {key}"
+            )
+
+
+@pytest.mark.parametrize(
+    ("backend", "before", "after", "optimizer"),
+    [
+        backend_param(FAIRSCALE, 2, 3, "muon"),
+        backend_param(BackendConfig("torch"), 3, 2, "muon", marks=[pytest.mark.slow]),
+        backend_param(FSDP2, 4, 1, "muon"),
+        backend_param(DDP, 2, 4, "muon", slow=True),
+        backend_param(FAIRSCALE, 2, 4, "adamw", slow=True),
+    ],
+)
+def test_checkpoint_resumes_at_another_world_size(
+    dist_pool: PoolFactory,
+    backend: BackendConfig,
+    before: int,
+    after: int,
+    optimizer: str,
+    tmp_path: Path,
+) -> None:
+    """flatview.checkpoint + DCP, sharded and full, of Whole (Muon over 3-D experts cut
+    per expert, or AdamW) and AdamW: saved at one world size after a step that left some
+    matrices without a gradient, resumed at another, equal to an uninterrupted run (the
+    single-process reference); the state loaded is the state saved."""
+
+    # The same global batch of 12 at every world size.
+    def at(world: int) -> ww.MuonRun:
+        scenario = replace(
+            backend.scenario(GATED, world_size=world),
+            skips=GATED.skips[:4],
+            batch_per_rank=12 // world,
+        )
+        return ww.MuonRun(scenario, float32=True, experts=2)
+
+    paths = {False: str(tmp_path / "sharded"), True: str(tmp_path / "full")}
+    first = dist_pool(before).run(
+        ww.checkpoint_and_train_on,
+        at(before),
+        paths,
+        CHECKPOINT_SPLIT,
+        optimizer,
+        timeout=TIMEOUT,
+    )[0]
+    want = ww.reference(at(before))["params"] if optimizer == "muon" else first["params"]
+    # Writing the checkpoint changed nothing (flatview.checkpoint once primed Whole with a
+    # learning-rate-0 step, which decayed its momentum).
+    compare(first["params"], want, TOLERANCE)
+    for full, path in paths.items():
+        resumed = dist_pool(after).run(
+            ww.resume_from_checkpoint,
+            at(after),
+            path,
+            full,
+            CHECKPOINT_SPLIT,
+            optimizer,
+            timeout=TIMEOUT,
+        )[0]
+        _same_state(resumed["loaded"], first["saved"])
+        compare(resumed["params"], want, TOLERANCE)
+
+
+def test_sharded_checkpoint_refuses_lazy_state(dist_pool: PoolFactory) -> None:
+    """Whole over an optimizer whose state flatview cannot make eagerly (SGD): a fresh one
+    would have nothing for DCP to load into, so the sharded form is refused on every
+    rank, naming the way out."""
+    run = ww.MuonRun(FAIRSCALE.scenario(GATED, world_size=2))
+    for message in dist_pool(2).run(ww.sharded_refused_for_lazy_state, run, timeout=TIMEOUT):
+        assert "makes its state lazily" in message and "full_state_dict=True" in message

@@ -45,7 +45,8 @@ class ExpertBlock(Block):
     def __init__(self, width: int, inner: int, norm: bool, gate: bool, experts: int) -> None:
         super().__init__(width, inner, norm, gate)
         self.experts = nn.Parameter(torch.randn(experts, width, width) / max(width, 1) ** 0.5)
-        self.register_buffer("mix", 1.0 / torch.arange(1, experts + 1, dtype=torch.float32))
+        mix = 1.0 / torch.arange(1, experts + 1, dtype=torch.float32)
+        self.register_buffer("mix", mix, persistent=False)
 
     def forward(self, x: torch.Tensor, gated: bool = True, experts: bool = True) -> torch.Tensor:
         out = super().forward(x, gated)
@@ -375,3 +376,118 @@ def refusals(scenario: Scenario) -> list[str]:
         # Still usable afterwards: the refusals ran no collective.
         Whole(torch.optim.Muon, fv, matrices).step()
     return messages
+
+
+# ------------------------------------------------------------------- checkpoints
+
+
+def _train(
+    run: MuonRun, model: Any, fv: flatview.FlatView, opts: Sequence[Any], steps: Sequence[range]
+) -> None:
+    sc = run.scenario
+    for micros in steps:
+        synced_backward(sc, model, fv, micros)
+        for opt in opts:
+            opt.step()
+        for opt in opts:
+            opt.zero_grad(set_to_none=sc.set_to_none)
+
+
+def _options(full: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full)
+
+
+def checkpoint_and_train_on(
+    run: MuonRun, paths: dict[bool, str], split: int, optimizer: str = "muon"
+) -> dict[str, Any]:
+    """Train ``split`` steps, save model and optimizers with flatview.checkpoint + DCP
+    (sharded to ``paths[False]``, full to ``paths[True]``), train on to the end: the
+    consolidated state at the save and the final parameters (rank 0). ``optimizer``:
+    ``"muon"``, or ``"adamw"`` (``Whole(torch.optim.AdamW)`` on the matrices)."""
+    import torch.distributed.checkpoint as dcp
+
+    import flatview.checkpoint as fcp
+
+    sc = run.scenario
+    with backend_context(sc.backend), newton_schulz(run):
+        net = make_whole_net(run)
+        names = [n for n, _ in net.named_parameters()]
+        model, fv, _ = distributed_model(sc, net)
+        opts = _checkpointed_optimizers(run, fv, optimizer)
+        steps = run.chosen()
+        _train(run, model, fv, opts, steps[:split])
+        saved = fv.optim_state_dict(opts[0])
+        for full, path in paths.items():
+            model_sd, optim_sd = fcp.get_state_dict(fv, model, opts, options=_options(full))
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        # Reading the state for a checkpoint changed nothing: training goes on as if not.
+        _train(run, model, fv, opts, steps[split:])
+        return {"saved": saved, "params": full_state(model, sc, names)}
+
+
+def resume_from_checkpoint(
+    run: MuonRun, path: str, full: bool, split: int, optimizer: str = "muon"
+) -> dict[str, Any]:
+    """A fresh model, flatview and optimizers (at this run's world size and backend)
+    loaded from ``path``, then trained from step ``split`` on: the consolidated state
+    right after the load, the final parameters (rank 0)."""
+    import torch.distributed.checkpoint as dcp
+
+    import flatview.checkpoint as fcp
+
+    sc = run.scenario
+    with backend_context(sc.backend), newton_schulz(run):
+        net = make_whole_net(run)
+        names = [n for n, _ in net.named_parameters()]
+        model, fv, _ = distributed_model(sc, net)
+        opts = _checkpointed_optimizers(run, fv, optimizer)
+        model_sd, optim_sd = fcp.get_state_dict(fv, model, opts, options=_options(full))
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        fcp.set_state_dict(
+            fv,
+            model,
+            opts,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=_options(full),
+        )
+        loaded = fv.optim_state_dict(opts[0])
+        _train(run, model, fv, opts, run.chosen()[split:])
+        return {"loaded": loaded, "params": full_state(model, sc, names)}
+
+
+def _checkpointed_optimizers(run: MuonRun, fv: flatview.FlatView, optimizer: str) -> list[Any]:
+    """Whole over Muon (or AdamW) on the matrices, Whole over AdamW on the rest: both make
+    their state eagerly. (A plain AdamW over views makes it lazily: a parameter without a
+    gradient before the save has no state then, but has some in a fresh optimizer that
+    flatview.checkpoint primes with a step, and DCP's load misses it.)"""
+    muon, _, matrices = whole_optimizer(run, fv)
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in fv.parameters() if p.requires_grad and id(p) not in chosen]
+    adamw = Whole(torch.optim.AdamW, fv, rest, lr=0.01)
+    if optimizer == "muon":
+        return [muon, adamw]
+    return [Whole(torch.optim.AdamW, fv, matrices, lr=0.01, overlap=run.overlap), adamw]
+
+
+def sharded_refused_for_lazy_state(run: MuonRun) -> str:
+    """``Whole(torch.optim.SGD)`` (state made lazily) in the sharded checkpoint form: the
+    error, on every rank alike (raised before any collective)."""
+    import flatview.checkpoint as fcp
+
+    sc = run.scenario
+    with backend_context(sc.backend):
+        model, fv, _ = distributed_model(sc, make_whole_net(run))
+        matrices = [p for _, p in fv.named_parameters() if is_matrix(fv.shape_of(p))]
+        sgd = Whole(torch.optim.SGD, fv, matrices, lr=0.1, momentum=0.9)
+        try:
+            fcp.get_state_dict(fv, model, [sgd], options=_options(False))
+        except flatview.OptimStateError as err:
+            message = str(err)
+        else:
+            message = ""
+        # Nothing was left half done: the full form works.
+        fcp.get_state_dict(fv, model, [sgd], options=_options(True))
+        return message
