@@ -8,24 +8,28 @@ unmodified torch optimizer on whole matrices over the shards:
 
 * Each parameter is stepped as one or more matrices (a 3-D expert tensor as one per
   expert, attention projections per head with ``heads=``; see
-  :mod:`flatview.whole_members`). Every matrix has one *owner* rank. A matrix whose
-  elements all live on one rank (a FULL view, or a replicated one: DDP, ``NO_SHARD``) is
-  stepped where it lives, in place: nothing is communicated. A matrix spread over
-  several ranks goes to an owner chosen by the cost of its Newton-Schulz iteration
-  (``m * n * min(m, n)``), largest first onto the least loaded rank, which keeps a
-  *whole copy* of it and the inner optimizer's state for it: memory stays sharded.
-* A step sends each holder's slices of the spread matrices' gradients to their owners
-  and every holder its slices of the updated values back, by all-to-alls
+  :mod:`flatview.whole_members`). Every matrix has one *owner* rank, chosen by the cost
+  of its Newton-Schulz iteration (``m * n * min(m, n)``), largest first: the rank that
+  holds it (or most of it) while that rank's cost stays near the mean, the least loaded
+  rank otherwise. A matrix its owner holds wholly (a FULL view; every matrix on DDP,
+  ``NO_SHARD`` or one rank, where each rank steps its own copy) is stepped in place:
+  nothing is communicated. A matrix that *travels* (its owner lacks some of it) is
+  stepped on a *whole copy* the owner keeps with the inner optimizer's state: memory
+  stays sharded.
+* A step sends each holder's slices of the travelling matrices' gradients to their
+  owners and every holder its slices of the updated values back, by all-to-alls
   (:mod:`flatview.whole_exchange`); an owner's own slice never travels, so each element
-  crosses the network at most once each way. The spread matrices are cut into buckets:
-  all inbound exchanges start at once, and while the owner steps one bucket the next
-  bucket's gradients and the last bucket's updates travel (``overlap=False``: one
-  exchange each way, then the whole step, as the first version did). Matrices held
-  wholly here are stepped while the first bucket travels.
+  crosses the network at most once each way. With ``overlap`` (the default on
+  accelerators) the travelling matrices are cut into buckets: all inbound exchanges
+  start at once, matrices held wholly here are stepped while they travel, and while
+  the owner steps one bucket the next bucket's gradients and the last bucket's updates
+  travel. Without it (the default on CPUs, where measured it gained nothing: gloo's
+  threads and the owners' steps share the same cores) one exchange goes each way
+  around the whole step.
 * Owners step same-shape matrices together: with ``torch.optim.Muon`` through
   :func:`flatview.whole_stacked.stacked_muon_step` (one batched Newton-Schulz per shape,
   torch's arithmetic; ``stacked=False`` runs ``Muon.step`` itself).
-* A tiny all-reduce first tells every rank which parameters with spread matrices have a
+* A tiny all-reduce first tells every rank which parameters with travelling matrices have a
   gradient anywhere (skipped and frozen ones have none: no communication, the inner
   optimizer leaves them alone, as torch's would) and whether any holder's piece changed
   outside this optimizer since its last step (a model ``load_state_dict``, a write
@@ -36,7 +40,7 @@ unmodified torch optimizer on whole matrices over the shards:
 Tensor roles (beside those of :mod:`flatview.views`)
 ----------------------------------------------------
 whole copy
-    The owner's full-shape tensor of a spread matrix: what the inner optimizer steps.
+    The owner's full-shape tensor of a travelling matrix: what the inner optimizer steps.
 whole gradient
     Its gradient for one step, assembled from every holder's slice, freed after the step.
 alias
@@ -102,7 +106,7 @@ class Whole(torch.optim.Optimizer):
             blocks, each stepped as a matrix of its own (per-head Muon for query, key and
             value projections, whose rows are heads times head size).
         overlap: pipeline the exchanges with the owners' steps (see the module
-            docstring); ``False``: one exchange each way around the whole step.
+            docstring); by default on accelerators, not on CPUs.
         stacked: orthogonalise same-shape matrices together
             (:mod:`flatview.whole_stacked`); by default for ``torch.optim.Muon``
             itself, which is the only optimizer it applies to.
@@ -124,7 +128,7 @@ class Whole(torch.optim.Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         *,
         heads: Mapping[torch.Tensor | str, int] | None = None,
-        overlap: bool = True,
+        overlap: bool | None = None,
         stacked: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -141,7 +145,7 @@ class Whole(torch.optim.Optimizer):
             )
         self.fv = fv
         self.optimizer_cls = optimizer_cls
-        self.overlap = overlap
+        self.overlap = fv.adapter.device.type != "cpu" if overlap is None else overlap
         self.stacked = optimizer_cls is torch.optim.Muon if stacked is None else stacked
         self.ledger = Ledger()
         """Bytes and calls of the last :meth:`step`'s collectives."""
@@ -176,14 +180,16 @@ class Whole(torch.optim.Optimizer):
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
         probe(optimizer_cls, by_group, hyper, optimizer_kwargs)
         self._owner_costs = assign_owners(self._matrices, self._world)
-        self._spread = [m for m in self._matrices if m.spread]
-        self._spread_members = [p for p in self._members if any(m.spread for m in p.matrices)]
-        for m in self._spread:
+        self._travelling = [m for m in self._matrices if m.travels]
+        self._travelling_members = [p for p in self._members if any(m.travels for m in p.matrices)]
+        for m in self._travelling:
             if m.owner == self._rank:
                 like = local_tensor(m.member.tensor)
                 m.whole = nn.Parameter(torch.zeros(m.shape, dtype=like.dtype, device=like.device))
-        self._buckets = buckets(self._spread, self._world) if self.overlap else [self._spread]
-        # The inner optimizer over what this rank steps: whole copies of the spread
+        self._buckets = (
+            buckets(self._travelling, self._world) if self.overlap else [self._travelling]
+        )
+        # The inner optimizer over what this rank steps: whole copies of the travelling
         # matrices it owns, and aliases of those wholly here.
         inner_groups = [
             {
@@ -214,8 +220,8 @@ class Whole(torch.optim.Optimizer):
         # param_groups over the views, with the inner optimizer's defaults filled in (LR
         # schedulers change them there; every step copies them to the inner groups).
         super().__init__(user_groups, self.inner.defaults)
-        if self._spread:
-            self._exchange(self._spread, Kind.VALUE, async_op=False)
+        if self._travelling:
+            self._exchange(self._travelling, Kind.VALUE, async_op=False)
             self._note_checksums()
 
     # ---------------------------------------------------------------- building
@@ -280,7 +286,7 @@ class Whole(torch.optim.Optimizer):
         """What this rank's inner optimizer steps for ``m`` (nothing or one tensor)."""
         if m.whole is not None:
             return [m.whole]
-        if m.owner not in (EVERY_RANK, self._rank) or m.spread:
+        if m.owner not in (EVERY_RANK, self._rank) or m.travels:
             return []
         if m.alias is None:
             # Always an alias, also of a plain parameter of the matrix's shape: its
@@ -308,8 +314,8 @@ class Whole(torch.optim.Optimizer):
             for key, value in group.items():
                 if key != "params":
                     inner[key] = value
-        local = [m for m in self._matrices if not m.spread and m.alias is not None]
-        if not self._spread:
+        local = [m for m in self._matrices if not m.travels and m.alias is not None]
+        if not self._travelling:
             self._step_inner(local, bind=True)
             return
         moving = self._agree_on_flags()
@@ -336,10 +342,10 @@ class Whole(torch.optim.Optimizer):
         self._note_checksums()
 
     def _agree_on_flags(self) -> list[Matrix]:
-        """All-reduce, per member with spread matrices, (has a gradient here, its piece
+        """All-reduce, per member with travelling matrices, (has a gradient here, its piece
         changed outside this optimizer); refresh the whole copies of changed ones.
-        Returns the spread matrices of members with a gradient anywhere."""
-        members = self._spread_members
+        Returns the travelling matrices of members with a gradient anywhere."""
+        members = self._travelling_members
         flags = torch.zeros(2 * len(members), dtype=torch.int32, device=self._device)
         for position, member in enumerate(members):
             flags[2 * position] = member.tensor.grad is not None
@@ -353,9 +359,9 @@ class Whole(torch.optim.Optimizer):
         with_grad = {id(p) for i, p in enumerate(members) if found[2 * i]}
         stale = {id(p) for i, p in enumerate(members) if found[2 * i + 1]}
         if stale:
-            refresh = [m for m in self._spread if id(m.member) in stale]
+            refresh = [m for m in self._travelling if id(m.member) in stale]
             self._exchange(refresh, Kind.VALUE, async_op=False)
-        return [m for m in self._spread if id(m.member) in with_grad]
+        return [m for m in self._travelling if id(m.member) in with_grad]
 
     def _transfer(self, matrices: Sequence[Matrix], kind: Kind) -> Transfer:
         """One asynchronous transfer of one bucket (one dtype)."""
@@ -416,7 +422,7 @@ class Whole(torch.optim.Optimizer):
             tensor.grad = None
 
     def _note_checksums(self) -> None:
-        for member in self._spread_members:
+        for member in self._travelling_members:
             piece = member.local(member.tensor)
             member.checksum = checksum(piece) if piece is not None else None
 
@@ -425,7 +431,7 @@ class Whole(torch.optim.Optimizer):
     @property
     def owner_costs(self) -> list[int]:
         """Per rank of the exchange group, the Newton-Schulz cost (``m * n * min(m, n)``
-        summed) of the matrices it owns, spread or held wholly; the same on every rank.
+        summed) of the matrices it owns, travelling or held; the same on every rank.
         ``max / mean`` is how evenly the owners' steps are balanced."""
         return list(self._owner_costs)
 
@@ -506,6 +512,6 @@ class Whole(torch.optim.Optimizer):
         owned = sum(m.numel for m in self._matrices if m.owner == self._rank)
         return (
             f"Whole({self.optimizer_cls.__name__}, params={len(self._members)}, "
-            f"matrices={len(self._matrices)}, spread={len(self._spread)}, "
+            f"matrices={len(self._matrices)}, travelling={len(self._travelling)}, "
             f"owned_elements={owned}, rank={self._rank})"
         )

@@ -1,7 +1,7 @@
-"""The exchanges of :class:`flatview.optim.Whole`: slices of spread matrices between their
-holders and their owners, and the buckets that pipeline them.
+"""The exchanges of :class:`flatview.optim.Whole`: slices of travelling matrices between
+their holders and their owners, and the buckets that pipeline them.
 
-A :class:`Transfer` is one all-to-all of one :class:`Kind` over a set of spread matrices
+A :class:`Transfer` is one all-to-all of one :class:`Kind` over travelling matrices
 (:func:`flatview.comm.slices.start_all_to_all`):
 
 * ``VALUE`` and ``GRAD`` go in: every holder sends each matrix's owner its slice of the
@@ -10,8 +10,8 @@ A :class:`Transfer` is one all-to-all of one :class:`Kind` over a set of spread 
 * ``UPDATE`` goes out: each owner sends every holder its slice of the stepped whole
   copy, and writes its own slice in place.
 
-Each element crosses the network at most once each way. :func:`buckets` cuts the spread
-matrices into the buckets a pipelined step exchanges one by one: in the owners' order
+Each element crosses the network at most once each way. :func:`buckets` cuts the
+travelling matrices into the buckets a pipelined step exchanges one by one: in the owners' order
 (largest cost first, so that same-shape matrices sit together and every bucket gives
 every owner a share of the work), one dtype per bucket.
 """
@@ -30,7 +30,7 @@ from flatview.local_tensors import local_tensor
 from flatview.whole_members import Matrix
 
 BUCKETS = 4
-"""Buckets a pipelined step cuts the spread matrices into (fewer when there are fewer
+"""Buckets a pipelined step cuts the travelling matrices into (fewer when there are fewer
 than ``BUCKETS`` times the world size): the Newton-Schulz iterations of one overlap the
 exchanges of the others; the first inbound and the last outbound one are exposed."""
 
@@ -43,12 +43,15 @@ class Kind(enum.Enum):
     UPDATE = "update"
 
 
-def buckets(spread: Sequence[Matrix], world: int, count: int = BUCKETS) -> list[list[Matrix]]:
-    """The spread matrices in buckets of about equal cost (at least ``world`` matrices
+def buckets(
+    travelling: Sequence[Matrix], world: int, count: int | None = None
+) -> list[list[Matrix]]:
+    """The travelling matrices in buckets of about equal cost (at least ``world`` matrices
     each), one dtype per bucket, in decreasing cost (the order owners were assigned)."""
+    count = BUCKETS if count is None else count
     out: list[list[Matrix]] = []
     by_dtype: dict[torch.dtype, list[Matrix]] = {}
-    for m in spread:
+    for m in travelling:
         by_dtype.setdefault(m.member.tensor.dtype, []).append(m)
     for _, matrices in sorted(by_dtype.items(), key=lambda item: str(item[0])):
         ordered = sorted(matrices, key=lambda m: (-m.cost, m.member.name, m.number))

@@ -13,13 +13,15 @@ more :class:`Matrix` es, each a run of whole rows of the flattened parameter:
 
 Each matrix has one *owner*, the rank that steps it whole. This module holds the records,
 the owner assignment (:func:`assign_owners`: by the cost of orthogonalising, largest
-first, onto the least loaded rank; the same on every rank), the probe that builds the
+first, kept where it is held while that rank is not overloaded, else onto the least
+loaded rank; the same on every rank), the probe that builds the
 inner optimizer over meta tensors so that a refused parameter is named on every rank alike
 (:func:`probe`), and the small helpers of change detection.
 
-Words used here and in :mod:`flatview.whole`: a matrix is *spread* when several ranks
-hold elements of it (its owner then keeps a *whole copy*); a rank's *slice* of a matrix
-is the part of the matrix inside that rank's piece of the parameter.
+Words used here and in :mod:`flatview.whole`: a matrix *travels* when its owner does not
+hold all of it (its owner then keeps a *whole copy*, and the other holders' slices go to
+it and back); a rank's *slice* of a matrix is the part of the matrix inside that rank's
+piece of the parameter.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class Matrix:
     owner: int = EVERY_RANK
     """The rank that steps it; :data:`EVERY_RANK` for a replicated one."""
     whole: nn.Parameter | None = None
-    """The whole copy, on the owner of a spread matrix only."""
+    """The whole copy, on the owner of a travelling matrix only."""
     alias: torch.Tensor | None = None
     """Where this rank holds all of the matrix in another tensor (a piece of a view,
     a 1-D view of torch's, an expert of a 3-D parameter, FSDP2's local tensor): a leaf
@@ -102,9 +104,13 @@ class Matrix:
         return self.span[1] - self.span[0]
 
     @property
-    def spread(self) -> bool:
-        """Several ranks hold elements of it: its owner keeps a whole copy."""
-        return self.member.placement.sharded and sum(1 for s, e in self.slices if e > s) > 1
+    def travels(self) -> bool:
+        """Its owner does not hold all of it: slices travel to the owner and back, and
+        the owner keeps a whole copy."""
+        if self.owner == EVERY_RANK:
+            return False
+        start, end = self.slices[self.owner]
+        return end - start != self.numel
 
     @property
     def cost(self) -> int:
@@ -193,31 +199,36 @@ def _matrix(member: Member, number: int, span: Interval, shape: torch.Size, worl
     return Matrix(member, number, span, shape, tuple(slices))
 
 
-def holders(matrix: Matrix) -> list[int]:
-    return [r for r, (s, e) in enumerate(matrix.slices) if e > s]
+BALANCE_SLACK = 0.05
+"""How far above the mean cost a rank may own matrices it holds before they go to the
+least loaded rank instead (each costs its bytes twice then: gradient in, update out)."""
 
 
 def assign_owners(matrices: Sequence[Matrix], world: int) -> list[int]:
-    """Owners for every matrix, the same on every rank: a replicated one is stepped
-    everywhere, one held wholly by one rank there; spread ones go, in decreasing cost
-    (longest processing time first), to the rank with the least cost so far, among
-    equally loaded ranks the one holding most of it (its slice need not travel).
+    """Owners for every matrix, the same on every rank. A replicated one is stepped
+    everywhere. The others, in decreasing cost (longest processing time first), stay
+    with the rank holding most of them while its cost stays within
+    :data:`BALANCE_SLACK` of the mean (nothing, or the least, travels), and go to the
+    least loaded rank otherwise (among equally loaded ones, the one holding most of it).
     Returns the cost each rank owns."""
     load = [0] * world
-    spread = []
+    placed = []
     for m in matrices:
-        held = holders(m)
-        if not m.member.placement.sharded:
-            m.owner = EVERY_RANK
-        elif len(held) <= 1:
-            m.owner = held[0] if held else 0
-            load[m.owner] += m.cost
+        if m.member.placement.sharded:
+            placed.append(m)
         else:
-            spread.append(m)
-    for m in sorted(spread, key=lambda m: (-m.cost, m.member.name, m.number)):
-        least = min(load)
-        tied = [r for r in range(world) if load[r] == least]
-        m.owner = max(tied, key=lambda r: (m.slices[r][1] - m.slices[r][0], -r))
+            m.owner = EVERY_RANK
+    cap = sum(m.cost for m in placed) / world * (1 + BALANCE_SLACK)
+    for m in sorted(placed, key=lambda m: (-m.cost, m.member.name, m.number)):
+        held = [m.slices[r][1] - m.slices[r][0] for r in range(world)]
+        home = max(range(world), key=lambda r: (held[r], -r))
+        if load[home] + m.cost <= cap:
+            m.owner = home
+        else:
+            least = min(load)
+            m.owner = max(
+                (r for r in range(world) if load[r] == least), key=lambda r: (held[r], -r)
+            )
         load[m.owner] += m.cost
     return load
 
