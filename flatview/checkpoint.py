@@ -57,7 +57,7 @@ form) and ``flatten_optimizer_state_dict``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -79,6 +79,18 @@ __all__ = [
     "set_optimizer_state_dict",
     "set_state_dict",
 ]
+
+
+@runtime_checkable
+class ShardsItself(Protocol):
+    """An optimizer that builds both forms of its state itself
+    (:class:`flatview.optim.Whole`): never primed, its state is made eagerly."""
+
+    def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """The full form (what :meth:`flatview.FlatView.optim_state_dict` returns)."""
+
+    def sharded_state_dict(self, *, cpu_offload: bool = False) -> dict[str, Any]:
+        """The sharded form, ``ShardedTensor`` s over its own state tensors."""
 
 
 class IncompatibleKeys(NamedTuple):
@@ -226,7 +238,7 @@ def _optim_state_dict(
 ) -> dict[str, Any]:
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for optimizer in optimizers:
-        if isinstance(optimizer, optim_state.ConsolidatesItself):
+        if isinstance(optimizer, ShardsItself):
             # flatview.optim.Whole: its state is made eagerly (priming it would run a
             # step), and it lives on the owners, whole: it builds both forms itself.
             if info.full_state_dict:

@@ -85,10 +85,6 @@ class ConsolidatesItself(Protocol):
     def load_consolidated_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """What :meth:`flatview.FlatView.load_optim_state_dict` does for it."""
 
-    def sharded_state_dict(self, *, cpu_offload: bool = False) -> dict[str, Any]:
-        """What :func:`flatview.checkpoint.get_state_dict` saves for it in the sharded
-        form (its state is made eagerly: nothing to prime)."""
-
 
 # ---------------------------------------------------------------- per-element state
 
