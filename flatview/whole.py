@@ -49,7 +49,6 @@ alias
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +60,7 @@ from flatview.backends.base import is_rank0
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
 from flatview.local_tensors import local_tensor
-from flatview.whole_exchange import Kind, Transfer, buckets
+from flatview.whole_exchange import Kind, Transfer, buckets, check_same_everywhere
 from flatview.whole_members import (
     EVERY_RANK,
     Matrix,
@@ -212,7 +211,13 @@ class Whole(torch.optim.Optimizer):
             fv.placement(p).sharded for _, p in fv.named_parameters()
         )
         if self._sharded:
-            self._check_same_everywhere(failure)
+            facts = (
+                [(m.name, tuple(m.shape), m.group, str(m.tensor.dtype)) for m in self._members],
+                sorted(self._heads.items()),
+                self.overlap,
+                self.stacked,
+            )
+            check_same_everywhere(repr(facts), failure, optimizer_cls.__name__, self._group)
         if failure is not None:
             raise OptimStateError(
                 f"{optimizer_cls.__name__} could not be built over this rank's part: {failure}"
@@ -254,34 +259,6 @@ class Whole(torch.optim.Optimizer):
         rank = self._rank if placement.sharded else 0
         return Member(fv.table.name(index), tensor, placement, group, rank, pieces)
 
-    def _check_same_everywhere(self, failure: Exception | None) -> None:
-        description = repr(
-            (
-                [(m.name, tuple(m.shape), m.group, str(m.tensor.dtype)) for m in self._members],
-                sorted(self._heads.items()),
-                self.overlap,
-                self.stacked,
-            )
-        )
-        digest = hashlib.blake2b(description.encode(), digest_size=8).hexdigest()
-        mine = (digest, None if failure is None else f"{type(failure).__name__}: {failure}")
-        everyone: list[Any] = [None] * self._world
-        dist.all_gather_object(everyone, mine, group=self._group)
-        failed = [(r, message) for r, (_, message) in enumerate(everyone) if message]
-        if failed:
-            rank, message = failed[0]
-            raise OptimStateError(
-                f"{self.optimizer_cls.__name__} could not be built on rank {rank}: {message}"
-            ) from failure
-        digests = [d for d, _ in everyone]
-        if len(set(digests)) > 1:
-            differ = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise OptimStateError(
-                f"ranks built flatview.optim.Whole over different parameters or options "
-                f"(rank(s) {differ} differ from rank 0); every rank must pass the same "
-                "parameters in the same groups, with the same heads, overlap and stacked"
-            )
-
     def _run(self, m: Matrix) -> list[torch.Tensor]:
         """What this rank's inner optimizer steps for ``m`` (nothing or one tensor)."""
         if m.whole is not None:
@@ -315,15 +292,19 @@ class Whole(torch.optim.Optimizer):
                 if key != "params":
                     inner[key] = value
         local = [m for m in self._matrices if not m.travels and m.alias is not None]
+        self._bind(local)
         if not self._travelling:
-            self._step_inner(local, bind=True)
+            self._step_inner(local)
             return
         moving = self._agree_on_flags()
         if not self.overlap:
-            self._step_inner(local, bind=True)
+            # Every rank joins the inbound exchange right after the flags (not after
+            # stepping its own matrices first, which would make the exchange wait for
+            # the slowest rank's), then steps everything at once (one stack per shape).
             if moving:
                 self._exchange(moving, Kind.GRAD, async_op=False)
-                self._step_inner(moving)
+            self._step_inner([*local, *moving])
+            if moving:
                 self._exchange(moving, Kind.UPDATE, async_op=False)
         else:
             chosen = {id(m.member) for m in moving}
@@ -331,7 +312,7 @@ class Whole(torch.optim.Optimizer):
             parts = [b for b in parts if b]
             inbound_parts = [self._transfer(b, Kind.GRAD) for b in parts]
             # Matrices held wholly here are stepped while the first bucket travels.
-            self._step_inner(local, bind=True)
+            self._step_inner(local)
             outbound = []
             for bucket, transfer in zip(parts, inbound_parts, strict=True):
                 transfer.finish()
@@ -383,19 +364,21 @@ class Whole(torch.optim.Optimizer):
         for transfer in transfers:
             transfer.finish()
 
-    def _step_inner(self, matrices: Sequence[Matrix], *, bind: bool = False) -> None:
+    def _bind(self, matrices: Sequence[Matrix]) -> None:
+        """Point the aliases of ``matrices`` at their views' storage and gradient (the
+        storage can move, as on ``.to()``)."""
+        for m in matrices:
+            local = m.local(m.member.tensor)
+            assert local is not None and m.alias is not None
+            m.alias.data = local.view(m.shape)
+            grad = m.local(m.member.tensor.grad)
+            m.alias.grad = None if grad is None else grad.view(m.shape)
+
+    def _step_inner(self, matrices: Sequence[Matrix]) -> None:
         """Step the inner optimizer on those of ``matrices`` this rank steps and that
-        have a gradient, then drop their gradients. ``bind``: aliases, whose storage
-        and gradient are rebound to their views' first (the storage can move, as on
-        ``.to()``)."""
+        have a gradient, then drop their gradients."""
         tensors = []
         for m in matrices:
-            if bind:
-                local = m.local(m.member.tensor)
-                assert local is not None and m.alias is not None
-                m.alias.data = local.view(m.shape)
-                grad = m.local(m.member.tensor.grad)
-                m.alias.grad = None if grad is None else grad.view(m.shape)
             tensor = self._stepped(m)
             if tensor is not None and tensor.grad is not None:
                 tensors.append(tensor)

@@ -11,21 +11,26 @@ A :class:`Transfer` is one all-to-all of one :class:`Kind` over travelling matri
   copy, and writes its own slice in place.
 
 Each element crosses the network at most once each way. :func:`buckets` cuts the
-travelling matrices into the buckets a pipelined step exchanges one by one: in the owners' order
-(largest cost first, so that same-shape matrices sit together and every bucket gives
-every owner a share of the work), one dtype per bucket.
+travelling matrices into the buckets a pipelined step exchanges one by one: in the
+owners' order (largest cost first, so that same-shape matrices sit together and every
+bucket gives every owner a share of the work), one dtype per bucket.
+:func:`check_same_everywhere` is the construction's one exchange (every rank was given
+the same parameters and options).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from flatview.comm.consolidate import exchange
 from flatview.comm.ledger import Ledger
 from flatview.comm.slices import start_all_to_all
+from flatview.errors import OptimStateError
 from flatview.local_tensors import local_tensor
 from flatview.whole_members import Matrix
 
@@ -175,3 +180,27 @@ class Transfer:
 def _width(m: Matrix, rank: int) -> int:
     start, end = m.slices[rank]
     return max(end - start, 0)
+
+
+def check_same_everywhere(
+    facts: str, failure: Exception | None, name: str, group: dist.ProcessGroup | None
+) -> None:
+    """The one exchange of a ``Whole``'s construction: every rank's digest of ``facts``
+    (its parameters, groups and options) and what failed on it, so that every rank
+    raises alike when one failed or when ranks were given different facts (their
+    exchanges would not pair up)."""
+    digest = hashlib.blake2b(facts.encode(), digest_size=8).hexdigest()
+    mine = (digest, None if failure is None else f"{type(failure).__name__}: {failure}")
+    everyone = exchange(mine, group)
+    failed = [(r, message) for r, (_, message) in enumerate(everyone) if message]
+    if failed:
+        rank, message = failed[0]
+        raise OptimStateError(f"{name} could not be built on rank {rank}: {message}") from failure
+    digests = [d for d, _ in everyone]
+    if len(set(digests)) > 1:
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise OptimStateError(
+            f"ranks built flatview.optim.Whole over different parameters or options "
+            f"(rank(s) {differ} differ from rank 0); every rank must pass the same "
+            "parameters in the same groups, with the same heads, overlap and stacked"
+        )
