@@ -276,8 +276,12 @@ def matrix_value(member: Member, m: Matrix, key: Any, value: Any) -> Any:
     the parameter's elements, a ``ShardedTensor`` of :func:`sharded`, or a scalar)."""
     if is_sharded(value):
         return _from_shards(member, m, key, value)
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+    if not isinstance(value, torch.Tensor):
         return value
+    if value.dim() == 0:
+        # Each matrix its own: optimizers count in place (Adam's ``step += 1``), and a
+        # tensor shared by an expert tensor's matrices would count once per matrix.
+        return value.detach().clone()
     if value.numel() != member.placement.numel:
         raise OptimStateError(
             f"state {key!r} of parameter {member.name!r} has {value.numel()} elements, the "

@@ -18,6 +18,7 @@ from tests.scenarios import (
     DDP,
     FAIRSCALE,
     FSDP2,
+    FSDP2_HSDP,
     GATED,
     HYBRID_SHARD_SIZE,
     BackendConfig,
@@ -222,13 +223,19 @@ def _same_state(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "before", "after", "optimizer"),
+    ("backend", "before", "after", "optimizer", "resume_on"),
     [
-        backend_param(FAIRSCALE, 2, 3, "muon"),
-        backend_param(BackendConfig("torch"), 3, 2, "muon", marks=[pytest.mark.slow]),
-        backend_param(FSDP2, 4, 1, "muon"),
-        backend_param(DDP, 2, 4, "muon", slow=True),
-        backend_param(FAIRSCALE, 2, 4, "adamw", slow=True),
+        backend_param(FAIRSCALE, 2, 3, "muon", None),
+        backend_param(BackendConfig("torch"), 3, 2, "muon", None, slow=True),
+        backend_param(FSDP2, 4, 1, "muon", None),
+        backend_param(DDP, 2, 4, "muon", None, slow=True),
+        backend_param(FAIRSCALE, 2, 4, "adamw", None, slow=True),
+        # Hybrid sharding (a 2 x 2 grid) resumed on fairscale at 2 ranks, and back.
+        backend_param(BackendConfig("torch", "HYBRID_SHARD"), 4, 2, "muon", FAIRSCALE),
+        backend_param(FSDP2_HSDP, 4, 2, "muon", FAIRSCALE),
+        backend_param(
+            FAIRSCALE, 2, 4, "muon", BackendConfig("torch", "_HYBRID_SHARD_ZERO2"), slow=True
+        ),
     ],
 )
 def test_checkpoint_resumes_at_another_world_size(
@@ -237,17 +244,19 @@ def test_checkpoint_resumes_at_another_world_size(
     before: int,
     after: int,
     optimizer: str,
+    resume_on: BackendConfig | None,
     tmp_path: Path,
 ) -> None:
     """flatview.checkpoint + DCP, sharded and full, of Whole (Muon over 3-D experts cut
-    per expert, or AdamW) and AdamW: saved at one world size after a step that left some
-    matrices without a gradient, resumed at another, equal to an uninterrupted run (the
-    single-process reference); the state loaded is the state saved."""
+    per expert, or AdamW) and AdamW: saved at one world size (and backend) after a step
+    that left some matrices without a gradient, resumed at another, equal to an
+    uninterrupted run (the single-process reference); the state loaded is the state
+    saved."""
 
     # The same global batch of 12 at every world size.
-    def at(world: int) -> ww.MuonRun:
+    def at(config: BackendConfig, world: int) -> ww.MuonRun:
         scenario = replace(
-            backend.scenario(GATED, world_size=world),
+            config.scenario(GATED, world_size=world),
             skips=GATED.skips[:4],
             batch_per_rank=12 // world,
         )
@@ -256,20 +265,21 @@ def test_checkpoint_resumes_at_another_world_size(
     paths = {False: str(tmp_path / "sharded"), True: str(tmp_path / "full")}
     first = dist_pool(before).run(
         ww.checkpoint_and_train_on,
-        at(before),
+        at(backend, before),
         paths,
         CHECKPOINT_SPLIT,
         optimizer,
         timeout=TIMEOUT,
     )[0]
-    want = ww.reference(at(before))["params"] if optimizer == "muon" else first["params"]
+    reference = ww.reference(at(backend, before))["params"]
+    want = reference if optimizer == "muon" else first["params"]
     # Writing the checkpoint changed nothing (flatview.checkpoint once primed Whole with a
     # learning-rate-0 step, which decayed its momentum).
     compare(first["params"], want, TOLERANCE)
     for full, path in paths.items():
         resumed = dist_pool(after).run(
             ww.resume_from_checkpoint,
-            at(after),
+            at(resume_on or backend, after),
             path,
             full,
             CHECKPOINT_SPLIT,
