@@ -106,9 +106,10 @@ class Transfer:
         # The local tensor: slicing FSDP2's DTensor would communicate, on the ranks with
         # nothing to send only (a hang).
         like = local_tensor(matrices[0].member.tensor)
-        self._incoming, self._work = start_all_to_all(
+        self._incoming, self._work, sent = start_all_to_all(
             send, counts, like, group, ledger, async_op=async_op
         )
+        self._sent: torch.Tensor | None = sent
 
     def _plan_update(self, m: Matrix, send: list[list[torch.Tensor]]) -> None:
         if m.owner == self.rank:
@@ -165,6 +166,7 @@ class Transfer:
         """Wait for the all-to-all and put every received slice in place."""
         if self._work is not None:
             self._work.wait()
+        self._sent = None
         offset = 0
         for source, chunk in enumerate(self._receive):
             for m in chunk:

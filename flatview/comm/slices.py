@@ -26,11 +26,12 @@ def start_all_to_all(
     ledger: Ledger,
     *,
     async_op: bool,
-) -> tuple[torch.Tensor, dist.Work | None]:
+) -> tuple[torch.Tensor, dist.Work | None, torch.Tensor]:
     """Send ``outgoing[r]`` (1-D tensors, end to end) to rank ``r`` and receive
     ``incoming_counts[r]`` elements from it, in rank order, into one new 1-D tensor of
-    ``like``'s dtype and device. Returns it and the collective's handle (``None`` when
-    done already); read it only after ``wait()``."""
+    ``like``'s dtype and device. Returns it, the collective's handle (``None`` when done
+    already; read the result only after ``wait()``) and the packed input, which the
+    caller keeps alive until then."""
     send = torch.cat([t.reshape(-1) for chunk in outgoing for t in chunk] or [like.new_empty(0)])
     receive = send.new_empty(sum(incoming_counts))
     ledger.record("all_to_all", send)
@@ -42,4 +43,4 @@ def start_all_to_all(
         group=group,
         async_op=async_op,
     )
-    return receive, work
+    return receive, work, send
