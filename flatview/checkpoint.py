@@ -67,7 +67,7 @@ loading, before torch's model half).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -96,6 +96,18 @@ __all__ = [
     "set_optimizer_state_dict",
     "set_state_dict",
 ]
+
+
+@runtime_checkable
+class ShardsItself(Protocol):
+    """An optimizer that builds both forms of its state itself
+    (:class:`flatview.optim.Whole`): never primed, its state is made eagerly."""
+
+    def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """The full form (what :meth:`flatview.FlatView.optim_state_dict` returns)."""
+
+    def sharded_state_dict(self, *, cpu_offload: bool = False) -> dict[str, Any]:
+        """The sharded form, ``ShardedTensor`` s over its own state tensors."""
 
 
 # ------------------------------------------------------------------------ public API
@@ -275,10 +287,17 @@ def _optim_state_dict(
 ) -> dict[str, Any]:
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for optimizer in optimizers:
-        if isinstance(optimizer, optim_state.ConsolidatesItself):
-            part = _self_consolidated(fv, optimizer, info)
-        else:
-            part = _optimizer_part(fv, optimizer, info)
+        if isinstance(optimizer, ShardsItself):
+            # flatview.optim.Whole: its state is made eagerly (priming it would run a
+            # step), and it lives on the owners, whole: it builds both forms itself.
+            if info.full_state_dict:
+                part = optimizer.consolidated_state_dict(rank0_only=info.cpu_offload)
+            else:
+                part = optimizer.sharded_state_dict(cpu_offload=info.cpu_offload)
+            merged["state"].update(part["state"])
+            merged["param_groups"].extend(part["param_groups"])
+            continue
+        part = _optimizer_part(fv, optimizer, info)
         merged["state"].update(part["state"])
         merged["param_groups"].extend(part["param_groups"])
     if info.full_state_dict and info.cpu_offload and not is_rank0(fv.adapter):
@@ -316,16 +335,6 @@ def _optimizer_part(fv: FlatView, optimizer: torch.optim.Optimizer, info: Any) -
             if name not in part["state"] and id(tensor) in keys:
                 part["state"][name] = fresh_state.placeholder(keys[id(tensor)])
     return part
-
-
-def _self_consolidated(fv: FlatView, optimizer: Any, info: Any) -> dict[str, Any]:
-    """An optimizer that consolidates itself (:class:`flatview.optim.Whole`): its own
-    state by name. It keeps state for every parameter it holds, so it needs no
-    placeholders."""
-    _prime(optimizer)
-    if info.full_state_dict:
-        return fv.optim_state_dict(optimizer, rank0_only=info.cpu_offload)
-    return _sharded_optim_state(fv, optimizer, info.cpu_offload)
 
 
 def _prime(optimizer: torch.optim.Optimizer) -> None:
