@@ -30,6 +30,7 @@ from flatview.errors import (
     WrapError,
 )
 from flatview.handle import FlatView
+from flatview.integrations.frameworks import find_wrapper
 from flatview.phase import Phase
 from flatview.stats import StepStats
 
@@ -77,7 +78,10 @@ def wrap(
     Args:
         model: the outermost ``FullyShardedDataParallel`` module (fairscale's, or torch's
             FSDP1 with flat parameters or ``use_orig_params=True``), or a torch
-            ``DistributedDataParallel`` module.
+            ``DistributedDataParallel`` module; or a framework's object that holds one
+            (:func:`flatview.integrations.find_wrapper`): what Fabric's ``setup``
+            returns, a Lightning ``Trainer``, its strategy, or a LightningModule
+            attached to one (accelerate's ``prepare`` returns the wrapper itself).
         check_skip_agreement: in every :meth:`FlatView.step`, check with one tiny
             all-gather that all ranks passed the same skip set (turn off once you trust
             your sampler; the check can also be chosen per step). Iterations outside any
@@ -119,8 +123,10 @@ def wrap(
     Raises:
         WrapError: ``model`` is not an outermost FSDP model or a DDP model of a supported
             configuration (the message names what is not supported), or is already
-            wrapped.
+            wrapped; or it is a framework's object whose model the framework did not
+            distribute.
     """
+    model = find_wrapper(model)
     options = _options(reduce_options, Strategy(reduce_strategy), overlap_reduction)
     adapter = detect(model, compute_on_views, options)
     return FlatView(model, adapter, check_skip_agreement=check_skip_agreement)

@@ -15,6 +15,7 @@ order once the views are shown. The only change afterwards is
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -189,7 +190,7 @@ class ParamTable:
                     plain.shape,
                     plain.layout,
                     rank=plain.rank,
-                    whole_shard=plain.layout is not None and plain.whole_shard,
+                    padded_shard=plain.layout is not None and plain.padded_shard,
                 )
                 self.params.append(
                     ParamRecord(
@@ -279,6 +280,21 @@ class ParamTable:
             frozen = frozenset(i for i, t in enumerate(trainable) if not t)
             self._frozen = (trainable, frozen)
         return frozen
+
+    @functools.cached_property
+    def _empty_somewhere(self) -> bool:
+        return any(
+            (placement := p.placement).layout is not None
+            and not placement.padded_shard
+            and placement.numel > 0
+            and any(not placement.piece(r).numel for r in range(placement.layout.world_size))
+            for p in self.params
+        )
+
+    def empty_somewhere(self) -> bool:
+        """Whether some rank holds none of some parameter's elements (its view there is
+        empty, and gets no gradient): the same answer on every rank."""
+        return self._empty_somewhere
 
     def index_of(self, tensor: object) -> int | None:
         """The index of the original parameter ``tensor`` is (view or plain), if any."""

@@ -93,4 +93,3 @@ def bucket_layouts(keep_bytes: int) -> tuple[list[bool], bool]:
     kept = {id(b) for b in reduction._buffers.values()}
     current = all(id(whole._base) in kept for whole, _ in reduction._layouts.values())
     return checks, current and (keep_bytes > 0 or not reduction._layouts)
-
