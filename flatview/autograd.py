@@ -1,15 +1,21 @@
 """What flatview asks of autograd's engine, in one place: whether a backward is running
 on this thread (a forward then is a recomputation for activation checkpointing, not a new
-iteration), and a callback run once the whole backward is done.
+iteration), a callback run once the whole backward is done, and a gradient hook put on a
+tensor for one iteration at less cost than ``Tensor.register_hook``.
 
-Both are torch internals; the adapters check at wrap time that they exist
-(:func:`flatview.backends.internals.require_autograd_internals`)."""
+The first two are torch internals the adapters check at wrap time
+(:func:`flatview.backends.internals.require_autograd_internals`); the hook falls back to
+``register_hook`` where the internals it uses are missing."""
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 
 def in_backward() -> bool:
@@ -21,3 +27,48 @@ def at_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward running now has finished (every gradient
     accumulated, every hook run)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+_KEY = -1
+"""The key of :func:`hook_gradient`'s hook in a tensor's hook dictionary (torch's own
+keys count up from 0)."""
+
+Hooked = dict[Any, Any] | RemovableHandle
+"""Where :func:`hook_gradient` put a hook: the tensor's hook dictionary, or the handle
+``register_hook`` returned."""
+
+
+@functools.cache
+def _direct() -> bool:
+    """Whether this torch has the internals :func:`hook_gradient` uses (2.x: a tensor's
+    ``_backward_hooks`` and its autograd node's ``_register_hook_dict``)."""
+    probe = torch.zeros(1, requires_grad=True).view(1)
+    return hasattr(probe, "_backward_hooks") and hasattr(probe.grad_fn, "_register_hook_dict")
+
+
+def hook_gradient(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Hooked:
+    """Register ``hook`` on the gradient of ``tensor`` as ``Tensor.register_hook`` does
+    (a dictionary of hooks that the tensor's autograd node calls with the gradient), but
+    without the handle ``register_hook`` makes per call: the compute tensors of skipped
+    parameters get one each per forward (:mod:`flatview.guards`). Through
+    ``register_hook`` itself for a tensor of another class (``__torch_function__``, a
+    parameter), or without those internals. One such hook per tensor: a second keeps
+    the first (which would raise first)."""
+    if type(tensor) is not torch.Tensor or not _direct():
+        return tensor.register_hook(hook)
+    hooks = tensor._backward_hooks
+    if hooks is None:
+        hooks = tensor._backward_hooks = OrderedDict()
+        node = tensor.grad_fn
+        if node is not None:
+            node._register_hook_dict(tensor)
+    hooks.setdefault(_KEY, hook)
+    return hooks
+
+
+def unhook_gradient(hooked: Hooked) -> None:
+    """Remove a hook :func:`hook_gradient` put (again: a no-op)."""
+    if isinstance(hooked, dict):
+        hooked.pop(_KEY, None)
+    else:
+        hooked.remove()

@@ -9,7 +9,7 @@ parameters so that their gradient raises
   anew each forward, so their hooks are removed when the iteration ends). With half of
   a large model skipped these are thousands of hooks per step, so they are put in the
   tensor's hook dictionary directly, as ``Tensor.register_hook`` does but without its
-  per-call overhead (a third of the cost; :func:`_attach`);
+  per-call overhead (a third of the cost; :func:`flatview.autograd.hook_gradient`);
 * skipped plain parameters, which persist: each gets one hook, the first time it is
   skipped, that checks the iteration in flight when it fires (registering and removing
   hooks on every skipped parameter every step cost more than a check per gradient).
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from flatview.autograd import Hooked, hook_gradient, unhook_gradient
 from flatview.iteration import Iteration
 from flatview.phase import Phase
 from flatview.skip import skipped_used
@@ -59,45 +59,13 @@ def _refuse(name: str, grad: torch.Tensor) -> None:
     raise skipped_used(name)
 
 
-_KEY = -1
-"""The key of a guard in a tensor's hook dictionary (torch's own keys count up from 0)."""
-
-
-@functools.cache
-def _direct() -> bool:
-    """Whether this torch has the internals :func:`_attach` uses (2.x: a tensor's
-    ``_backward_hooks`` and its autograd node's ``_register_hook_dict``)."""
-    probe = torch.zeros(1, requires_grad=True).view(1)
-    return hasattr(probe, "_backward_hooks") and hasattr(probe.grad_fn, "_register_hook_dict")
-
-
-def _attach(
-    tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]
-) -> dict[Any, Any] | torch.utils.hooks.RemovableHandle:
-    """Register ``hook`` on ``tensor`` as ``Tensor.register_hook`` does (a dictionary of
-    hooks that its autograd node calls with the gradient), returning the dictionary to
-    remove it from (at :data:`_KEY`); through ``register_hook`` itself for a tensor of
-    another class (``__torch_function__``), or without those internals."""
-    if type(tensor) is not torch.Tensor or not _direct():
-        return tensor.register_hook(hook)
-    hooks = tensor._backward_hooks
-    if hooks is None:
-        hooks = tensor._backward_hooks = OrderedDict()
-        node = tensor.grad_fn
-        if node is not None:
-            node._register_hook_dict(tensor)
-    hooks[_KEY] = hook
-    return hooks
-
-
 class SkipGuards:
     """The guard hooks of one wrapped model (see the module docstring)."""
 
     def __init__(self, table: ParamTable) -> None:
         self.table = table
-        # Per guarded compute tensor, the hook dictionary holding its guard (or the
-        # handle, where torch lacks the internals _attach uses).
-        self._guards: list[dict[Any, Any] | torch.utils.hooks.RemovableHandle] = []
+        # Per guarded compute tensor, where its guard is (hook_gradient).
+        self._guards: list[Hooked] = []
         # Per plain parameter index: its guard hook, kept from step to step.
         self._plain_guards: dict[int, torch.utils.hooks.RemovableHandle] = {}
 
@@ -118,7 +86,7 @@ class SkipGuards:
 
     def _guard(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.requires_grad:
-            self._guards.append(_attach(tensor, functools.partial(_refuse, name)))
+            self._guards.append(hook_gradient(tensor, functools.partial(_refuse, name)))
 
     def guard_plain(self, runtime: InFlight, iteration: Iteration) -> None:
         """Give every skipped plain parameter of ``iteration`` its persistent hook."""
@@ -132,11 +100,8 @@ class SkipGuards:
 
     def remove(self) -> None:
         """Remove the hooks on compute tensors (the iteration ended)."""
-        for hooks in self._guards:
-            if isinstance(hooks, dict):
-                hooks.pop(_KEY, None)
-            else:
-                hooks.remove()
+        for hooked in self._guards:
+            unhook_gradient(hooked)
         self._guards.clear()
 
     def remove_plain(self) -> None:

@@ -406,7 +406,10 @@ class Runtime:
     def plain_used_so_far(self) -> frozenset[int]:
         """Indices of the plain parameters used in this iteration or in the backwards
         since the last synchronising one (the ``no_sync()`` window)."""
-        return self._plain_window | self.plain_used()
+        used = self.plain_used()
+        # The iteration's own set where there is no window: the same object every step
+        # a skip set repeats, which callers key caches by.
+        return self._plain_window | used if self._plain_window else used
 
     def forget_plain_window(self) -> None:
         """The plain parameters' window is over before the backward ends: a synchronising

@@ -251,6 +251,10 @@ class ViewGrads:
         self._exposed = grads
         self._exposed_ptrs = [g.data_ptr() if g is not None else 0 for g in grads]
         self._exposed_from = flat_grad
+        if flat_grad is None:
+            # No gradient any more (zero_grad(set_to_none=True)): the pieces cut from the
+            # last one must not keep its memory alive through the next backward.
+            self._cut_from, self._cut_bearing, self._cut_ptrs = None, [], []
 
     def _still_exposed(self, position: int, grad: torch.Tensor | None) -> bool:
         """Whether ``grad`` is the gradient last handed to the ``position``-th bearing

@@ -67,7 +67,7 @@ def freezing_between_steps(
 
 
 def bucket_layouts(keep_bytes: int) -> tuple[list[bool], bool]:
-    """Whole buckets through one replicated reduction: the same shapes twice around a
+    """Tensor buckets through one replicated reduction: the same shapes twice around a
     bucket that makes the slot's buffer grow (and, with ``keep_bytes`` 0, buffers
     dropped after every reduction), each result checked against a plain all-reduce; and
     whether every layout kept is over a buffer the reduction still keeps (a layout over
@@ -87,7 +87,7 @@ def bucket_layouts(keep_bytes: int) -> tuple[list[bool], bool]:
         for t in expected:
             dist.all_reduce(t)
             t /= world
-        reduction.start_all_reduce_whole(tensors, float(world))
+        reduction.start_all_reduce_tensors(tensors, float(world))
         reduction.wait_in_flight()
         checks.append(all(torch.allclose(t, e) for t, e in zip(tensors, expected, strict=True)))
     kept = {id(b) for b in reduction._buffers.values()}

@@ -6,6 +6,7 @@ bucket's layout when its buffer is replaced."""
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import pytest
@@ -98,6 +99,22 @@ def test_empty_views_get_no_gradient(rank: int) -> None:
     assert nothing.grad is not None and nothing.grad.numel() == 0
     grads.pull((False, False, False, False))  # skipped now, but they hold gradients: kept
     assert vector.grad is not None
+
+
+def test_gradients_set_to_none_are_freed() -> None:
+    """``zero_grad(set_to_none=True)`` on the views, then the next forward's push: the
+    old sharded gradient is freed (pieces kept cut from it would hold its memory through
+    the next backward, one gradient more at its peak)."""
+    flat, grads = _grads(0)
+    flat.grad = torch.randn(LAYOUT.shard_numel)
+    old = weakref.ref(flat.grad)
+    grads.pull(None)
+    grads.pull(None)
+    for view in grads.views:
+        view.grad = None
+    grads.push()
+    assert flat.grad is None
+    assert old() is None
 
 
 def test_combining_keeps_the_old_storage() -> None:

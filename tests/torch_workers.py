@@ -117,9 +117,19 @@ def uninstall_task(scenario: Scenario) -> list[str]:
     fv = flatview.wrap(root, **scenario.flatview_options)
     with fv.step(skip=["body.1"]):
         loss_of(root(x, ("body.1",)), y).backward()
+    from flatview.backends import patches
+
+    # (owner, name, what the patch shadowed: an instance attribute of torch's own, say)
     patched = list(fv.adapter._patches._patched)  # type: ignore[attr-defined]
     fv.adapter.uninstall()
-    left = [f"{type(owner).__name__}.{name}" for owner, name in patched if name in vars(owner)]
+    gone = patches._NOTHING
+    left = [
+        f"{type(owner).__name__}.{name}"
+        for owner, name, previous in patched
+        if vars(owner).get(name, gone) is not previous
+    ]
+    # Some patch did shadow one of torch's own (FlatParamHandle._setattr_tensor): put back.
+    assert any(previous is not gone for _, _, previous in patched)
     units = [m for m in root.modules() if isinstance(m, type(root))]
     left += [f"comm hook on {type(u).__name__}" for u in units if u._comm_hook is not None]
     hooks = [m for m in root.modules() if m._forward_pre_hooks or m._forward_hooks]

@@ -76,8 +76,9 @@ class ReplicatedReduction(Reduction):
         # Per buffer key and the shapes of a bucket's tensors: the buffer's pieces
         # shaped like them (buckets repeat: made once, not every step).
         self._layouts: dict[tuple[object, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self._layouts_over: set[int] = set()
-        """The buffers (by id) when the layouts were last looked over."""
+        self._layouts_over: set[int] | None = None
+        """The buffers (by id) when the layouts were last looked over (``None``: a
+        layout was made since)."""
 
     @torch.no_grad()
     def add(
@@ -173,6 +174,7 @@ class ReplicatedReduction(Reduction):
             numel = sum(t.numel() for t in tensors)
             whole = self._buffer(key, first, numel, 0)[:numel]
             layout = self._layouts[shapes] = (whole, list(_unflatten(whole, tensors)))
+            self._layouts_over = None
         buffer, pieces = layout
         torch._foreach_copy_(pieces, list(tensors))
         op = dist.ReduceOp.SUM
