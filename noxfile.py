@@ -81,7 +81,7 @@ def bench_whole(session: nox.Session) -> None:
 
 @nox.session
 def bench_scale(session: nox.Session) -> None:
-    """Run benchmarks/bench_scale.py: flatview's per-step cost per parameter tensor, plain
+    """Run benchmarks/bench_scale.py: flatview's per-step cost per parameter tensor, bare
     wrapper vs flatview at 64 to 16,384 tensors on every backend (posargs go to the
     script; `-- --quick` for a CI-sized run)."""
     _run_script(session, "benchmarks/bench_scale.py")

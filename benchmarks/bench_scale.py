@@ -10,18 +10,18 @@ per-tensor bookkeeping of the wrapper and of flatview is what a step costs), in
   ``Linear(8, 8)`` each (mixture-of-experts shaped), at 1,024 and 16,384 tensors.
 
 Every backend (fairscale FSDP via :func:`flatview.testing.fairscale_on_cpu`, torch FSDP1
-``use_orig_params=False``, FSDP2, DDP) trains the model plain and wrapped by flatview,
+``use_orig_params=False``, FSDP2, DDP) trains the model bare and wrapped by flatview,
 built side by side in the same processes (``--world-size`` CPU processes over gloo),
 their steps interleaved (the order rotates every step), so that the load of a shared
-machine falls on both alike; torch FSDP1 also runs plain with ``use_orig_params=True``,
+machine falls on both alike; torch FSDP1 also runs bare with ``use_orig_params=True``,
 what torch charges for its own views. Two modes, in the same processes: nothing skipped,
 and half skipped (half of every block's layers or experts, drawn per step from a family
-of four patterns, the same on every rank; the plain wrapper runs the same model with the
-same layers left out; plain DDP then needs ``find_unused_parameters=True``).
+of four patterns, the same on every rank; the bare wrapper runs the same model with the
+same layers left out; bare DDP then needs ``find_unused_parameters=True``).
 
 Per variant and step, rank 0 times the forward + backward (flatview's ``step()`` context
 included) and the optimizer step + ``zero_grad`` (SGD, momentum, ``foreach=True``)
-apart. Reported per size: the medians, flatview's extra over plain (median of per-step
+apart. Reported per size: the medians, flatview's extra over bare (median of per-step
 differences) per tensor, the ratios of whole steps; per backend, the slope of a
 least-squares line through the forward + backward extra over 256-4,096 tensors (µs per
 tensor); wrap time, ``optim_state_dict`` time and resident memory added by the wrap, per
@@ -253,7 +253,7 @@ def _wrapped(cfg: Config, shape: str, size: int, backend: str, **options: Any) -
     raise ValueError(backend)
 
 
-def _plain(name: str, cfg: Config, shape: str, size: int, backend: str, **options: Any) -> Variant:
+def _bare(name: str, cfg: Config, shape: str, size: int, backend: str, **options: Any) -> Variant:
     model = _wrapped(cfg, shape, size, backend, **options)
     return Variant(name, model, _sgd(model.parameters(), cfg))
 
@@ -271,22 +271,22 @@ def _flatview(cfg: Config, shape: str, size: int, backend: str) -> Variant:
 
 
 def build_variants(cfg: Config, shape: str, size: int, backend: str) -> dict[str, list[Variant]]:
-    """Per mode, the variants built side by side: plain first, then flatview; torch
-    FSDP1 adds plain ``use_orig_params=True``. Built once for both modes, except plain
+    """Per mode, the variants built side by side: bare first, then flatview; torch
+    FSDP1 adds bare ``use_orig_params=True``. Built once for both modes, except bare
     DDP, which needs ``find_unused_parameters=True`` to skip anything."""
-    plain = _plain("plain", cfg, shape, size, backend)
-    variants = [plain, _flatview(cfg, shape, size, backend)]
+    bare = _bare("bare", cfg, shape, size, backend)
+    variants = [bare, _flatview(cfg, shape, size, backend)]
     if backend == "torch":
-        variants.append(_plain("orig_params", cfg, shape, size, backend, use_orig_params=True))
+        variants.append(_bare("orig_params", cfg, shape, size, backend, use_orig_params=True))
     half = list(variants)
     if backend == "ddp":
-        half[0] = _plain("plain", cfg, shape, size, backend, find_unused=True)
+        half[0] = _bare("bare", cfg, shape, size, backend, find_unused=True)
     return {"none": variants, "half": half}
 
 
 def steps_for(cfg: Config, size: int) -> tuple[int, int]:
     """(warmup, timed) steps at ``size`` tensors: fewer beyond 4,096, where one step of
-    plain FSDP2 takes seconds on a loaded 2-core machine."""
+    bare FSDP2 takes seconds on a loaded 2-core machine."""
     if size <= 4096:
         return cfg.warmup, cfg.steps
     return max(1, cfg.warmup // 2), max(4, cfg.steps // 3)
@@ -474,9 +474,9 @@ class Row:
     size: int
     mode: str
     tensors: int
-    plain_fb_ms: float
+    bare_fb_ms: float
     fv_fb_ms: float
-    plain_opt_ms: float
+    bare_opt_ms: float
     fv_opt_ms: float
     extra_fb_us_per_tensor: float
     extra_opt_us_per_tensor: float
@@ -497,9 +497,9 @@ def rows_of(result: dict[str, Any], clock: str) -> list[Row]:
             name: {"fb": v["fb" + suffix], "opt": v["opt" + suffix]}
             for name, v in data["times"].items()
         }
-        plain, fv = t["plain"], t["flatview"]
+        bare, fv = t["bare"], t["flatview"]
         n = data["tensors"]
-        total_p = [a + b for a, b in zip(plain["fb"], plain["opt"], strict=True)]
+        total_p = [a + b for a, b in zip(bare["fb"], bare["opt"], strict=True)]
         total_f = [a + b for a, b in zip(fv["fb"], fv["opt"], strict=True)]
         row = Row(
             clock=clock,
@@ -508,12 +508,12 @@ def rows_of(result: dict[str, Any], clock: str) -> list[Row]:
             size=result["size"],
             mode=mode,
             tensors=n,
-            plain_fb_ms=statistics.median(plain["fb"]),
+            bare_fb_ms=statistics.median(bare["fb"]),
             fv_fb_ms=statistics.median(fv["fb"]),
-            plain_opt_ms=statistics.median(plain["opt"]),
+            bare_opt_ms=statistics.median(bare["opt"]),
             fv_opt_ms=statistics.median(fv["opt"]),
-            extra_fb_us_per_tensor=_median_diff(fv["fb"], plain["fb"]) * 1e3 / n,
-            extra_opt_us_per_tensor=_median_diff(fv["opt"], plain["opt"]) * 1e3 / n,
+            extra_fb_us_per_tensor=_median_diff(fv["fb"], bare["fb"]) * 1e3 / n,
+            extra_opt_us_per_tensor=_median_diff(fv["opt"], bare["opt"]) * 1e3 / n,
             step_ratio=statistics.median(total_f) / statistics.median(total_p),
             wrap_s=data["wrap_s"],
             wrap_rss_kib_per_tensor=data["wrap_rss_mib"] * 1024 / n,
@@ -522,7 +522,7 @@ def rows_of(result: dict[str, Any], clock: str) -> list[Row]:
         if "orig_params" in t:
             orig = t["orig_params"]
             row.orig_fb_ms = statistics.median(orig["fb"])
-            row.orig_extra_fb_us_per_tensor = _median_diff(orig["fb"], plain["fb"]) * 1e3 / n
+            row.orig_extra_fb_us_per_tensor = _median_diff(orig["fb"], bare["fb"]) * 1e3 / n
         rows.append(row)
     return rows
 
@@ -557,15 +557,15 @@ def _f(value: float | None, spec: str) -> str:
 
 def _table(rows: Sequence[Row]) -> list[str]:
     lines = [
-        "| backend | model | tensors | skipped | plain fb ms | flatview fb ms | "
-        "extra fb µs/tensor | plain opt ms | flatview opt ms | extra opt µs/tensor | "
+        "| backend | model | tensors | skipped | bare fb ms | flatview fb ms | "
+        "extra fb µs/tensor | bare opt ms | flatview opt ms | extra opt µs/tensor | "
         "step ratio | orig_params extra fb µs/tensor |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.backend} | {r.shape} | {r.tensors} | {r.mode} | {r.plain_fb_ms:.1f} | "
-            f"{r.fv_fb_ms:.1f} | {r.extra_fb_us_per_tensor:.2f} | {r.plain_opt_ms:.2f} | "
+            f"| {r.backend} | {r.shape} | {r.tensors} | {r.mode} | {r.bare_fb_ms:.1f} | "
+            f"{r.fv_fb_ms:.1f} | {r.extra_fb_us_per_tensor:.2f} | {r.bare_opt_ms:.2f} | "
             f"{r.fv_opt_ms:.2f} | {r.extra_opt_us_per_tensor:.2f} | {r.step_ratio:.3f} | "
             f"{_f(r.orig_extra_fb_us_per_tensor, '.2f')} |"
         )
@@ -590,9 +590,9 @@ def markdown(
         "",
         "fb: forward + backward (flatview's step() included), opt: SGD momentum foreach "
         "step + zero_grad; ms are medians of rank 0's per-step times; extra: median of the "
-        "per-step differences flatview - plain, per parameter tensor; step ratio: whole "
-        "steps (fb + opt), flatview / plain; orig_params: torch FSDP1 use_orig_params=True "
-        "over plain use_orig_params=False.",
+        "per-step differences flatview - bare, per parameter tensor; step ratio: whole "
+        "steps (fb + opt), flatview / bare; orig_params: torch FSDP1 use_orig_params=True "
+        "over bare use_orig_params=False.",
     ]
     for clock, title in (
         ("cpu", "rank 0's CPU time (the host work a step costs)"),
@@ -696,7 +696,7 @@ def chart(rows: Sequence[Row], path: Path) -> None:
         ax.set_xlabel("parameter tensors (dense)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("flatview's extra forward+backward CPU, µs per tensor")
-    axes[1].set_ylabel("whole step CPU time, flatview / plain")
+    axes[1].set_ylabel("whole step CPU time, flatview / bare")
     axes[1].axhline(1.0, color="grey", lw=0.8)
     axes[0].axhline(0.0, color="grey", lw=0.8)
     axes[0].legend(fontsize=7)

@@ -276,7 +276,14 @@ class ViewGrads:
         flat = self.flat
         if flat.grad is not self._exposed_from:
             self.pull(used=None)
-        self._before = flat.grad
+        before = flat.grad
+        if before is not None and not any(map(operator.is_not, self._grads(), repeat(None))):
+            # Every view's gradient was dropped (zero_grad(set_to_none=True)): the sharded
+            # gradient stands for zeros, and kept through the forward and the backward it
+            # would be one gradient more at their peak than the bare wrapper holds.
+            before = None
+            self._expose(None)
+        self._before = before
         flat.grad = None
         self._detached = True
 

@@ -102,19 +102,27 @@ def test_empty_views_get_no_gradient(rank: int) -> None:
 
 
 def test_gradients_set_to_none_are_freed() -> None:
-    """``zero_grad(set_to_none=True)`` on the views, then the next forward's push: the
-    old sharded gradient is freed (pieces kept cut from it would hold its memory through
-    the next backward, one gradient more at its peak)."""
-    flat, grads = _grads(0)
-    flat.grad = torch.randn(LAYOUT.shard_numel)
-    old = weakref.ref(flat.grad)
-    grads.pull(None)
-    grads.pull(None)
-    for view in grads.views:
-        view.grad = None
-    grads.push()
-    assert flat.grad is None
-    assert old() is None
+    """``zero_grad(set_to_none=True)`` on the views, then a wrapper operation (push) or the
+    next forward (detach): the old sharded gradient is freed (kept, by the pieces cut
+    from it or as the gradient to add the next one to, it would be one gradient more at
+    the backward's peak than the bare wrapper holds), and the next backward's gradient
+    is the views' alone."""
+    for then in ("push", "detach"):
+        flat, grads = _grads(0)
+        flat.grad = torch.randn(LAYOUT.shard_numel)
+        old = weakref.ref(flat.grad)
+        grads.pull(None)
+        grads.pull(None)
+        for view in grads.views:
+            view.grad = None
+        getattr(grads, then)()  # before a wrapper operation; before a forward
+        assert flat.grad is None, then
+        assert old() is None, then
+        if then == "detach":
+            flat.grad = torch.ones(LAYOUT.shard_numel)  # the backward's gradient
+            grads.combine((True, False, True, True))
+            assert torch.equal(flat.grad, torch.ones(LAYOUT.shard_numel))
+            assert grads.views[1].grad is None
 
 
 def test_combining_keeps_the_old_storage() -> None:
