@@ -375,6 +375,16 @@ class FlatView:
         same step: the skip set binds to the forward (a backward inside
         ``step(skip=...)`` whose forward ran before it raises
         :class:`~flatview.errors.StateError` before its gradients are communicated).
+
+        A step may be entered inside the wrapped model's forward (Lightning's Trainer
+        runs ``training_step``, manual optimization included, inside the wrapper's
+        forward) on DDP and torch ``NO_SHARD`` computed on views: its skip set binds to
+        the iteration in flight, and each backward inside that forward is reduced when
+        it ends, exactly. On sharded wrappers such a step raises
+        :class:`~flatview.errors.StateError` on every rank before any collective of the
+        step (enter it before calling the model), and so does a backward inside the
+        root's forward that the wrapper would not finish (see
+        :mod:`flatview.binding`).
         If the body raises after the forward (an error of flatview's in the backward,
         say), the iteration is abandoned: the next forward starts afresh.
         """

@@ -32,11 +32,12 @@ from torch import nn
 
 from flatview.accounting import StatsSource, step_stats
 from flatview.backends.base import Adapter
+from flatview.binding import backward_outside_step, inside_forward_of, step_inside_forward
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
 from flatview.comm.packing import plan_index
 from flatview.errors import FlatViewError, SkippedParameterUsedError, StateError
-from flatview.guards import SkipGuards
+from flatview.guards import SkipGuards, skipped_used
 from flatview.iteration import Iteration, bind
 from flatview.layout import MaskPlan
 from flatview.model_views import ModelViews
@@ -112,6 +113,7 @@ class Runtime:
         means), with ``checked`` the agreement check's setting for this step."""
         failure: FlatViewError | None = None
         skipped: frozenset[int] = frozenset()
+        inside = False  # entered inside the root's forward (flatview.binding)
         try:
             if self._step_skip is not None:
                 raise StateError("FlatView.step() contexts cannot be nested")
@@ -119,6 +121,9 @@ class Runtime:
                 raise StateError("FlatView.step() after unwrap()")
             if self.phase is Phase.LENT:
                 raise StateError("FlatView.step() entered inside a wrapper operation")
+            inside = not _in_backward() and inside_forward_of(self.model)
+            if inside and not self.adapter.trains_inside_forward:
+                raise step_inside_forward(self.adapter.backend)
             skipped = self.table.resolve(skip)
         except FlatViewError as err:
             if not checked:
@@ -133,6 +138,8 @@ class Runtime:
         self._step_count += 1
         self._step_skip = skipped
         try:
+            if inside:
+                self.bind_inside_forward()
             yield
         except BaseException:
             self._abandon_iteration()
@@ -140,6 +147,23 @@ class Runtime:
         finally:
             self._step_skip = None
             self.settle_agreement()
+
+    def bind_inside_forward(self, first: int | None = None) -> None:
+        """Bind the step in force inside the root's forward (:mod:`flatview.binding`): to
+        the iteration in flight (a step entered there), or to a new one for a backward
+        begun there while none computes (``first``, whose gradient showed it, had its
+        guard fire before: a skipped one raises :class:`SkippedParameterUsedError`)."""
+        if self.phase is Phase.IDLE:
+            self._start_compute()
+        elif first is not None:
+            return  # the iteration in flight is this backward's
+        else:
+            self._guards.remove()
+            self._detach_grads()
+        self._bind_iteration()
+        self.guard_skipped_plain()
+        if first is not None and self.iteration is not None and first in self.iteration.skipped:
+            raise skipped_used(self.table.name(first))
 
     def _abandon_iteration(self) -> None:
         """The body of a step raised: whatever its forward started (guards on the
@@ -156,12 +180,7 @@ class Runtime:
         iteration = self.iteration
         if iteration is not None and iteration.declared and iteration.step == self._step_count:
             return
-        raise StateError(
-            "a backward ran inside FlatView.step(skip=...) but its forward ran outside that "
-            "step: the skip set binds to the forward it covers and would be ignored. Run the "
-            "forward inside the same step as its backward (with fv.step(skip=...): "
-            "loss = model(x); loss.backward())"
-        )
+        raise backward_outside_step()
 
     def settle_agreement(self) -> None:
         """Wait for the skip-set check of the step in flight if it still runs (adapters
@@ -191,11 +210,7 @@ class Runtime:
         self.check_not_lent()
         agreed = self._agree_outside_step(outermost)
         if self.phase is Phase.IDLE:
-            self.views.check_parametrizations()
-            self.write_back()
-            self._detach_grads()
-            self.views.hide()
-            self._move(Phase.IDLE, Phase.COMPUTING)
+            self._start_compute()
             self._bind_iteration(reset_ledger=not agreed)
         elif outermost:
             fresh = not _in_backward()
@@ -211,6 +226,14 @@ class Runtime:
                 or (fresh and iteration.declared != (self._step_skip is not None))
             ):
                 self._bind_iteration(reset_ledger=not agreed)
+
+    def _start_compute(self) -> None:
+        """IDLE -> COMPUTING: views step aside (what was written through them kept)."""
+        self.views.check_parametrizations()
+        self.write_back()
+        self._detach_grads()
+        self.views.hide()
+        self._move(Phase.IDLE, Phase.COMPUTING)
 
     def _agree_outside_step(self, outermost: bool) -> bool:
         """An iteration starts outside any step (a root forward with autograd on, not a
@@ -245,7 +268,7 @@ class Runtime:
         # The wrapper computes a fresh gradient; the views keep theirs until the synced
         # backward adds the two (end_backward), so a zero_grad between forward and
         # backward counts. Inside a no_sync() window the flat parameters hold unsharded
-        # accumulated gradients: they were detached when the window opened.
+        # accumulated gradients, detached when the window opened.
         if self._window is None:
             self.views.detach_grads()
 

@@ -169,6 +169,7 @@ class AdapterBase:
     root: Any
     group: dist.ProcessGroup | None
     overlaps_agreement = False
+    trains_inside_forward = False
     wrapper_reduces = True
     replicas = 1
 

@@ -123,6 +123,8 @@ class Runtime(Protocol):
 
     def check_backward_binding(self) -> None: ...
 
+    def bind_inside_forward(self, first: int | None = None) -> None: ...
+
     def settle_agreement(self) -> None: ...
 
     def guard_skipped(self, flat: nn.Parameter) -> None: ...
@@ -183,6 +185,15 @@ class Adapter(Protocol):
     """The wrapper communicates nothing the skip set decides before flatview's own
     gradient collectives, so the skip-set check may run alongside the forward; the
     adapter calls ``Runtime.settle_agreement`` before its first collective."""
+
+    trains_inside_forward: bool
+    """A backward may run inside the root's forward, and a step may be entered there
+    (Lightning's Trainer runs ``training_step``, the user's forward and backward
+    included, inside the wrapper's forward): nothing the forward communicates depends
+    on the skip set, and the adapter finds the end of a backward that does not go
+    through the forward's outputs (``Runtime.bind_inside_forward`` binds the
+    iteration of each). Otherwise ``Runtime.step`` refuses a step entered
+    inside the root's forward, on every rank."""
 
     replicas: int
     """How many ranks hold each shard: hybrid sharding's replica-group size (``group``,

@@ -199,7 +199,8 @@ class DDPAdapter(ReplicatedAdapter):
             saved = ddp.require_backward_grad_sync
             ddp.require_backward_grad_sync = False
             try:
-                return original(*args, **kwargs)
+                with self._root_forward_open():
+                    return original(*args, **kwargs)
             finally:
                 ddp.require_backward_grad_sync = saved
 

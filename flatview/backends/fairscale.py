@@ -50,7 +50,7 @@ from flatview.backends.fairscale_checks import (
     check_version,
 )
 from flatview.backends.fairscale_gather import MaskedGatherDist
-from flatview.backends.messages import undeclared_units
+from flatview.backends.messages import undeclared_units, unfinished_backward
 from flatview.checkpoint_guard import guard_torch_checkpoint
 from flatview.comm.options import ReduceOptions
 from flatview.comm.sharded import ShardedReduction
@@ -232,6 +232,11 @@ class FairscaleAdapter(UnitAdapter):
         self.patch(self.root, "_setup_streams", self._streams_then_shim(self.root._setup_streams))
         if self.root._reducer is not None:
             self._install_shim()
+        for param in self.root.params:
+            if param.requires_grad:
+                # Ahead of the root's own post-backward hook, which asserts on a backward
+                # inside the root's forward.
+                self._hook(param.register_hook(self._refuse_unfinished))
         guard_torch_checkpoint(self)
 
     def uninstall(self) -> None:
@@ -424,7 +429,16 @@ class FairscaleAdapter(UnitAdapter):
 
     # -------------------------------------------------------------- reduction
 
+    def _refuse_unfinished(self, grad: torch.Tensor | None = None) -> None:
+        """Refuse a backward that does not go through the root's outputs (one inside the
+        root's forward): their hooks queue fairscale's end of the backward, which would
+        never run. Checked before each reduction and before the root's own gradient."""
+        if not getattr(self.root, "_post_backward_callback_queued", False):
+            # (The root's first forward with autograd defines the flag.)
+            raise unfinished_backward("fairscale FSDP")
+
     def plan_for(self, param: nn.Parameter) -> MaskPlan:
+        self._refuse_unfinished()
         plan = self.core.reduction_plan(param)
         if plan is not None:
             return plan

@@ -47,17 +47,9 @@ cannot run alongside it, since a rank whose skip set fails to resolve raises fro
 ``step()`` without a forward (:mod:`flatview.comm.agreement`). Norms and optimizer-state
 consolidation run within the shard group (replicas hold the same pieces).
 
-torch privates touched (checked at wrap time, torch versions in
-:data:`flatview.backends.torch_fsdp.TESTED_TORCH`): ``FSDPModule._get_fsdp_state``;
-``FSDPState._lazy_init``, ``_is_root``, ``_fsdp_param_groups``, ``_training_state``,
-``_states_to_forward_prefetch``, ``_states_to_backward_prefetch``,
-``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params``,
-``_training_state``, ``mesh_info``, ``post_backward``, ``reduce_grads``, ``all_reduce_grads``,
-``reduce_scatter_unused_params``, ``_all_gather_comm``, ``_reduce_scatter_comm``;
-``FSDPParam.sharded_param``, ``_orig_size``, ``fsdp_placement``, ``is_dtensor``,
-``offload_to_cpu``, ``_unsharded_param``, ``unsharded_accumulated_grad``; the mesh
-infos' ``shard_process_group``, ``shard_mesh_size``, ``shard_mesh_rank``,
-``replicate_process_group`` (``_fsdp_common.HSDPMeshInfo``).
+The torch privates touched are listed, and checked at wrap time, in
+:mod:`~flatview.backends.fsdp2_hooks` (torch versions in
+:data:`flatview.backends.torch_fsdp.TESTED_TORCH`).
 
 Everything changed is an instance attribute or a hook, removed by ``uninstall``.
 """
@@ -89,7 +81,9 @@ from flatview.backends.fsdp2_hooks import (
     restore_prefetch,
     shard_layout,
     steer_prefetch,
+    unreduced,
 )
+from flatview.backends.messages import unreduced_inside_forward
 from flatview.comm.held import HeldReduceScatters
 from flatview.comm.options import ReduceOptions
 from flatview.errors import SkippedParameterUsedError, StateError, UndeclaredUnusedError, WrapError
@@ -392,12 +386,7 @@ class FSDP2Adapter(AdapterBase):
                 continue
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             grad = unsharded.grad if unsharded is not None else None
-            # Without mixed precision earlier micro-batches accumulate in the same
-            # tensor: only one that changed since the last backward is this one's.
-            fresh = grad is not None and self._versions.get(param_index) != (
-                id(grad),
-                grad._version,
-            )
+            fresh = self._fresh(grad, param_index)
             if param_index not in used:
                 if fresh:
                     raise SkippedParameterUsedError(
@@ -419,6 +408,21 @@ class FSDP2Adapter(AdapterBase):
                 # Zeros, what this rank contributes: its reduce-scatter keeps the layout
                 # the other ranks give theirs.
                 unsharded.grad = torch.zeros_like(unsharded)
+
+    def _fresh(self, grad: torch.Tensor | None, index: int) -> bool:
+        # Without mixed precision micro-batches accumulate in one tensor: changed since?
+        return grad is not None and self._versions.get(index) != (id(grad), grad._version)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Gradients no FSDP2 hook reduced: a backward inside the root's forward reached
+        # no nested unit. Dropped; every rank raises, before any collective of it.
+        left = [] if _in_backward() else unreduced(self._params_of, self._fresh)
+        if left:
+            drop_unreduced_grads(left)
+            self._reset_round()
+            self.core.end_forward_only()
+            raise unreduced_inside_forward()
+        super()._post_forward(module, args, output)
 
     def _final_callback_of(self, state: Any) -> Any:
         original = state._root_post_backward_final_callback

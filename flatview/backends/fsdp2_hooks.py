@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -434,6 +434,22 @@ def drop_unreduced_grads(fsdp_params: Iterable[Any]) -> None:
         if unsharded is not None:
             unsharded.grad = None
         fsdp_param.unsharded_accumulated_grad = None
+
+
+def unreduced(
+    params_of: Iterable[Iterable[tuple[Any, int | None]]], fresh: Callable[[Any, int], bool]
+) -> list[Any]:
+    """The FSDP parameters whose unsharded gradient is ``fresh`` (this iteration's) when
+    the root's forward returns: a backward inside that forward reached no nested unit,
+    so none of FSDP2's backward hooks ran (they hang on the units' inputs and outputs;
+    the root's outputs do not exist yet) and nothing reduces them."""
+    return [
+        fsdp_param
+        for entries in params_of
+        for fsdp_param, index in entries
+        if index is not None
+        and fresh(getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None), index)
+    ]
 
 
 def restore_prefetch(order: Sequence[Any], saved: Steered) -> None:

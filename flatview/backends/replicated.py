@@ -45,9 +45,10 @@ travels in the same all-reduce, so it costs no extra collective.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +96,8 @@ class ReplicatedAdapter(AdapterBase):
 
     # The wrapper's forward communicates nothing the skip set decides.
     overlaps_agreement = True
+    # ... and the end of a backward inside the forward is found from the gradients.
+    trains_inside_forward = True
     group: dist.ProcessGroup | None
     rank: int
     world_size: int
@@ -139,6 +142,10 @@ class ReplicatedAdapter(AdapterBase):
         self._callback_queued = False
         self._window: set[int] = set()
         """Core indices of parameters used since the last synchronising backward."""
+        self._forward_open = False
+        """The root's forward runs (not a recomputation inside a backward): a backward
+        now runs inside it, through tensors that are not its outputs (Lightning's
+        manual optimization), and the gradients show where it begins."""
 
     def _install_reduction(self) -> None:
         core = self.core
@@ -153,6 +160,7 @@ class ReplicatedAdapter(AdapterBase):
 
     def uninstall(self) -> None:
         super().uninstall()
+        self._forward_open = False
         self._window.clear()
         self._round = None
         self._order = self._observed = None
@@ -192,7 +200,21 @@ class ReplicatedAdapter(AdapterBase):
                 leaf.register_hook(self._backward_starts)
         return True
 
-    def _backward_starts(self, grad: torch.Tensor) -> None:
+    @contextlib.contextmanager
+    def _root_forward_open(self) -> Iterator[None]:
+        """Around the call of the root's forward (the subclass's): while it runs, a
+        backward is one inside the forward. Closed however the forward ends,
+        ``BaseException`` included."""
+        if self._forward_open or in_backward():
+            yield
+            return
+        self._forward_open = True
+        try:
+            yield
+        finally:
+            self._forward_open = False
+
+    def _backward_starts(self, grad: torch.Tensor | None) -> None:
         if self._core is None or self._callback_queued:
             return
         self._core.check_backward_binding()
@@ -255,6 +277,11 @@ class ReplicatedAdapter(AdapterBase):
         return round_
 
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if self._forward_open and not self._callback_queued and self._core is not None:
+            # A backward inside the root's forward, not through its outputs: it ends the
+            # iteration as one through them would (its own if an earlier one ended it).
+            self._core.bind_inside_forward(index)
+            self._backward_starts(None)
         round_ = self._round
         if round_ is None or index not in round_.bucket_of:
             return

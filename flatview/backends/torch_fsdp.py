@@ -57,7 +57,7 @@ from torch import nn
 
 from flatview.backends._common import nested_unit_message
 from flatview.backends.base import UnitSpec
-from flatview.backends.messages import undeclared_units
+from flatview.backends.messages import undeclared_units, unfinished_backward
 from flatview.backends.torch_fsdp_checks import (
     FSDP2_MESSAGE,
     check_flat,
@@ -265,6 +265,11 @@ class TorchFSDPAdapter(TorchSkipping):
                     prepare = handle.prepare_gradient_for_backward
                     self.patch(handle, "prepare_gradient_for_backward", self._noting_none(prepare))
         self._hook(self.root.register_forward_hook(self._post_forward))
+        if self.root._handle is not None:
+            # Ahead of the root's own post-backward hook, which asserts on a backward
+            # inside the root's forward.
+            flat = self.root._handle.flat_param
+            self._hook(flat.register_hook(self._refuse_unfinished))
         order = self.root._exec_order_data
         self.patch(order, "next_iter", self._finishing(order.next_iter))
         self.patch(order, "get_handle_to_forward_prefetch", self._forward_prefetch_target)
@@ -368,6 +373,15 @@ class TorchFSDPAdapter(TorchSkipping):
 
         return next_iter
 
+    def _refuse_unfinished(self, grad: torch.Tensor | None = None) -> None:
+        """Refuse a backward that does not go through the root's outputs (one inside the
+        root's forward): their hooks queue torch's end of the backward, which would
+        never run. Checked before each reduction and before the root's own gradient."""
+        if not getattr(self.root, "_post_backward_callback_queued", False):
+            # (The root's first forward with autograd defines the flag; a torch that
+            # renamed it refuses every backward here, loudly.)
+            raise unfinished_backward("torch FSDP")
+
     def _end_backward(self) -> None:
         synced = bool(self.root._sync_gradients)
         if synced:
@@ -401,6 +415,7 @@ class TorchFSDPAdapter(TorchSkipping):
         straight into ``output`` by an asynchronous collective started now, which the
         flush in ``next_iter`` waits for.
         """
+        self._refuse_unfinished()
         core = self.core
         core.settle_agreement()
         handle = unit._handle

@@ -208,7 +208,8 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
             moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
             args = moved_args[0] if moved_args else ()
             kwargs = moved_kwargs[0] if moved_kwargs else {}
-        output = wrapped(*args, **kwargs)
+        with self._root_forward_open():
+            output = wrapped(*args, **kwargs)
         self._end_forward(output)
         return output
 
