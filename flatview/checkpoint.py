@@ -1,13 +1,14 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP) for models wrapped by flatview.
 
 torch's own ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizers)``
-cannot read optimizers built over flatview's views: on torch FSDP1 it hands their state
-to ``FSDP.optim_state_dict``, which takes every state tensor for the state of a whole
-flat parameter's shard (and fails in a collective); fairscale it does not know, and it
-would save each rank's piece as if it were the whole parameter. flatview therefore
-refuses that call (:func:`guard_torch_checkpoint`, raised before any collective, on
-every rank alike) and offers the same pair here, with the same options and the same
-result, keyed by original names:
+cannot read optimizers built over flatview's views by itself: on torch FSDP1 it hands
+their state to ``FSDP.optim_state_dict``, which takes every state tensor for the state of
+a whole flat parameter's shard (and fails in a collective); fairscale it does not know,
+and it would save each rank's piece as if it were the whole parameter. This module has
+the same functions with ``fv`` first, the same options and the same kind of result,
+keyed by original names; and torch's own functions, called on a model wrapped by
+flatview, are routed here (:mod:`flatview.checkpoint_guard`), so that frameworks that
+checkpoint with them save and resume the same dicts:
 
 >>> model_sd, optim_sd = flatview.checkpoint.get_state_dict(fv, model, opts)  # doctest: +SKIP
 >>> dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)     # doctest: +SKIP
@@ -123,8 +124,7 @@ def get_state_dict(
     """
     opts = _as_tuple(optimizers)
     info = _options(fv, model, options)
-    model_sd = _model_state_dict(fv, model, info)
-    return model_sd, _optim_state_dict(fv, opts, info)
+    return model_state(fv, model, info), optimizers_state(fv, opts, info)
 
 
 def get_optimizer_state_dict(
@@ -137,7 +137,7 @@ def get_optimizer_state_dict(
     """The optimizer half of :func:`get_state_dict`."""
     opts = _as_tuple(optimizers)
     info = _options(fv, model, options)
-    return _optim_state_dict(fv, opts, info)
+    return optimizers_state(fv, opts, info)
 
 
 def set_state_dict(
@@ -163,8 +163,8 @@ def set_state_dict(
     """
     opts = _as_tuple(optimizers)
     info = _options(fv, model, options)
-    result = _load_model_state_dict(fv, model, model_state_dict, info)
-    _load_optim_state_dict(fv, opts, optim_state_dict)
+    result = load_model_state(fv, model, model_state_dict, info)
+    load_optimizers_state(fv, opts, optim_state_dict)
     return result
 
 
@@ -179,7 +179,7 @@ def set_optimizer_state_dict(
     """The optimizer half of :func:`set_state_dict`."""
     opts = _as_tuple(optimizers)
     _options(fv, model, options)
-    _load_optim_state_dict(fv, opts, optim_state_dict)
+    load_optimizers_state(fv, opts, optim_state_dict)
 
 
 # -------------------------------------------------------------------------- options
@@ -202,6 +202,13 @@ def _options(fv: FlatView, model: nn.Module, options: StateDictOptions | None) -
             f"one {fv!r} wraps: pass the wrapped model (fv.model)"
         )
     info = options or StateDictOptions()
+    refuse_options(info)
+    return info
+
+
+def refuse_options(info: Any) -> None:
+    """Raise :class:`FlatViewError` for the ``StateDictOptions`` flatview does not support
+    (called before any collective)."""
     if info.broadcast_from_rank0:
         raise FlatViewError(
             "StateDictOptions(broadcast_from_rank0=True) is not supported for models "
@@ -215,15 +222,15 @@ def _options(fv: FlatView, model: nn.Module, options: StateDictOptions | None) -
             "models wrapped by flatview: use the nested form (the default); "
             "torch.distributed.checkpoint saves and reshards it as well"
         )
-    return info
 
 
 # ------------------------------------------------------------------------- optimizer
 
 
-def _optim_state_dict(
+def optimizers_state(
     fv: FlatView, optimizers: Sequence[torch.optim.Optimizer], info: Any
 ) -> dict[str, Any]:
+    """The optimizer half of :func:`get_state_dict` (``info``: the checked options)."""
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for optimizer in optimizers:
         _prime(optimizer)
@@ -317,9 +324,10 @@ def _offload(value: Any, cpu_offload: bool) -> Any:
     return value
 
 
-def _load_optim_state_dict(
+def load_optimizers_state(
     fv: FlatView, optimizers: Sequence[torch.optim.Optimizer], state_dict: Mapping[str, Any]
 ) -> None:
+    """The optimizer half of :func:`set_state_dict`."""
     if not (
         isinstance(state_dict, Mapping)
         and isinstance(state_dict.get("state"), Mapping)
@@ -356,7 +364,8 @@ _TORCH_MODEL_STATE = ("ddp", "fsdp2")
 tensors, FSDP2's ``DTensor`` s): torch's model state functions serve them as they are."""
 
 
-def _model_state_dict(fv: FlatView, model: nn.Module, info: Any) -> dict[str, Any]:
+def model_state(fv: FlatView, model: nn.Module, info: Any) -> dict[str, Any]:
+    """The model half of :func:`get_state_dict` (``info``: the checked options)."""
     if fv.adapter.backend in _TORCH_MODEL_STATE or (
         info.full_state_dict and fv.adapter.backend == "torch"
     ):
@@ -405,9 +414,10 @@ def _persistent_buffers(fv: FlatView, model: nn.Module) -> list[tuple[str, torch
     return found
 
 
-def _load_model_state_dict(
+def load_model_state(
     fv: FlatView, model: nn.Module, state_dict: Mapping[str, Any], info: Any
 ) -> IncompatibleKeys:
+    """The model half of :func:`set_state_dict`."""
     sharded = any(is_sharded(v) for v in state_dict.values())
     if fv.adapter.backend in _TORCH_MODEL_STATE or (not sharded and fv.adapter.backend == "torch"):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict

@@ -58,6 +58,11 @@ def check_not_wrapped(modules: Sequence[nn.Module]) -> None:
             )
 
 
+def owner_of(module: object) -> Any:
+    """The handle that wraps ``module`` (one of its units), or ``None``."""
+    return _wrapped.get(module) if isinstance(module, nn.Module) else None
+
+
 def register(owner: object, modules: Sequence[nn.Module], watcher: Watcher) -> None:
     """``owner`` wraps the units ``modules``; ``watcher`` checks optimizers for it (held
     weakly: the owner keeps it alive)."""
