@@ -18,7 +18,6 @@ from tests.scenarios import (
     Net,
     Scenario,
     backend_context,
-    batch,
     local_batch,
     loss_of,
     make_net,
@@ -206,55 +205,3 @@ def train_inside(scenario: Scenario, variant: str) -> dict[str, Any]:
 def train_inside_all(cases: list[tuple[Scenario, str]]) -> list[dict[str, Any]]:
     """:func:`train_inside` of each ``(scenario, variant)``, one after another in one task."""
     return [train_inside(scenario, variant) for scenario, variant in cases]
-
-
-def train_inside_unwrapped(scenario: Scenario) -> dict[str, Any]:
-    """``train_inside(scenario, "lightning")`` on the plain wrapper (no flatview,
-    nothing skipped), one SGD over ``model.parameters()``: whether the wrapper itself
-    trains a backward that runs inside its forward. The wrapper's errors are reported."""
-    with backend_context(scenario.backend):
-        _, model = _model(scenario)
-        outer: Any = model
-        net = _inner(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        errors: list[str] = []
-
-        def run(micro: int) -> None:
-            xs, ys = local_batch(scenario, micro)
-            loss = loss_of(net(xs), ys)
-            if scenario.backend == "ddp":
-                _prepare_like_lightning(model)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if scenario.backend == "ddp":
-                outer.require_backward_grad_sync = False
-
-        tree: Any = getattr(model, "module", model)
-        getattr(tree, "module", tree).run = run
-        for micro in range(len(scenario.skips)):
-            try:
-                model(micro)
-            except Exception as err:
-                errors.append(f"{type(err).__name__}: {err}")
-                opt.zero_grad()
-            if scenario.backend == "ddp":
-                outer.require_backward_grad_sync = True
-        try:
-            params = full_state_of(model, scenario)
-        except Exception as err:
-            errors.append(f"{type(err).__name__}: {err}")
-            params = None
-        return {"errors": errors, "params": params}
-
-
-def reference_sgd(scenario: Scenario) -> dict[str, np.ndarray]:
-    """:func:`train_inside_unwrapped` in one process."""
-    net = make_net(scenario)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    for micro in range(len(scenario.skips)):
-        x, y = batch(scenario, micro)
-        loss_of(net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
