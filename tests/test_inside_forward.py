@@ -25,6 +25,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests import inside_workers as w
 from tests.scenarios import (
@@ -39,6 +41,7 @@ from tests.scenarios import (
     backend_param,
     compare,
     run_reference,
+    scenarios,
 )
 
 if TYPE_CHECKING:
@@ -116,6 +119,34 @@ def test_steps_and_backwards_inside_the_forward_train_exactly(
     cases.append((_without_skips(gated), "no_step"))
     for case, outcome in zip(cases, _run(dist_pool, cases), strict=True):
         _check(case, outcome, None)
+
+
+@settings(max_examples=6)
+@given(data=st.data())
+def test_drawn_models_inside_the_forward_train_exactly(
+    dist_pool: PoolFactory, data: st.DataObject
+) -> None:
+    """Drawn models, skip sets, world sizes (1-4) and DDP bucket options on DDP and torch
+    NO_SHARD computed on views, each variant of Lightning's manual optimization: the
+    single-process reference."""
+    scenario = data.draw(scenarios(configs=(DDP, TORCH_NO_SHARD)), label="scenario")
+    variant = data.draw(st.sampled_from(w.VARIANTS), label="variant")
+    # What the worker does not model: one micro-batch per optimizer step, zeroed after
+    # it, nothing frozen, evaluated or unwrapped.
+    options = {k: v for k, v in scenario.options.items() if k in ("overlap", "bucket_cap_mb")}
+    scenario = replace(
+        scenario,
+        accumulate=1,
+        zero_grad_at="after_step",
+        frozen=(),
+        evaluate=False,
+        unwrap_after=None,
+        options=options,
+    )
+    if variant == "no_step":
+        scenario = _without_skips(scenario)
+    (outcome,) = _run(dist_pool, [(scenario, variant)])
+    _check((scenario, variant), outcome, None)
 
 
 @pytest.mark.parametrize("backend", [backend_param(DDP), backend_param(TORCH_NO_SHARD)])
