@@ -61,15 +61,6 @@ from flatview.errors import FlatViewError
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
-_HELPERS: dict[str, tuple[str, ...]] = {
-    "_verify_options": ("model", "optims", "optim_only", "submodules", "options"),
-    "_get_model_state_dict": ("model", "info"),
-    "_get_optim_state_dict": ("model", "optimizers", "info"),
-    "_load_model_state_dict": ("model", "state_dict", "info"),
-    "_load_optim_state_dict": ("model", "optimizers", "state_dict", "info"),
-}
-"""torch's helpers that are replaced, with the parameters each must have (torch 2.13)."""
-
 _ROUTED = "_flatview_routes_to"
 """The attribute of a ``_StateDictInfo`` (torch's per-call options) naming the
 :class:`flatview.FlatView` of a routed model."""
@@ -153,15 +144,21 @@ def _install_routes() -> bool:
         return True
     from torch.distributed.checkpoint import state_dict as dsd
 
-    found = {name: getattr(dsd, name, None) for name in _HELPERS}
-    for name, expected in _HELPERS.items():
+    found = {name: getattr(dsd, name, None) for name in _WRAPPERS}
+    for name, wrapper in _WRAPPERS.items():
         helper = found[name]
-        if not callable(helper) or tuple(inspect.signature(helper).parameters) != expected:
-            return False
+        if not callable(helper) or _parameters(helper) != _parameters(wrapper):
+            return False  # another torch: its helpers are not the ones routed here
     _originals.update({name: helper for name, helper in found.items() if helper is not None})
     for name, wrapper in _WRAPPERS.items():
         setattr(dsd, name, wrapper)
     return True
+
+
+def _parameters(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """Names and kinds of ``fn``'s parameters: a wrapper stands in for a helper of
+    torch's only where torch can call it the same way."""
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
 
 
 def _verify_options(
