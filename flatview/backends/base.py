@@ -128,6 +128,8 @@ class Runtime(Protocol):
 
     def check_backward_binding(self) -> None: ...
 
+    def bind_inside_forward(self, first: int | None = None) -> None: ...
+
     def settle_agreement(self) -> None: ...
 
     def guard_skipped(self, flat: nn.Parameter) -> None: ...
@@ -197,6 +199,15 @@ class Adapter(Protocol):
     gradient collectives, so the skip-set check may run alongside the forward; the
     adapter calls ``Runtime.settle_agreement`` before its first collective."""
 
+    trains_inside_forward: bool = False
+    """A backward may run inside the root's forward, and a step may be entered there
+    (Lightning's Trainer runs ``training_step``, the user's forward and backward
+    included, inside the wrapper's forward): nothing the forward communicates depends
+    on the skip set, and the adapter finds the end of a backward that does not go
+    through the forward's outputs (``Runtime.bind_inside_forward`` binds the
+    iteration of each). Otherwise ``Runtime.step`` refuses a step entered
+    inside the root's forward, on every rank (:mod:`flatview.binding`)."""
+
     replicas: int = 1
     """How many ranks hold each shard: hybrid sharding's replica-group size (``group``,
     ``rank`` and ``world_size`` are then the shard group's), 1 otherwise."""
@@ -214,7 +225,8 @@ class Adapter(Protocol):
     flattens: bool = False
     """The wrapper keeps the parameters in flat parameters, which flatview shows views of
     (fairscale FSDP, torch FSDP1): torch's own checkpoint functions would misread an
-    optimizer over those views, so the handle installs :mod:`flatview.checkpoint_guard`."""
+    optimizer over those views, so the handle routes them to flatview's
+    (:mod:`flatview.checkpoint_routing`)."""
 
     @property
     def agreement_group(self) -> dist.ProcessGroup | None:

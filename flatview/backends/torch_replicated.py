@@ -95,8 +95,10 @@ class TorchReplicatedAdapter(Adapter):
     backend = "torch"
     clean_name = staticmethod(clean_name)
     flattens = True
-    # The forward communicates nothing the skip set decides (nothing at all).
+    # The forward communicates nothing the skip set decides (nothing at all), and
+    # ReplicatedBackward finds the end of a backward inside the root's forward.
     overlaps_agreement = True
+    trains_inside_forward = True
     takes_overlap = True
 
     def __init__(self, model: TorchFSDPModel, options: ReduceOptions) -> None:
@@ -216,7 +218,8 @@ class TorchReplicatedAdapter(Adapter):
             moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
             args = moved_args[0] if moved_args else ()
             kwargs = moved_kwargs[0] if moved_kwargs else {}
-        output = wrapped(*args, **kwargs)
+        with self._backward.root_forward():
+            output = wrapped(*args, **kwargs)
         self._backward.end_forward(output)
         return output
 
