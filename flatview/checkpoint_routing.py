@@ -1,5 +1,6 @@
 """torch's own checkpoint functions on models wrapped by flatview, with optimizers over
-views: routed to flatview's DCP state.
+views: torch's DCP functions routed to flatview's DCP state, torch FSDP1's own
+optimizer-state functions refused.
 
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizers)`` (and
 ``get_optimizer_state_dict``, ``set_state_dict``, ``set_optimizer_state_dict``, the
@@ -39,6 +40,20 @@ the handle's other patches: torch's functions then see the plain model again.
 The helpers are private to torch: their names and parameters are checked before they
 are replaced. Where they differ (another torch), nothing is replaced and the mark
 refuses instead, before any collective, naming :mod:`flatview.checkpoint`.
+
+torch FSDP1's own optimizer-state functions (``FSDP.optim_state_dict``,
+``optim_state_dict_to_load``, ``full_optim_state_dict``, ``sharded_optim_state_dict``,
+``shard_full_optim_state_dict``, ``flatten_sharded_optim_state_dict``,
+``scatter_full_optim_state_dict``), which Lightning's ``FSDPStrategy`` and accelerate's
+FSDP1 plugin call, know FSDP's flat parameters (or torch's own original parameters),
+not flatview's views: given an optimizer over views they pair collectives of different
+sizes across ranks (an error on gloo, possibly a hang on NCCL). All of them go through
+two private static methods of ``FullyShardedDataParallel`` (``_optim_state_dict_impl``,
+``_optim_state_dict_to_load_impl``) before any collective; those are replaced once per
+process (after the same check of their parameters) by wrappers that refuse, with a
+:class:`flatview.FlatViewError` naming what to use instead, a call whose model holds a
+marked one and whose optimizer holds flatview's views. The decision is local and the
+same on every rank whose optimizers are counterparts, so every rank raises.
 """
 
 from __future__ import annotations
@@ -48,7 +63,7 @@ import dataclasses
 import inspect
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -81,6 +96,8 @@ original parameters of the model (its optimizer state is then flatview's)."""
 
 _originals: dict[str, Callable[..., Any]] = {}
 """torch's DCP helpers, once replaced (empty before, or where they could not be)."""
+_fsdp_originals: dict[str, Callable[..., Any]] = {}
+"""torch FSDP1's optimizer-state implementations, once replaced."""
 
 
 class _Routing(threading.local):
@@ -122,11 +139,13 @@ class _Mark:
 def route_torch_checkpoint(site: RoutingSite) -> None:
     """Route torch's ``torch.distributed.checkpoint.state_dict`` functions, called on the
     site's model with optimizers over its views, to :mod:`flatview.dcp_state` (where
-    this torch's helpers cannot be replaced, make them refuse such calls instead; see the
-    module docstring)."""
+    this torch's helpers cannot be replaced, make them refuse such calls instead), and
+    make torch FSDP1's own optimizer-state functions refuse optimizers over its views
+    (see the module docstring)."""
     root = site.runtime.model
     previous = getattr(root, "_fqn_modifiers", None)
     routed = _install_routes()
+    _install_fsdp_refusals()
     site.patch(root, "_fqn_modifiers", _Mark(site, previous, routed))
 
 
@@ -300,25 +319,108 @@ def _refuse_view_optimizers(runtime: Runtime) -> None:
             )
 
 
+def _install_fsdp_refusals() -> None:
+    """Replace torch FSDP1's two optimizer-state implementations by refusing wrappers
+    (once per process; not where their parameters differ from this torch's)."""
+    if _fsdp_originals:
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    found = {name: vars(FSDP).get(name) for name in _FSDP_PARAMETERS}
+    for name, expected in _FSDP_PARAMETERS.items():
+        impl = found[name]
+        if not isinstance(impl, staticmethod) or _parameters(impl.__func__)[:3] != expected:
+            return  # another torch
+    for name, impl in found.items():
+        assert isinstance(impl, staticmethod)
+        _fsdp_originals[name] = impl.__func__
+        setattr(FSDP, name, staticmethod(_refusing(name, impl.__func__)))
+
+
+_FSDP_PARAMETERS = {
+    "_optim_state_dict_impl": [
+        ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("optim", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("optim_state_dict", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ],
+    "_optim_state_dict_to_load_impl": [
+        ("optim_state_dict", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("optim_input", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ],
+}
+"""The leading parameters of each implementation the wrappers read."""
+
+
+def _refusing(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def impl(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        model = bound.get("model")
+        if isinstance(model, nn.Module):
+            held: list[Any] = []
+            optim = bound.get("optim")
+            if isinstance(optim, torch.optim.Optimizer):
+                held.append(optim)
+            optim_input = bound.get("optim_input")
+            if optim_input is not None:
+                held.append(optim_input)
+            _refuse_fsdp_call(sys._getframe(1).f_code.co_name, model, held)
+        return original(*args, **kwargs)
+
+    return impl
+
+
+def _refuse_fsdp_call(caller: str, model: nn.Module, held: list[Any]) -> None:
+    """Refuse FSDP's optimizer-state function ``caller`` on ``model`` if a module of it
+    carries the mark and an optimizer (or ``optim_input``) of the call holds flatview's
+    views of it, before any collective."""
+    if not held:
+        return
+    sites = [site for module in model.modules() if (site := _site_of(module)) is not None]
+    for site in sites:
+        for optimizer in held:
+            names = _views_held(site.runtime, optimizer)
+            if names:
+                kind = type(optimizer).__name__
+                raise FlatViewError(
+                    f"FullyShardedDataParallel.{caller} cannot handle optimizer {kind}, "
+                    f"which holds flatview's views ({_shown(names)}) of a torch FSDP model: "
+                    "FSDP's optimizer-state functions know its flat parameters, not views, "
+                    "and would pair collectives of different sizes across ranks. Save and "
+                    "load through torch.distributed.checkpoint.state_dict (get_state_dict / "
+                    "set_state_dict, which flatview routes to flatview.checkpoint), "
+                    "flatview.checkpoint, or fv.optim_state_dict / fv.load_optim_state_dict"
+                )
+
+
+def _params_of(optimizer: Any) -> Iterable[Any]:
+    """The tensors of an optimizer, or of an ``optim_input`` (parameters, or parameter
+    groups as dicts)."""
+    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    for entry in groups:
+        if isinstance(entry, dict):
+            yield from entry.get("params", ())
+        else:
+            yield entry
+
+
 def _holds_pieces(runtime: Runtime, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` holds original parameters of the model (views, flatview's or
     torch's with ``use_orig_params=True``, or parameters fairscale leaves unflattened):
     only an optimizer over flat parameters (which flatview refuses at its first step)
     does not."""
-    return any(
-        runtime.index_of(tensor) is not None
-        for group in optimizer.param_groups
-        for tensor in group["params"]
-    )
+    return any(runtime.index_of(tensor) is not None for tensor in _params_of(optimizer))
 
 
-def _views_held(runtime: Runtime, optimizer: torch.optim.Optimizer) -> list[str]:
+def _views_held(runtime: Runtime, optimizer: Any) -> list[str]:
     """Names of the parameters of ``optimizer`` that torch's functions would misread:
     flatview's own views, and parameters the wrapper shards one by one."""
     table = runtime.table
     names = []
-    for tensor in (t for group in optimizer.param_groups for t in group["params"]):
-        index = runtime.index_of(tensor)
+    for tensor in _params_of(optimizer):
+        index = runtime.index_of(tensor) if isinstance(tensor, torch.Tensor) else None
         if index is None:
             continue
         # A plain parameter with a padded-shard placement is one the wrapper shards by

@@ -26,7 +26,11 @@ from tests.scenarios import (
     distributed_model,
     distributed_training,
     full_state,
+    local_batch,
+    loss_of,
+    make_net,
     optimizer_steps,
+    wrap_fsdp,
 )
 
 State = dict[str, Any]
@@ -120,6 +124,75 @@ def torch_api_refused(scenario: Scenario) -> dict[str, Any]:
         out["flatview_ok"] = _same(consolidated(fv, opts), before)
         fv.unwrap()
         out["mark_removed"] = "_fqn_modifiers" not in vars(model)
+    return out
+
+
+FSDP_OPTIM_FUNCTIONS = (
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "full_optim_state_dict",
+    "sharded_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "flatten_sharded_optim_state_dict",
+    "scatter_full_optim_state_dict",
+)
+"""torch FSDP1's own optimizer-state functions (static methods of the wrapper class)."""
+
+
+def _fsdp_calls(model: Any, opt: torch.optim.Optimizer) -> list[Any]:
+    """Each of :data:`FSDP_OPTIM_FUNCTIONS`, called on ``model`` with ``opt`` as
+    Lightning's FSDPStrategy and accelerate's FSDP1 plugin call them (the load side with
+    an empty state: flatview refuses before reading it)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [
+        lambda: FSDP.optim_state_dict(model, opt),
+        lambda: FSDP.optim_state_dict_to_load(model, opt, {}),
+        lambda: FSDP.full_optim_state_dict(model, opt),
+        lambda: FSDP.sharded_optim_state_dict(model, opt),
+        lambda: FSDP.shard_full_optim_state_dict({}, model, optim=opt),
+        lambda: FSDP.flatten_sharded_optim_state_dict({}, model, opt),
+        lambda: FSDP.scatter_full_optim_state_dict({}, model, optim=opt),
+    ]
+
+
+def fsdp_optim_api(scenario: Scenario) -> dict[str, Any]:
+    """torch FSDP1's own optimizer-state functions on a flatview-wrapped model, after one
+    optimizer step: each called with every optimizer over views (its error message or
+    ``None``, and the collectives it issued), the consolidated state before and after;
+    then, in the same process, a bare FSDP model of the same scenario (no flatview) with
+    an optimizer over its flat parameters: torch's ``optim_state_dict`` and
+    ``optim_state_dict_to_load`` there, as without flatview (the keys it gives, and
+    whether the state loads back unchanged)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    out: dict[str, Any] = {"messages": [], "collectives": []}
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for _ in distributed_training(scenario, model, fv, opts, optimizer_steps(scenario)[:1]):
+            pass
+        before = consolidated(fv, opts)
+        for opt in opts:
+            for call in _fsdp_calls(model, opt):
+                start = _sequence()
+                try:
+                    call()
+                except FlatViewError as err:
+                    out["messages"].append(str(err))
+                else:
+                    out["messages"].append(None)
+                out["collectives"].append(_sequence() - start)
+        out["unchanged"] = _same(consolidated(fv, opts), before)
+        bare = wrap_fsdp(scenario, make_net(scenario))
+        opt = torch.optim.Adam(bare.parameters(), lr=0.01)
+        xs, ys = local_batch(scenario, 0)
+        loss_of(bare(xs, ()), ys).backward()
+        opt.step()
+        saved = FSDP.optim_state_dict(bare, opt)
+        out["bare_keys"] = sorted(saved["state"])
+        own = as_numpy(opt.state_dict())
+        opt.load_state_dict(FSDP.optim_state_dict_to_load(bare, opt, saved))
+        out["bare_reloaded"] = _same(as_numpy(opt.state_dict()), own)
     return out
 
 

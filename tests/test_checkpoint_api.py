@@ -176,6 +176,33 @@ def test_torch_state_dict_api_refuses_where_it_cannot_route(
         assert results[0]["model_keys"] == names
 
 
+@pytest.mark.parametrize(
+    "backend", [backend_param(FULL_SHARD), backend_param(BackendConfig("torch", "NO_SHARD"))]
+)
+def test_fsdp_own_optimizer_state_functions_refuse_views(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """torch FSDP1's own optimizer-state functions (Lightning's FSDPStrategy and
+    accelerate's FSDP1 plugin call them), given an optimizer over flatview's views: a
+    FlatViewError on every rank naming the functions to use instead, before any
+    collective (torch failed inside a collective with mismatched sizes on gloo), the
+    optimizers' state untouched; on a bare FSDP model in the same process they are
+    torch's, unchanged."""
+    results = dist_pool(2).run(cw.fsdp_optim_api, backend.scenario(BASE), timeout=TIMEOUT)
+    count = len(cw.FSDP_OPTIM_FUNCTIONS)
+    for rank, out in enumerate(results):
+        assert out["messages"] and len(out["messages"]) % count == 0, rank  # per optimizer
+        assert out["collectives"] == [0] * len(out["messages"]), rank
+        for k, message in enumerate(out["messages"]):
+            name = cw.FSDP_OPTIM_FUNCTIONS[k % count]
+            assert message is not None, (rank, name)
+            assert "views" in message and "torch.distributed.checkpoint" in message, message
+            assert "flatview.checkpoint" in message, message
+        assert out["unchanged"], rank
+        assert out["bare_keys"] and out["bare_reloaded"], rank
+    assert results[0]["bare_keys"] == results[1]["bare_keys"]
+
+
 # ------------------------------------------------------------------- save and resume
 
 

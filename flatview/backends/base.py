@@ -77,6 +77,10 @@ class PlainSpec:
     padded_shard: bool = True
     """With ``layout``: the parameter holds rank ``rank``'s padded shard (True), or
     only its piece of the segment, unpadded (False: FSDP2's ``DTensor`` local tensors)."""
+    view: bool = False
+    """The parameter is one of flatview's own views, described as a plain parameter
+    (torch FSDP1 ``NO_SHARD`` computed on views), not one the wrapper registered: the
+    wrapper's own functions do not know it."""
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,7 @@ class TorchReplicatedAdapter(Adapter):
                     self._view_sets.append(views)
                     self._view_names.append([names[0] for names in spec.names])
                     leaves = views.views
+                own = spec.wrapper_views is None
                 originals = tuple(names[0] for names in spec.names)
                 self._flat_names[id(spec.flat)] = (unit.name or "<root>", originals)
                 self._leaves[id(spec.flat)] = tuple(leaves)
@@ -149,7 +150,14 @@ class TorchReplicatedAdapter(Adapter):
                 ):
                     # A tied parameter is one view shown at every place.
                     plain.append(
-                        PlainSpec(names[0], view, segment.shape, reduced=True, aliases=names[1:])
+                        PlainSpec(
+                            names[0],
+                            view,
+                            segment.shape,
+                            reduced=True,
+                            aliases=names[1:],
+                            view=own,
+                        )
                     )
                     params.append((names[0], view))
                     reduced.add(id(view))
