@@ -6,10 +6,10 @@ their state to ``FSDP.optim_state_dict``, which takes every state tensor for the
 a whole flat parameter's shard (and fails in a collective); fairscale it does not know,
 and it would save each rank's piece as if it were the whole parameter. This module has
 the same functions with ``fv`` first, the same options and the same kind of result,
-keyed by original names (:mod:`flatview.dcp_state`); and torch's own functions, called
-on a model wrapped by flatview, are routed to the same state
-(:mod:`flatview.checkpoint_routing`), so that frameworks that checkpoint with them save
-and resume the same dicts:
+keyed by original names (its halves: :mod:`flatview.checkpoint_model`,
+:mod:`flatview.checkpoint_optim`); and torch's own functions, called on a model wrapped
+by flatview, are routed to the same halves (:mod:`flatview.checkpoint_routing`), so
+that frameworks that checkpoint with them save and resume the same dicts:
 
 >>> model_sd, optim_sd = flatview.checkpoint.get_state_dict(fv, model, opts)  # doctest: +SKIP
 >>> dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)     # doctest: +SKIP
@@ -51,9 +51,19 @@ parameter a ``ShardedTensor`` without local shards, which DCP's load planner lea
 of the keys it expects; next to an optimizer's ``param_groups`` that makes the load fail.
 flatview's blocks give such a rank an empty block.)
 
-Options flatview refuses (:class:`flatview.FlatViewError`, before any collective):
-``broadcast_from_rank0`` (load the same full dict on every rank, or use the sharded
-form) and ``flatten_optimizer_state_dict``.
+Parameters an optimizer holds without state (never had a gradient: skipped in every
+step so far) are saved as placeholders, every key ``None``, where torch's functions save
+nothing; :func:`set_state_dict` drops them (see :mod:`flatview.fresh_state`). So a run
+resumed from fresh optimizers, whose template has state for every parameter, loads and
+is exact.
+
+Options flatview refuses (:class:`flatview.FlatViewError`): ``broadcast_from_rank0``
+(load the same full dict on every rank, or use the sharded form) and
+``flatten_optimizer_state_dict``. Every refusal, even one rank's alone, is raised on
+every rank: each function exchanges one small object per rank (what it refused, the
+options that decide its collectives) before its first collective
+(:func:`flatview.comm.refusals.raise_everywhere`; the set functions after their local
+loading, before torch's model half).
 """
 
 from __future__ import annotations
@@ -64,14 +74,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from flatview.dcp_state import (
+from flatview.checkpoint_model import (
     IncompatibleKeys,
-    load_model_state,
+    load_model_state_dict,
+    model_state_dict,
+    torch_loads_model,
+)
+from flatview.checkpoint_optim import (
     load_optimizers_state,
-    model_state,
     optimizers_state,
     refuse_options,
 )
+from flatview.comm.refusals import raise_everywhere
 from flatview.errors import FlatViewError
 
 if TYPE_CHECKING:
@@ -104,9 +118,12 @@ def get_state_dict(
     formats).
 
     A collective: every rank calls it with its counterparts of the same optimizers,
-    between iterations. An optimizer without state (freshly built, to load a checkpoint
-    into) is first given zero state by one step with zero gradients and learning rate 0,
-    as torch does, so that the returned dict can receive ``torch.distributed.checkpoint.load``.
+    between iterations. A fresh optimizer (no state, never stepped or loaded: built to
+    load a checkpoint into) is first given zero state by one step with zero gradients
+    and learning rate 0, as torch does, so that the returned dict can receive
+    ``torch.distributed.checkpoint.load``. A parameter an optimizer that has stepped
+    holds without state gets a placeholder entry (every key ``None``), which
+    :func:`set_state_dict` drops.
 
     Args:
         fv: the model's :class:`flatview.FlatView`.
@@ -116,13 +133,15 @@ def get_state_dict(
             choose the form, ``ignore_frozen_params`` and ``strict`` apply to the model.
 
     Raises:
-        flatview.FlatViewError: an option flatview does not support (before any
-            collective); :class:`flatview.OptimStateError` as
-            :meth:`flatview.FlatView.optim_state_dict` raises it.
+        flatview.FlatViewError: an option flatview does not support, a model that is not
+            ``fv.model``, or ranks passing different options; on every rank alike, before
+            any collective but one small exchange. :class:`flatview.OptimStateError` as
+            :meth:`flatview.FlatView.optim_state_dict` raises it (an optimizer over flat
+            parameters, also where only one rank's is).
     """
-    opts = _as_tuple(optimizers)
-    info = _options(fv, model, options)
-    return model_state(fv.runtime, info), optimizers_state(fv.runtime, opts, info)
+    opts, info = _checked_call(fv, model, optimizers, options, "get_state_dict")
+    model_sd = model_state_dict(fv.runtime, info)
+    return model_sd, optimizers_state(fv.runtime, opts, info)
 
 
 def get_optimizer_state_dict(
@@ -133,8 +152,7 @@ def get_optimizer_state_dict(
     options: StateDictOptions | None = None,
 ) -> dict[str, Any]:
     """The optimizer half of :func:`get_state_dict`."""
-    opts = _as_tuple(optimizers)
-    info = _options(fv, model, options)
+    opts, info = _checked_call(fv, model, optimizers, options, "get_optimizer_state_dict")
     return optimizers_state(fv.runtime, opts, info)
 
 
@@ -155,15 +173,21 @@ def set_state_dict(
     ``ShardedTensor`` s of this model's own sharded :func:`get_state_dict`. Parameters are
     matched by name within each parameter group, hyperparameters come from the dict.
 
+    Placeholder entries (parameters saved without state) are dropped: those parameters
+    have no state afterwards, as in the run that saved them.
+
+    A collective on every backend: what loads locally (the optimizers, and the model
+    where flatview loads it) runs first, then one small exchange raises any rank's
+    refusal on every rank, then torch's model half where torch loads the model.
+
     Raises:
-        flatview.FlatViewError: an unsupported option (before any collective).
+        flatview.FlatViewError: an unsupported option, or ranks passing different ones.
         flatview.OptimStateError: the optimizer dict does not fit the optimizers.
+        Either on every rank alike, also where only one rank's arguments are wrong.
     """
-    opts = _as_tuple(optimizers)
-    info = _options(fv, model, options)
-    result = load_model_state(fv.runtime, model_state_dict, info)
-    load_optimizers_state(fv.runtime, opts, optim_state_dict)
-    return result
+    return _load(
+        fv, model, optimizers, model_state_dict, optim_state_dict, options, "set_state_dict"
+    )
 
 
 def set_optimizer_state_dict(
@@ -175,12 +199,42 @@ def set_optimizer_state_dict(
     options: StateDictOptions | None = None,
 ) -> None:
     """The optimizer half of :func:`set_state_dict`."""
-    opts = _as_tuple(optimizers)
-    _options(fv, model, options)
-    load_optimizers_state(fv.runtime, opts, optim_state_dict)
+    _load(fv, model, optimizers, None, optim_state_dict, options, "set_optimizer_state_dict")
 
 
 # -------------------------------------------------------------------------- options
+
+
+def _request(info: Any, count: int) -> tuple[Any, ...]:
+    """What every rank must pass alike: the options that decide the collectives."""
+    return (
+        bool(info.full_state_dict),
+        bool(info.cpu_offload),
+        bool(info.ignore_frozen_params),
+        count,
+    )
+
+
+def _checked_call(
+    fv: FlatView,
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    options: StateDictOptions | None,
+    call: str,
+) -> tuple[tuple[torch.optim.Optimizer, ...], Any]:
+    """The arguments of a call that reads state, checked on every rank at once: a rank
+    that refuses them raises on every rank, before the first collective."""
+    failure: BaseException | None = None
+    opts: tuple[torch.optim.Optimizer, ...] = ()
+    info: Any = None
+    try:
+        opts = _as_tuple(optimizers)
+        info = _options(fv, model, options)
+    except Exception as err:
+        failure = err
+    request = None if failure is not None else _request(info, len(opts))
+    raise_everywhere(failure, request, fv.adapter.agreement_group, f"flatview.checkpoint.{call}")
+    return opts, info
 
 
 def _as_tuple(
@@ -202,3 +256,39 @@ def _options(fv: FlatView, model: nn.Module, options: StateDictOptions | None) -
     info = options or StateDictOptions()
     refuse_options(info)
     return info
+
+
+def _load(
+    fv: FlatView,
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    model_state_dict: Mapping[str, Any] | None,
+    optim_state_dict: Mapping[str, Any],
+    options: StateDictOptions | None,
+    call: str,
+) -> IncompatibleKeys:
+    """:func:`set_state_dict` (without the model half when ``model_state_dict`` is
+    ``None``). Everything that loads locally runs first, and its refusals on any rank are
+    raised on every rank in one exchange, before torch's model half, which communicates
+    (a rank raising alone would leave the others waiting there or in the next step)."""
+    failure: BaseException | None = None
+    result = IncompatibleKeys([], [])
+    opts: tuple[torch.optim.Optimizer, ...] = ()
+    info: Any = None
+    torch_model = False
+    try:
+        opts = _as_tuple(optimizers)
+        info = _options(fv, model, options)
+        if model_state_dict is not None:
+            torch_model = torch_loads_model(fv.runtime, model_state_dict)
+            if not torch_model:
+                result = load_model_state_dict(fv.runtime, model_state_dict, info)
+        load_optimizers_state(fv.runtime, opts, optim_state_dict)
+    except Exception as err:
+        failure = err
+    request = None if failure is not None else _request(info, len(opts))
+    raise_everywhere(failure, request, fv.adapter.agreement_group, f"flatview.checkpoint.{call}")
+    if torch_model:
+        assert model_state_dict is not None
+        result = load_model_state_dict(fv.runtime, model_state_dict, info)
+    return result

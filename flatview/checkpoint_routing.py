@@ -11,7 +11,8 @@ parameter). So every call of one of them on a model whose handle installed
 :func:`route_torch_checkpoint` (fairscale, torch FSDP1: the wrappers that flatten) gives
 what the :mod:`flatview.checkpoint` function of the same name gives (model and optimizer
 state by original name, DCP-savable, loadable at another world size or backend, or into
-the unwrapped model; :mod:`flatview.dcp_state`), and loads what it loads:
+the unwrapped model; :mod:`flatview.checkpoint_model`, :mod:`flatview.checkpoint_optim`),
+and loads what it loads:
 
 * the model state is always flatview's, model-only calls included, so that any pair
   of calls saves and loads one form: in the full form it is torch's own (fairscale's
@@ -36,6 +37,13 @@ the names of every model: the *mark*) and pass everything else to torch's helper
 unchanged. Whoever imported the public functions, and however (``from ... import`` at
 import time included), goes through them. ``FlatView.unwrap()`` removes the mark with
 the handle's other patches: torch's functions then see the plain model again.
+
+As :mod:`flatview.checkpoint`'s own functions, a routed call raises a refusal on every
+rank even where one rank alone decides it (:func:`flatview.comm.refusals.raise_everywhere`):
+``_verify_options`` exchanges what this rank refused and what decides the collectives
+that follow (the options, the number of optimizers, whether flatview's path is taken)
+before any collective of the call, and the loads that copy locally exchange their
+refusals afterwards, before anything else communicates.
 
 The helpers are private to torch: their names and parameters are checked before they
 are replaced. Where they differ (another torch), nothing is replaced and the mark
@@ -70,7 +78,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatview import dcp_state
+from flatview import checkpoint_model, checkpoint_optim
+from flatview.comm.refusals import raise_everywhere
 from flatview.errors import FlatViewError
 from flatview.runtime import Runtime
 
@@ -138,7 +147,7 @@ class _Mark:
 
 def route_torch_checkpoint(site: RoutingSite) -> None:
     """Route torch's ``torch.distributed.checkpoint.state_dict`` functions, called on the
-    site's model with optimizers over its views, to :mod:`flatview.dcp_state` (where
+    site's model with optimizers over its views, to flatview's checkpoint halves (where
     this torch's helpers cannot be replaced, make them refuse such calls instead), and
     make torch FSDP1's own optimizer-state functions refuse optimizers over its views
     (see the module docstring)."""
@@ -194,17 +203,40 @@ def _verify_options(
         model, optims, optim_only, submodules=submodules, options=options
     )
     site = None if _routing.active else _site_of(model)
-    if site is not None:
-        # Before any collective, on every rank alike.
-        dcp_state.refuse_options(info)
+    if site is None:
+        return info
+    failure: BaseException | None = None
+    try:
+        checkpoint_optim.refuse_options(info)
         if submodules:
             raise FlatViewError(
                 "torch.distributed.checkpoint.state_dict's submodules= (deprecated) is not "
                 "supported on models wrapped by flatview: filter the state dict by name"
             )
-        setattr(info, _ROUTED, site)
-        setattr(info, _PIECES, any(_holds_pieces(site.runtime, o) for o in optims))
+    except FlatViewError as err:
+        failure = err
+    pieces = any(_holds_pieces(site.runtime, o) for o in optims)
+    # What decides the collectives that follow, flatview's or torch's path included.
+    request = (info.full_state_dict, info.cpu_offload, info.ignore_frozen_params, len(optims))
+    # Before any collective of the call; a rank refusing alone raises on every rank.
+    raise_everywhere(failure, (*request, pieces), _group(site), _caller())
+    setattr(info, _ROUTED, site)
+    setattr(info, _PIECES, pieces)
     return info
+
+
+def _group(site: RoutingSite) -> Any:
+    return site.runtime.adapter.agreement_group
+
+
+def _caller() -> str:
+    """The public torch function this call came through, for messages."""
+    entries = _torch_entry_points()
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in entries:
+        frame = frame.f_back  # type: ignore[assignment]
+    name = entries[frame.f_code] if frame is not None else "a function"
+    return f"torch.distributed.checkpoint.state_dict.{name} (routed to flatview.checkpoint)"
 
 
 def _options_of(info: Any) -> Any:
@@ -220,7 +252,7 @@ def _get_model_state_dict(model: nn.Module, info: Any) -> Any:
     if site is None or not info.handle_model:
         return _originals["_get_model_state_dict"](model, info)
     with _flatviews():
-        return dcp_state.model_state(site.runtime, _options_of(info))
+        return checkpoint_model.model_state_dict(site.runtime, _options_of(info))
 
 
 def _get_optim_state_dict(
@@ -230,7 +262,7 @@ def _get_optim_state_dict(
     if site is None or not info.handle_optim or not getattr(info, _PIECES, False):
         return _originals["_get_optim_state_dict"](model, optimizers, info)
     with _flatviews():
-        return dcp_state.optimizers_state(site.runtime, optimizers, _options_of(info))
+        return checkpoint_optim.optimizers_state(site.runtime, optimizers, _options_of(info))
 
 
 def _load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], info: Any) -> Any:
@@ -239,8 +271,18 @@ def _load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], info: A
         return _originals["_load_model_state_dict"](model, state_dict, info)
     from torch.nn.modules.module import _IncompatibleKeys
 
-    with _flatviews():
-        result = dcp_state.load_model_state(site.runtime, state_dict, _options_of(info))
+    runtime = site.runtime
+    if checkpoint_model.torch_loads_model(runtime, state_dict):
+        with _flatviews():
+            result = checkpoint_model.load_model_state_dict(runtime, state_dict, _options_of(info))
+        return _IncompatibleKeys(result.missing_keys, result.unexpected_keys)
+    # Local copies: a rank that refuses the dict raises on every rank.
+    failure: BaseException | None = None
+    try:
+        result = checkpoint_model.load_model_state_dict(runtime, state_dict, _options_of(info))
+    except Exception as err:
+        failure = err
+    raise_everywhere(failure, (), _group(site), _caller())
     return _IncompatibleKeys(result.missing_keys, result.unexpected_keys)
 
 
@@ -254,8 +296,13 @@ def _load_optim_state_dict(
     if site is None or not info.handle_optim or not getattr(info, _PIECES, False):
         _originals["_load_optim_state_dict"](model, optimizers, state_dict, info)
         return
-    with _flatviews():
-        dcp_state.load_optimizers_state(site.runtime, optimizers, state_dict)
+    failure: BaseException | None = None
+    try:
+        checkpoint_optim.load_optimizers_state(site.runtime, optimizers, state_dict)
+    except Exception as err:
+        failure = err
+    # Local loading: a rank that refuses the dict raises on every rank.
+    raise_everywhere(failure, (), _group(site), _caller())
 
 
 _WRAPPERS: dict[str, Callable[..., Any]] = {
@@ -280,6 +327,8 @@ def _torch_entry_points() -> dict[Any, str]:
         "get_optimizer_state_dict",
         "set_state_dict",
         "set_optimizer_state_dict",
+        "get_model_state_dict",
+        "set_model_state_dict",
     ):
         fn = getattr(module, name, None)
         fn = getattr(fn, "__wrapped__", fn)

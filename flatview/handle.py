@@ -16,7 +16,8 @@ pieces that do the work:
 
 Norms (:mod:`flatview.norms`) and optimizer state (:mod:`flatview.optim_state`) are
 plain functions over the table and the runtime: the handle calls them, they never
-import it.
+import it. The module is one concept past the line cap: the public API, most of its
+length the docstrings users read; each method only delegates.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatview import dcp_state, wrapped_models
 from flatview import norms as _norms
+from flatview import optim_state, wrapped_models
 from flatview.backends.base import Adapter
 from flatview.backends.patches import Patches
+from flatview.checkpoint_optim import load_consolidated
 from flatview.checkpoint_routing import RoutingSite, route_torch_checkpoint
 from flatview.comm.ledger import Ledger
 from flatview.errors import NormError, ParameterError
@@ -468,8 +470,9 @@ class FlatView:
         A collective: every rank must call it, with its counterpart of the same
         optimizer, between iterations. It all-gathers a small description of each
         rank's state, then the per-element state of sharded parameters, packed, one
-        collective per bucket and dtype. Nothing is communicated when every rank holds
-        every parameter (torch ``NO_SHARD``, one rank).
+        collective per bucket and dtype. When every rank holds every parameter (torch
+        ``NO_SHARD``, DDP) only the descriptions are exchanged, so that a rank refusing
+        its optimizer raises on every rank; on one rank nothing is communicated.
 
         Args:
             optimizer: an optimizer over views and other parameters of this model
@@ -486,12 +489,15 @@ class FlatView:
             flatview.OptimStateError: the optimizer holds a tensor that is
                 not one of this model's parameters (a flat parameter, say), or state
                 that cannot be cut into pieces (neither per-element nor scalar), on any
-                rank; or ranks hold different parameters or state, or disagree on a
-                scalar such as ``step``. Raised on every rank alike (the message names
-                the rank), after the exchange of descriptions and before any state
-                tensor moves.
+                rank; or ranks hold different parameters or state, disagree on a
+                scalar such as ``step``, or pass different ``rank0_only``. Raised on
+                every rank alike (the message names the rank), after the exchange of
+                descriptions and before any state tensor moves.
         """
-        return dcp_state.consolidated(self.table, self.adapter, optimizer, rank0_only=rank0_only)
+        if isinstance(optimizer, optim_state.ConsolidatesItself):
+            # flatview.optim.Whole keeps whole tensors on owner ranks: it consolidates itself.
+            return optimizer.consolidated_state_dict(rank0_only=rank0_only)
+        return optim_state.consolidate(self.table, self.adapter, optimizer, rank0_only=rank0_only)
 
     def load_optim_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
@@ -517,4 +523,4 @@ class FlatView:
                 of parameter groups; or a per-element tensor does not have its
                 parameter's shape. Nothing is loaded then.
         """
-        dcp_state.load_consolidated(self.table, optimizer, state_dict)
+        load_consolidated(self.table, optimizer, state_dict)
