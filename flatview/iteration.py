@@ -59,7 +59,7 @@ class Iteration:
     declared: bool = False
     """Bound inside a ``FlatView.step()`` (step ``step``): its skip set covers this
     forward. A backward inside a step must belong to a forward bound in that step."""
-    binding: Binding | None = field(default=None, compare=False, repr=False)
+    binding: Binding = field(kw_only=True, compare=False, repr=False)
     """The cached meaning of its skip set (:class:`Binder`)."""
 
 

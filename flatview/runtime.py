@@ -331,13 +331,7 @@ class Runtime:
         if found is None:
             return []
         iteration, record = found
-        if iteration.binding is not None:
-            return list(iteration.binding.skipped_segments[record.index])
-        return [
-            (segment, self.table.name(index))
-            for segment, index in enumerate(record.params)
-            if index in iteration.skipped
-        ]
+        return list(iteration.binding.skipped_segments[record.index])
 
     def guard_skipped(self, flat: nn.Parameter) -> None:
         """Hook the compute tensors the wrapper just set on the submodules for the
@@ -389,11 +383,9 @@ class Runtime:
         if found is None:
             return None
         iteration, record = found
-        read = iteration.read[record.index]
-        binding = iteration.binding
-        if binding.read_all[record.index] if binding is not None else all(read):
+        if iteration.binding.read_all[record.index]:
             return None
-        plan = record.plan(read)
+        plan = record.plan(iteration.read[record.index])
         return plan if masking_pays(plan) else None
 
     def gather_masked(

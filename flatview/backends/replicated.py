@@ -186,9 +186,12 @@ class ReplicatedBackward:
             index = runtime.index_of(param)
             if index is not None and id(param) in self.reduced:
                 self._tensors[index] = param
-                if self.overlap:  # only overlapping asks when each gradient is ready
-                    ready = functools.partial(self._grad_ready, index)
-                    patches.hook(param.register_post_accumulate_grad_hook(ready))
+                # Also without overlap: the first gradient ready is what shows a backward
+                # inside the root's forward (root_forward), which nothing else sees. It
+                # costs one Python call per gradient and backward (about 1-2 µs on this
+                # project's 2-core CPU, benchmarks/README.md's scale section).
+                ready = functools.partial(self._grad_ready, index)
+                patches.hook(param.register_post_accumulate_grad_hook(ready))
         self._reduced_of: dict[frozenset[int], list[int]] = {}
         """Per set of parameters used (a skip set's, or with the window's), those
         flatview reduces, in model order (skip sets repeat)."""
