@@ -133,6 +133,10 @@ def write_back(scenario: Scenario) -> dict[str, Any] | None:
         out["head_in_parameters"] = any(p is tree.head.weight for p in fv.parameters())
         out["written"] = _state(model, scenario)
         _train(scenario, model, fv, opts, 1)
+        # Shown again after a step: the new parameter, not the view it replaced (a
+        # cached place to show views at must follow the replacement).
+        shown = tree.head.weight
+        out["head_shown_after_step"] = shown is dict(fv.named_parameters())["head.weight"]
         aux = dict(fv.named_parameters())["aux.weight"]
         aux.data = _value(tuple(make_net(scenario).aux.weight.shape), 3)
         _train(scenario, model, fv, opts, 2)

@@ -179,3 +179,27 @@ def test_bucket_layouts_follow_their_buffer(dist_pool: PoolFactory, keep_bytes: 
     for checks, current in dist_pool(2).run(cw.bucket_layouts, keep_bytes, timeout=TIMEOUT):
         assert checks == [True] * 4
         assert current
+
+
+def test_views_follow_a_new_shard_storage() -> None:
+    """The wrapper hands over another local shard (``.to()``, a load that replaces the
+    tensor): the views (the same objects, which optimizers hold) alias the new storage,
+    a step through them writes into it, and the next check for writes through ``.data``
+    finds nothing (fails if the bound storage were never made again)."""
+    from flatview.views import Owner, ViewSet
+
+    holder = nn.Module()
+    layout = FlatLayout.packed([(2, 3), (5,)], world_size=1)
+    flat = nn.Parameter(torch.zeros(layout.shard_numel))
+    owners = [[Owner(holder, "weight")], [Owner(holder, "bias")]]
+    views = ViewSet(flat, Owner(holder, "flat"), layout, 0, flat.data, owners)
+    before = views.views
+    for _ in range(2):  # a second storage after the first: the cache moves each time
+        shard = torch.arange(layout.shard_numel, dtype=torch.float32)
+        views.rebind(shard)
+        assert all(a is b for a, b in zip(views.views, before, strict=True))
+        assert all(_aliases(v, shard) for v in views.views)
+        with torch.no_grad():
+            views.views[0].add_(1.0)
+        assert torch.equal(shard[:6], torch.arange(6, dtype=torch.float32) + 1)
+        assert views.write_back(["weight", "bias"]) == []

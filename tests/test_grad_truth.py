@@ -101,6 +101,7 @@ def test_writes_through_views_reach_the_shard(
     got = dist_pool(scenario.world_size).run(gw.write_back, scenario, timeout=TIMEOUT)[0]
     want = gw.write_back_reference(scenario)
     assert got["head_in_parameters"]
+    assert got["head_shown_after_step"]
     if backend.on_views:
         assert "'head.weight'" in got["replaced"] and "FlatViewError" in got["replaced"]
     else:
