@@ -1,0 +1,176 @@
+"""Tasks for DeepSpeed tests, run on every rank of a worker pool (see tests/dist_pool.py).
+
+Each task enters :func:`flatview.testing.deepspeed_on_cpu` itself, builds its engine
+inside and drops it before leaving, so the pool's processes hold nothing of DeepSpeed's
+between tasks but the imported modules.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatview.testing import deepspeed_on_cpu
+
+IN, HIDDEN, OUT = 5, 7, 3
+PER_RANK = 3
+SEED = 11
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(SEED)
+    layers = [nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(HIDDEN, OUT))
+
+
+def global_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    # Targets far from the initial outputs: the first gradients' global norm is well
+    # above 1, where DeepSpeed's default clipping acts.
+    return torch.randn(world * PER_RANK, IN, generator=g), 4 * torch.randn(
+        world * PER_RANK, OUT, generator=g
+    )
+
+
+def config(stage: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": PER_RANK,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        **extra,
+    }
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _state(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+
+
+def reference_mlp(steps: int, world: int, clip: float | None) -> dict[str, Any]:
+    """One process, the whole batch, torch's AdamW; ``clip``: torch's
+    ``clip_grad_norm_`` before each step. Also the gradient norm of every step."""
+    model = mlp()
+    opt = adamw(model.parameters())
+    norms = []
+    for step in range(steps):
+        x, y = global_batch(step, world)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")))
+        )
+        opt.step()
+    return {"params": _state(model), "norms": norms}
+
+
+def plain_deepspeed_mlp(stage: int, steps: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """Plain DeepSpeed (no flatview): ZeRO ``stage`` with torch's AdamW, ``steps``
+    steps; the final full parameters (gathered under ZeRO 3)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with deepspeed_on_cpu() as deepspeed:
+        model = mlp()
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=adamw(model.parameters()), config=config(stage, **extra)
+        )
+        for step in range(steps):
+            x, y = global_batch(step, world)
+            mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            engine.backward(nn.functional.mse_loss(engine(x[mine]), y[mine]))
+            engine.step()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            params = _state(engine.module)
+        kinds = (type(optimizer).__name__, type(optimizer.optimizer).__name__)
+        clipping = engine.gradient_clipping()
+        del engine, optimizer
+    return {"params": params, "optimizers": kinds, "clipping": clipping}
+
+
+# ------------------------------------------------------------------ the harness
+
+
+def _extension_lock_dirs() -> list[str]:
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return sorted(str(p) for p in root.glob("*/deepspeed_*")) if root.exists() else []
+
+
+def _globals_snapshot() -> dict[str, Any]:
+    import torch.distributed.distributed_c10d as c10d
+
+    comm_torch = sys.modules["deepspeed.comm.torch"]
+    builder = sys.modules["deepspeed.ops.op_builder.builder"].OpBuilder
+    groups = sys.modules["deepspeed.utils.groups"]
+    return {
+        "build_shm_op": comm_torch.build_shm_op,
+        "jit_load": vars(builder)["jit_load"],
+        "cdb": sys.modules["deepspeed.comm.comm"].cdb,
+        "world_group": groups._WORLD_GROUP,
+        "accelerator": sys.modules["deepspeed.accelerator.real_accelerator"].ds_accelerator,
+        "process_groups": len(c10d._world.pg_map),
+    }
+
+
+def _env() -> dict[str, str | None]:
+    names = ("DS_ACCELERATOR", "LOCAL_RANK", "TORCHINDUCTOR_CACHE_DIR")
+    return {name: os.environ.get(name) for name in names}
+
+
+def harness_leaves_nothing(stages: tuple[int, ...]) -> dict[str, Any]:
+    """Enter and leave the harness around a short training run per ZeRO stage: every
+    global DeepSpeed's setup touches is as before, and no op build started."""
+    env_before = _env()
+    locks_before = _extension_lock_dirs()
+    with deepspeed_on_cpu():
+        pass  # imports DeepSpeed (the first time) and nothing else
+    snapshot = _globals_snapshot()
+    inside: list[dict[str, Any]] = []
+    for stage in stages:
+        with deepspeed_on_cpu() as deepspeed:
+            comm_torch = sys.modules["deepspeed.comm.torch"]
+            backend = sys.modules["deepspeed.comm.comm"]
+            model = mlp()
+            engine, *_ = deepspeed.initialize(
+                model=model, optimizer=adamw(model.parameters()), config=config(stage)
+            )
+            x, y = global_batch(0, dist.get_world_size())
+            engine.backward(nn.functional.mse_loss(engine(x[:PER_RANK]), y[:PER_RANK]))
+            engine.step()
+            inside.append(
+                {
+                    "shm_op": comm_torch.build_shm_op() is None,
+                    "backend_shm": getattr(backend.cdb, "shm_comm_op", 1),
+                    "accelerator": sys.modules["deepspeed"].get_accelerator()._name,
+                    "env": os.environ.get("DS_ACCELERATOR"),
+                }
+            )
+            del engine
+    after = _globals_snapshot()
+    return {
+        "unchanged": {k: after[k] is snapshot[k] or after[k] == snapshot[k] for k in snapshot},
+        "env_same": _env() == env_before,
+        "locks_same": _extension_lock_dirs() == locks_before,
+        "inside": inside,
+    }
+
+
+def harness_refuses_builds() -> dict[str, Any]:
+    """Inside the harness any DeepSpeed op build raises at once; nothing is compiled."""
+    locks_before = _extension_lock_dirs()
+    with deepspeed_on_cpu() as deepspeed:
+        builder = deepspeed.get_accelerator().create_op_builder("ShareMemCommBuilder")
+        try:
+            builder.load()
+        except RuntimeError as err:
+            message = str(err)
+        else:
+            message = ""
+    return {"message": message, "locks_same": _extension_lock_dirs() == locks_before}
