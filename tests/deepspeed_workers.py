@@ -174,3 +174,108 @@ def harness_refuses_builds() -> dict[str, Any]:
         else:
             message = ""
     return {"message": message, "locks_same": _extension_lock_dirs() == locks_before}
+
+
+# ------------------------------------------------------------- flatview on DeepSpeed
+
+
+def ds_config(scenario: Any, stage: int, clip: float, extra: dict[str, Any] | None) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": scenario.batch_per_rank,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": clip,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        **(extra or {}),
+    }
+
+
+def one_optimizer(params: Any) -> torch.optim.Optimizer:
+    """The engine's own optimizer when the run has only one (``mode="one"``)."""
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def flatview_engine(
+    deepspeed: Any, scenario: Any, stage: int, mode: str, clip: float, extra: Any = None
+) -> tuple[Any, Any, list[torch.optim.Optimizer]]:
+    """The scenario's net in a ZeRO ``stage`` engine, wrapped by flatview; ``mode``:
+    ``"several"`` (per-submodule optimizers over views, given to a Deferred) or
+    ``"one"`` (the engine's own AdamW over every parameter)."""
+    import flatview
+    import flatview.optim
+    from tests.scenarios import freeze, make_net, optimizers
+
+    net = make_net(scenario)
+    client = (
+        flatview.optim.Deferred(net.parameters())
+        if mode == "several"
+        else one_optimizer(net.parameters())
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=net, optimizer=client, config=ds_config(scenario, stage, clip, extra)
+    )
+    fv = flatview.wrap(engine, check_skip_agreement=scenario.check)
+    freeze(fv.named_parameters(), scenario)
+    if mode == "several":
+        opts = optimizers(engine.module)
+        client.set(*opts)
+    else:
+        opts = [client]
+    return engine, fv, opts
+
+
+def full_params(fv: Any, engine: Any) -> dict[str, np.ndarray]:
+    """Every parameter whole by original name (flatview.checkpoint's full model state)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    import flatview.checkpoint
+
+    options = StateDictOptions(full_state_dict=True)
+    model_sd, _ = flatview.checkpoint.get_state_dict(fv, engine, [], options=options)
+    names = {n for n, _ in fv.named_parameters()}
+    return {k: v.detach().numpy().copy() for k, v in model_sd.items() if k in names}
+
+
+def run_flatview(
+    scenario: Any, stage: int, mode: str = "several", clip: float = 0.0, extra: Any = None
+) -> Any:
+    """Train the scenario with DeepSpeed and flatview: each micro-batch one step (inside
+    ``fv.step(skip=...)``: forward, engine.backward), then engine.step()."""
+    from tests.scenarios import Outcome, local_batch, loss_of, skip_names
+
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, mode, clip, extra)
+        module = engine.module
+        none_grads, on_modules = [], []
+        for micro in range(len(scenario.skips)):
+            xs, ys = local_batch(scenario, micro)
+            skip = skip_names(scenario, micro)
+            with fv.step(skip=list(skip)):
+                engine.backward(loss_of(engine(xs, skip), ys))
+            none_grads.append(sorted(n for n, p in fv.named_parameters() if p.grad is None))
+            engine.step()
+            held = {id(p) for p in module.parameters()}
+            on_modules.append(held == {id(p) for p in fv.parameters()})
+        names = [n for n, _ in fv.named_parameters()]
+        empty = sorted(n for n, p in fv.named_parameters() if p.numel() == 0)
+        params = full_params(fv, engine)
+        del engine, fv
+    return Outcome(names, none_grads, params, empty, all(on_modules))
+
+
+def run_reference(scenario: Any, mode: str = "several", clip: float = 0.0) -> Any:
+    """The scenario in one process, without any wrapper, as DeepSpeed steps: the
+    optimizers after every micro-batch, the gradients clipped first (``clip`` > 0), then
+    dropped (``zero_grad(set_to_none=True)``, as the engine does)."""
+    from tests.scenarios import Outcome, optimizer_steps, reference_model, reference_training
+
+    net, opts = reference_model(scenario)
+    if mode == "one":
+        opts = [one_optimizer(net.parameters())]
+    none_grads = []
+    for _ in reference_training(scenario, net, opts, optimizer_steps(scenario)):
+        none_grads.append(sorted(n for n, p in net.named_parameters() if p.grad is None))
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+    params = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+    return Outcome([n for n, _ in net.named_parameters()], none_grads, params)

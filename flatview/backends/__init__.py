@@ -34,7 +34,7 @@ def detect(
 
 
 def _choose(model: object, compute_on_views: bool | None, options: ReduceOptions) -> Adapter:
-    from flatview.backends import ddp, fairscale, fsdp2, torch_fsdp, torch_replicated
+    from flatview.backends import ddp, deepspeed, fairscale, fsdp2, torch_fsdp, torch_replicated
 
     if torch_fsdp.is_torch_fsdp(model):
         assert isinstance(model, nn.Module)
@@ -65,8 +65,11 @@ def _choose(model: object, compute_on_views: bool | None, options: ReduceOptions
     if torch_fsdp.is_fsdp2(model):
         assert isinstance(model, nn.Module)
         return fsdp2.FSDP2Adapter(model, options)
+    if deepspeed.is_engine(model):
+        assert isinstance(model, nn.Module)
+        return deepspeed.DeepSpeedAdapter(model, options)
     raise WrapError(
         "flatview.wrap expects the outermost FullyShardedDataParallel model (fairscale's, or "
-        "torch's FSDP1) or a DistributedDataParallel model, got"
+        "torch's FSDP1), a DistributedDataParallel model or a DeepSpeed engine, got"
         f" {type(model).__module__}.{type(model).__qualname__}"
     )

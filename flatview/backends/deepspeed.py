@@ -1,0 +1,470 @@
+"""Adapter for DeepSpeed's ZeRO engine (stages 1, 2 and 3; DeepSpeed 0.19.x):
+``flatview.wrap(engine)``.
+
+DeepSpeed keeps each parameter group (ZeRO 1/2) or each parameter (ZeRO 3) as flat
+fp32 partitions, one per rank (:mod:`flatview.backends.deepspeed_zero`); flatview shows
+views into this rank's partitions on the original submodules. What DeepSpeed keeps
+doing: the forward (ZeRO 3 gathers each submodule's parameters as it runs), parameter
+communication after the step, its engine bookkeeping. What flatview does instead:
+
+* **Forward.** A forward pre-hook on ``engine.module`` (prepended: before DeepSpeed's
+  own) begins the iteration: the views step aside, DeepSpeed's module parameters are
+  registered again (the forward and ZeRO 3's gathering hooks read them), the ones of
+  skipped parameters guarded. If the master partitions were written since they were last
+  published (values written through views outside ``engine.step()``), they are published
+  first. A forward hook settles the skip-set check, ends a forward without autograd and
+  hooks the outputs.
+* **Gradients.** DeepSpeed's per-parameter gradient hooks and its end-of-backward
+  reduction are made no-ops. When the backward reaches the forward's outputs a callback
+  is queued that autograd runs once the whole backward is done: every flat parameter's
+  used segments (gradients of DeepSpeed's parameters, padded into its layout) go through
+  flatview's sharded reduction (masked reduce-scatter, bucketed), in the same order on
+  every rank whatever its backward did, summed and divided by the world size into the
+  holder's gradient (what the views hold pieces of); DeepSpeed's parameters drop theirs.
+  Skipped parameters' gradients never travel and their views keep ``None``.
+* **Step.** ``engine.step()`` calls its ZeRO optimizer's ``step``, replaced: ZeRO 3's
+  preparation, the config's ``gradient_clipping`` by the global norm of the views'
+  gradients (one all-reduce of one number; torch's ``clip_grad_norm_`` formula), the
+  engine's optimizer's step (over views: see below), then DeepSpeed's own publishing
+  (ZeRO 1/2: copy into the flat buffers and all-gather; ZeRO 3: regather persistent
+  parameters). Its ``zero_grad`` (the engine calls it after every step) drops the views'
+  gradients too.
+* **The engine's optimizer** (the torch optimizer given to ``deepspeed.initialize``)
+  has each parameter group pointed from DeepSpeed's flat partition to the views of that
+  group's parameters: it steps them one by one, so skipped ones (``grad None``) get no
+  weight decay and no momentum. Several optimizers: build the engine with
+  :class:`flatview.optim.Deferred` and hand it the real ones after wrapping.
+* **Lending.** ``engine.module``'s ``state_dict``, ``load_state_dict`` and ``_apply``,
+  the engine's ``module_state_dict`` / ``load_module_state_dict`` and the ZeRO
+  optimizer's ``backward_epilogue`` (which runs after flatview's end of the backward;
+  ZeRO 3 releases there what the backward left gathered) run with DeepSpeed's
+  parameters registered (ZeRO 1/2: a load is copied into the fp32 masters).
+* **Refused** while wrapped (``StateError``): DeepSpeed's checkpoints
+  (``save_checkpoint`` / ``load_checkpoint`` and the ZeRO optimizer's ``state_dict``:
+  its optimizer state is per view now; use ``flatview.checkpoint`` or
+  ``FlatView.optim_state_dict``) and ``no_sync``. At wrap time, every configuration of
+  :mod:`flatview.backends.deepspeed_checks`.
+
+Everything changed is an instance attribute or a hook on DeepSpeed's objects;
+:meth:`DeepSpeedAdapter.uninstall` takes it back (the engine's optimizer then steps
+DeepSpeed's partitions again, with fresh state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from flatview.backends.base import UnitSpec
+from flatview.backends.deepspeed_checks import check, is_engine
+from flatview.backends.deepspeed_zero import (
+    FlatGroups,
+    ShardedParams,
+    ZeroLayout,
+    plain_specs,
+    registrations,
+)
+from flatview.comm.options import ReduceOptions
+from flatview.comm.sharded import ShardedReduction
+from flatview.errors import StateError
+from flatview.phase import Phase
+from flatview.views import Owner
+
+if TYPE_CHECKING:
+    from flatview.backends.base import Runtime
+
+__all__ = ["DeepSpeedAdapter", "is_engine"]
+
+CLIP_KIND = "clip_norm"
+"""The ledger kind of the all-reduce of the gradient-clipping norm (not a reduction)."""
+
+
+def clean_name(name: str) -> str:
+    """An original name from a name in the engine's tree (``module.`` dropped)."""
+    head, _, rest = name.partition(".")
+    return rest if head == "module" else ("" if name == "module" else name)
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    """Stands in for DeepSpeed's gradient handling: flatview reduces instead."""
+
+
+def _never(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+class DeepSpeedAdapter:
+    """Maps the flatview core onto one DeepSpeed ZeRO engine (see the module docstring)."""
+
+    backend = "deepspeed"
+    overlaps_agreement = False
+    replicas = 1
+    clean_name = staticmethod(clean_name)
+
+    def __init__(self, engine: nn.Module, options: ReduceOptions | None = None) -> None:
+        # DeepSpeed is untyped: its objects are reached through ``Any``.
+        untyped: Any = engine
+        self.engine: Any = untyped
+        self.stage = check(untyped)
+        self.zero: Any = untyped.optimizer
+        self.options = options if options is not None else ReduceOptions()
+        self.group: dist.ProcessGroup | None = self.zero.dp_process_group
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.wrapper_reduces = self.world_size > 1
+        module: nn.Module = untyped.module
+        places = registrations(module)
+        self.layout: ZeroLayout = (
+            ShardedParams(self.zero, places, self.world_size, module)
+            if self.stage == 3
+            else FlatGroups(self.zero, places, self.world_size)
+        )
+        self._plain = plain_specs(module, self.layout, places)
+        first = self.layout.flats[0].holder if self.layout.flats else None
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.bucket_numel = max(int(self.engine.zero_reduce_bucket_size()), 1)
+        # Where the holders are registered while DeepSpeed computes: outside the model.
+        self._holders = nn.Module()
+        self._core: Runtime | None = None
+        self._patched: list[tuple[object, str]] = []
+        self._hooks: list[RemovableHandle] = []
+        self._trained: list[int] = []
+        """Table indices of the views the engine's optimizer trains."""
+        self._published: list[int] = []
+        """Per flat parameter, its master's version when last published."""
+        self._callback_queued = False
+
+    @property
+    def agreement_group(self) -> dist.ProcessGroup | None:
+        return self.group
+
+    @property
+    def core(self) -> Runtime:
+        assert self._core is not None, "adapter used before install()"
+        return self._core
+
+    # --------------------------------------------------------------- describe
+
+    def describe(self) -> list[UnitSpec]:
+        flats = tuple(
+            flat.spec(Owner(self._holders, f"flat_{k}"), self.rank)
+            for k, flat in enumerate(self.layout.flats)
+        )
+        return [UnitSpec("", self.engine, flats, self._plain, True)]
+
+    def view_owners(self) -> list[Owner]:
+        return []
+
+    def describe_flat(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
+        return None
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer over DeepSpeed's own parameters or partitions: the engine
+        overwrites the former from its masters at every step, and the latter would step
+        skipped parameters too."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for compute, _ in self.layout.compute_params():
+            if id(compute) in held:
+                raise StateError(
+                    f"optimizer {type(optimizer).__name__} holds DeepSpeed's own module "
+                    "parameters (built before flatview.wrap): the engine overwrites them "
+                    "after every step. Build optimizers from views after wrapping "
+                    "(engine.module.<submodule>.parameters() or FlatView.parameters())"
+                )
+        for flat in self.layout.flats:
+            if id(flat.local_shard()) in held or id(flat.holder) in held:
+                raise StateError(
+                    f"optimizer {type(optimizer).__name__} holds a DeepSpeed partition; "
+                    "build optimizers from views"
+                )
+
+    # ---------------------------------------------------------------- install
+
+    def install(self, core: Runtime) -> None:
+        self._core = core
+        self.reduction = ShardedReduction(
+            self.group, self.rank, self.world_size, core.ledger, self.options, self.bucket_numel
+        )
+        index = self._view_indices()
+        self._point_optimizer(index)
+        self._published = [flat.holder._version for flat in self.layout.flats]
+        module, zero, engine = self.engine.module, self.zero, self.engine
+        self._hooks.append(module.register_forward_pre_hook(self._pre_forward, prepend=True))
+        self._hooks.append(module.register_forward_hook(self._post_forward))
+        for name in ("state_dict", "_apply"):
+            self._patch(module, name, self._lending(getattr(module, name)))
+        self._patch(module, "load_state_dict", self._loading(module.load_state_dict))
+        self._patch(engine, "module_state_dict", self._lending(engine.module_state_dict))
+        self._patch(engine, "load_module_state_dict", self._loading(engine.load_module_state_dict))
+        # The end of the backward is flatview's (an autograd callback): DeepSpeed's own
+        # reduction, in its gradient hooks and at its end of backward, does nothing.
+        self._patch(engine, "allreduce_gradients", _noop)
+        for name in (
+            "reduce_ready_partitions_and_remove_grads",
+            "update_hook_state_and_maybe_run_epilogue",
+            "overlapping_partition_gradients_reduce_epilogue",
+            "process_gradients",
+            "reduce_gradients",
+        ):
+            if hasattr(zero, name):
+                self._patch(zero, name, _noop)
+        self._patch(zero, "should_refresh_expected_hook_count", _never)
+        # Runs after flatview's end of the backward (ZeRO 3 releases what its backward
+        # left gathered, reading the submodules' parameters): with DeepSpeed's own.
+        self._patch(zero, "backward_epilogue", self._lending(zero.backward_epilogue))
+        self._patch(zero, "step", self._step)
+        self._patch(zero, "zero_grad", self._zero_grad)
+        for owner, name, instead in (
+            (engine, "no_sync", "accumulate with one engine.backward per engine.step"),
+            (engine, "coalesce_grad_reduction", "accumulate nothing across backwards"),
+            (engine, "save_checkpoint", "save with flatview.checkpoint.get_state_dict"),
+            (engine, "load_checkpoint", "load with flatview.checkpoint.set_state_dict"),
+            (zero, "state_dict", "use FlatView.optim_state_dict"),
+            (zero, "load_state_dict", "use FlatView.load_optim_state_dict"),
+        ):
+            if hasattr(owner, name):
+                self._patch(owner, name, self._refusing(name, instead))
+
+    def _view_indices(self) -> dict[int, int]:
+        """Per DeepSpeed parameter (by id), the table index of its view (the views are
+        shown now, where the parameters were registered)."""
+        index: dict[int, int] = {}
+        for compute, owners in self.layout.compute_params():
+            owner = owners[0]
+            view = owner.module._parameters[owner.attr]
+            found = None if view is None else self.core.index_of(view)
+            assert found is not None, owner
+            index[id(compute)] = found
+        return index
+
+    def _point_optimizer(self, index: dict[int, int]) -> None:
+        """Point each of the engine's optimizer's parameter groups at the views of its
+        parameters (see the module docstring)."""
+        groups = self.zero.optimizer.param_groups
+        members = self.layout.client_params()
+        trained: list[int] = []
+        for group, params in zip(groups, members, strict=True):
+            group["params"] = [self.core.tensor(index[id(p)]) for p in params]
+            trained.extend(index[id(p)] for p in params)
+        self._trained = trained
+
+    def uninstall(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for owner, name in self._patched:
+            owner.__dict__.pop(name, None)
+        self._patched.clear()
+        client = self.zero.optimizer
+        for group, params in zip(client.param_groups, self.layout.client_restore(), strict=True):
+            group["params"] = params
+        # Its state is per view; DeepSpeed's is per partition (and skipped parameters
+        # stepped fewer times): it starts afresh, as a new optimizer would.
+        client.state = defaultdict(dict)
+        for flat in self.layout.flats:
+            flat.holder.grad = None
+        self._show_compute()
+
+    def _patch(self, owner: object, name: str, replacement: Callable[..., Any]) -> None:
+        object.__setattr__(owner, name, replacement)
+        self._patched.append((owner, name))
+
+    # ------------------------------------------------------------- lifecycle
+
+    def _show_compute(self) -> None:
+        """Register DeepSpeed's own parameters where they belong (the views stepped
+        aside): what its forward and its hooks read."""
+        for param, owners in self.layout.compute_params():
+            for owner in owners:
+                owner.module.__dict__.pop(owner.attr, None)
+                owner.module._parameters[owner.attr] = param
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if _in_backward():
+            return  # a recomputation (activation checkpointing): not a new iteration
+        core = self.core
+        core.begin_compute(outermost=True)
+        self._show_compute()
+        if self._changed():
+            self._publish()
+        for flat in self.layout.flats:
+            core.guard_skipped(flat.holder)
+        core.guard_skipped_plain()
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward():
+            return
+        core = self.core
+        core.settle_agreement()
+        if not torch.is_grad_enabled():
+            core.end_forward_only()
+            return
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                # Not kept for uninstall: these die with the output.
+                leaf.register_hook(self._backward_starts)
+
+    def _backward_starts(self, grad: torch.Tensor) -> None:
+        if self._core is None or self._callback_queued:
+            return
+        self._core.check_backward_binding()
+        self._callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        core = self.core
+        if core.phase is not Phase.COMPUTING:
+            raise StateError(
+                "a second backward through a forward whose backward already ran "
+                "(retain_graph=True), or the backward of an earlier forward after a later "
+                "forward's: flatview reduces once per forward, for the last one"
+            )
+        try:
+            self._reduce()
+        finally:
+            for param, _ in self.layout.compute_params():
+                param.grad = None
+        core.end_backward(synced=True)
+
+    @torch.no_grad()
+    def _reduce(self) -> None:
+        """Every flat parameter's used gradient, reduced (the module docstring)."""
+        core = self.core
+        world = self.world_size
+        try:
+            for index, flat in enumerate(self.layout.flats):
+                flat.holder.grad = None
+                plan = core.reduction_plan(flat.holder)
+                if plan is None or plan.none_used:
+                    continue
+                padded = self.layout.padded_gradient(index, plan.used)
+                shard = flat.layout.shard_numel
+                if world == 1:
+                    flat.holder.grad = padded[:shard].clone()
+                    continue
+                rows = list(padded.view(world, shard))
+                done = functools.partial(self._reduced, flat.holder)
+                self.reduction.add(rows, plan, done, whole=padded)
+            self.reduction.finish()
+        except BaseException:
+            self.reduction.abandon()
+            raise
+
+    def _reduced(self, holder: nn.Parameter, shard: torch.Tensor) -> None:
+        holder.grad = shard.div_(self.world_size)
+
+    # ------------------------------------------------------------------- step
+
+    def _step(self, closure: Callable[[], float] | None = None) -> None:
+        """The ZeRO optimizer's ``step`` (the module docstring)."""
+        if closure is not None:
+            raise ValueError("DeepSpeed's ZeRO optimizer takes no closure")
+        if self.core.phase is not Phase.IDLE:
+            raise StateError(
+                f"engine.step() while the model is {self.core.phase.name}: step after the "
+                "backward has ended"
+            )
+        # DeepSpeed's parts of the step walk the submodules' parameters: its own.
+        with self._lent():
+            self.layout.prepare_step()
+            self.zero.overflow = False
+            clipping = float(self.engine.gradient_clipping())
+            if clipping > 0:
+                self.zero._global_grad_norm = self._clip(clipping)
+            self.zero.optimizer.step()
+            self._publish()
+
+    def _publish(self) -> None:
+        self.layout.publish()
+        self._published = [flat.holder._version for flat in self.layout.flats]
+
+    def _changed(self) -> bool:
+        """Whether a master partition was written since it was last published."""
+        return any(
+            flat.holder._version != seen
+            for flat, seen in zip(self.layout.flats, self._published, strict=True)
+        )
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """Scale the views' gradients as ``torch.nn.utils.clip_grad_norm_(params,
+        max_norm)`` would on the unwrapped model: every element lives on exactly one
+        rank, so the global norm is the root of one all-reduced sum of squares."""
+        grads = [g for i in self._trained if (g := self.core.tensor(i).grad) is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for grad in grads:
+            squares += torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) ** 2
+        if self.world_size > 1:
+            self.core.ledger.record(CLIP_KIND, squares)
+            dist.all_reduce(squares, group=self.group)
+        total = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        """DeepSpeed's ``zero_grad``: its parameters' gradients and the views'."""
+        tensors = [p for p, _ in self.layout.compute_params()]
+        tensors += [self.core.tensor(i) for i in self._trained]
+        for tensor in tensors:
+            if set_to_none:
+                tensor.grad = None
+            elif tensor.grad is not None:
+                tensor.grad.detach_()
+                tensor.grad.zero_()
+
+    # ---------------------------------------------------------------- lending
+
+    @contextlib.contextmanager
+    def _lent(self) -> Iterator[None]:
+        with self.core.lend():
+            if self.core.phase is Phase.LENT:
+                self._show_compute()
+            yield
+
+    def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def lent(*args: Any, **kwargs: Any) -> Any:
+            with self._lent():
+                return method(*args, **kwargs)
+
+        return lent
+
+    def _loading(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """A load into DeepSpeed's module parameters, carried into the fp32 masters
+        (ZeRO 1/2; under ZeRO 3 the parameters are empty between passes, as without
+        flatview)."""
+
+        @functools.wraps(method)
+        def load(*args: Any, **kwargs: Any) -> Any:
+            with self._lent():
+                result = method(*args, **kwargs)
+                if isinstance(self.layout, FlatGroups):
+                    self.zero.refresh_fp32_params()
+                    self._published = [flat.holder._version for flat in self.layout.flats]
+            return result
+
+        return load
+
+    def _refusing(self, name: str, instead: str) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise StateError(
+                f"{name} is not supported while flatview wraps the DeepSpeed engine: {instead}"
+            )
+
+        return refuse
