@@ -7,6 +7,8 @@ between tasks but the imported modules.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -272,10 +274,105 @@ def run_reference(scenario: Any, mode: str = "several", clip: float = 0.0) -> An
     net, opts = reference_model(scenario)
     if mode == "one":
         opts = [one_optimizer(net.parameters())]
-    none_grads = []
+    none_grads, norms = [], []
     for _ in reference_training(scenario, net, opts, optimizer_steps(scenario)):
         none_grads.append(sorted(n for n, p in net.named_parameters() if p.grad is None))
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), clip if clip > 0 else math.inf)
+        norms.append(float(norm))
     params = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
-    return Outcome([n for n, _ in net.named_parameters()], none_grads, params)
+    outcome = Outcome([n for n, _ in net.named_parameters()], none_grads, params)
+    outcome.norms = norms  # type: ignore[attr-defined]
+    return outcome
+
+
+def _train(
+    engine: Any, fv: Any, scenario: Any, micros: range, before: Any = None
+) -> list[list[str]]:
+    """Micro-batches ``micros`` of the scenario, one engine step each; the names whose
+    view gradient was None before each step."""
+    from tests.scenarios import local_batch, loss_of, skip_names
+
+    none_grads = []
+    for micro in micros:
+        xs, ys = local_batch(scenario, micro)
+        skip = skip_names(scenario, micro)
+        with fv.step(skip=list(skip)):
+            engine.backward(loss_of(engine(xs, skip), ys))
+        none_grads.append(sorted(n for n, p in fv.named_parameters() if p.grad is None))
+        if before is not None:
+            before()
+        engine.step()
+    return none_grads
+
+
+def recovery(scenario: Any, stage: int, kinds: tuple[str, ...]) -> dict[str, Any]:
+    """Before the scenario's training, one failing iteration of each kind, caught on
+    every rank and the gradients dropped (``engine.zero_grad()``): training is then the
+    reference's. ``used``: a step declares ``body.1`` skipped and runs it;
+    ``mismatch``: rank 0 skips ``body.1``, the others nothing."""
+    from tests.scenarios import local_batch, loss_of
+
+    errors = []
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "several", 0.0)
+        xs, ys = local_batch(scenario, 500)
+        for kind in kinds:
+            declared = ["body.1"] if kind == "used" or dist.get_rank() == 0 else []
+            try:
+                with fv.step(skip=declared):
+                    engine.backward(loss_of(engine(xs, ()), ys))
+            except Exception as err:
+                errors.append(f"{type(err).__name__}: {err}")
+            engine.zero_grad()
+        _train(engine, fv, scenario, range(len(scenario.skips)))
+        params = full_params(fv, engine)
+        phase = fv.phase.name
+        del engine, fv
+    return {"errors": errors, "params": params, "phase": phase}
+
+
+def gradient_bytes(scenario: Any, stage: int, strategy: str, plain: bool) -> dict[str, Any]:
+    """Bytes of gradient-reducing collectives (counted at the calls) in the backward of
+    each micro-batch of the scenario, with flatview (``plain=False``) or on the plain
+    engine; with flatview also what flatview's ledger says, and each flat parameter's
+    layout and used flags, to compute the used bytes from."""
+    import flatview
+    from flatview.testing.counting import GRADIENT_KINDS, CollectiveCounter
+    from tests.scenarios import local_batch, loss_of, make_net, skip_names
+
+    rows = []
+    with deepspeed_on_cpu() as deepspeed:
+        net = make_net(scenario)
+        engine, _, _, _ = deepspeed.initialize(
+            model=net,
+            optimizer=one_optimizer(net.parameters()),
+            config=ds_config(scenario, stage, 0.0, None),
+        )
+        fv = None if plain else flatview.wrap(engine, reduce_strategy=strategy)
+        for micro in range(len(scenario.skips)):
+            xs, ys = local_batch(scenario, micro)
+            skip = skip_names(scenario, micro)
+            counter = CollectiveCounter()
+            step = fv.step(skip=list(skip)) if fv is not None else contextlib.nullcontext()
+            with step:
+                loss = loss_of(engine(xs, skip), ys)
+                with counter:
+                    engine.backward(loss)
+            row: dict[str, Any] = {
+                "counted": sum(counter.bytes.get(k, 0) for k in GRADIENT_KINDS),
+                "calls": {k: counter.calls[k] for k in GRADIENT_KINDS if counter.calls[k]},
+            }
+            if fv is not None:
+                stats = fv.stats
+                row["ledger"] = stats.reduced_bytes
+                row["used"] = stats.used_bytes
+                row["dense"] = stats.dense_bytes
+                row["skipped"] = stats.skipped_bytes
+                row["flats"] = [
+                    (flat.spec.layout, fv.runtime.iteration.used[flat.index])
+                    for flat in fv.table.flats
+                ]
+            rows.append(row)
+            engine.step()
+        del engine, fv
+    return {"rows": rows}

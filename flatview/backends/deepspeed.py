@@ -296,8 +296,15 @@ class DeepSpeedAdapter:
         if _in_backward():
             return  # a recomputation (activation checkpointing): not a new iteration
         core = self.core
+        if self._callback_queued:
+            # The last backward raised before it ended: its callback never ran.
+            self._callback_queued = False
         core.begin_compute(outermost=True)
         self._show_compute()
+        # Gradients DeepSpeed's parameters hold now were left by a backward that raised
+        # (flatview's end of the backward takes them all): they must not add to this one.
+        for param, _ in self.layout.compute_params():
+            param.grad = None
         if self._changed():
             self._publish()
         for flat in self.layout.flats:
