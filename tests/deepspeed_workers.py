@@ -376,3 +376,116 @@ def gradient_bytes(scenario: Any, stage: int, strategy: str, plain: bool) -> dic
             engine.step()
         del engine, fv
     return {"rows": rows}
+
+
+def plain_scenario(scenario: Any, stage: int) -> dict[str, np.ndarray]:
+    """The scenario on plain DeepSpeed (no flatview), the engine's own AdamW; the final
+    parameters by name."""
+    from tests.scenarios import local_batch, loss_of, make_net, skip_names
+
+    with deepspeed_on_cpu() as deepspeed:
+        net = make_net(scenario)
+        engine, _, _, _ = deepspeed.initialize(
+            model=net,
+            optimizer=one_optimizer(net.parameters()),
+            config=ds_config(scenario, stage, 0.0, None),
+        )
+        for micro in range(len(scenario.skips)):
+            xs, ys = local_batch(scenario, micro)
+            skip = skip_names(scenario, micro)
+            engine.backward(loss_of(engine(xs, skip), ys))
+            engine.step()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            params = {k: v.detach().clone().numpy() for k, v in engine.module.named_parameters()}
+        del engine
+    return params
+
+
+def _numpy_state(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        name: {
+            k: v.detach().cpu().numpy().copy() if isinstance(v, torch.Tensor) else v
+            for k, v in entries.items()
+        }
+        for name, entries in state.items()
+    }
+
+
+def optimizer_states(scenario: Any, stage: int) -> dict[str, Any]:
+    """After training the scenario: every optimizer's consolidated state by original name
+    (FlatView.optim_state_dict), and the full model and optimizer state of
+    flatview.checkpoint.get_state_dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    import flatview.checkpoint
+
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, opts = flatview_engine(deepspeed, scenario, stage, "several", 0.0)
+        _train(engine, fv, scenario, range(len(scenario.skips)))
+        consolidated = [_numpy_state(fv.optim_state_dict(opt)["state"]) for opt in opts]
+        options = StateDictOptions(full_state_dict=True)
+        model_sd, optim_sd = flatview.checkpoint.get_state_dict(fv, engine, opts, options=options)
+        # The engine's module state dict (DeepSpeed's parameters, lent): full under ZeRO
+        # 1/2, empty between passes under ZeRO 3, as without flatview.
+        module_sd = {k: tuple(v.shape) for k, v in engine.module.state_dict().items()}
+        views_back = {id(p) for p in engine.module.parameters()} == {id(p) for p in fv.parameters()}
+        out = {
+            "optimizers": consolidated,
+            "model": {k: v.detach().numpy().copy() for k, v in model_sd.items()},
+            "merged": _numpy_state(optim_sd["state"]),
+            "module_shapes": module_sd,
+            "views_back": views_back,
+        }
+        del engine, fv
+    return out
+
+
+def reference_optimizer_states(scenario: Any) -> list[dict[str, dict[str, Any]]]:
+    """The reference's per-optimizer state by parameter name, after the scenario."""
+    from tests.scenarios import optimizer_steps, reference_model, reference_training
+
+    net, opts = reference_model(scenario)
+    for _ in reference_training(scenario, net, opts, optimizer_steps(scenario)):
+        pass
+    names = {id(p): n for n, p in net.named_parameters()}
+    return [_numpy_state({names[id(p)]: dict(s) for p, s in opt.state.items()}) for opt in opts]
+
+
+def resume(scenario: Any, first: int, then: int, split: int, sharded: bool) -> dict[str, Any]:
+    """Train the scenario's first ``split`` steps on ZeRO ``first``, save the model and
+    optimizer state with flatview.checkpoint (through torch.distributed.checkpoint when
+    ``sharded``, else the full dicts in memory), load it into a fresh engine on ZeRO
+    ``then`` and train the rest there; the final parameters."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    import flatview.checkpoint
+
+    options = StateDictOptions(full_state_dict=not sharded)
+    steps = len(scenario.skips)
+    with deepspeed_on_cpu() as deepspeed, tempfile.TemporaryDirectory() as local:
+        engine, fv, opts = flatview_engine(deepspeed, scenario, first, "several", 0.0)
+        _train(engine, fv, scenario, range(split))
+        saved = flatview.checkpoint.get_state_dict(fv, engine, opts, options=options)
+        # Every rank writes to the directory rank 0 made (one machine).
+        box = [local]
+        dist.broadcast_object_list(box, src=0)
+        if sharded:
+            dcp.save({"model": saved[0], "optim": saved[1]}, checkpoint_id=box[0])
+        del engine, fv, opts
+        engine, fv, opts = flatview_engine(deepspeed, scenario, then, "several", 0.0)
+        if sharded:
+            model_sd, optim_sd = flatview.checkpoint.get_state_dict(fv, engine, opts)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=box[0])
+        else:
+            model_sd, optim_sd = saved
+        flatview.checkpoint.set_state_dict(
+            fv, engine, opts, model_state_dict=model_sd, optim_state_dict=optim_sd
+        )
+        _train(engine, fv, scenario, range(split, steps))
+        params = full_params(fv, engine)
+        dist.barrier()
+        del engine, fv, opts
+    return {"params": params}

@@ -12,6 +12,7 @@ import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
 
 from tests import deepspeed_workers as w
@@ -121,3 +122,57 @@ def test_skipping_reduces_only_the_used_gradients(dist_pool: PoolFactory, stage:
             if SC.skips[micro] and stage != 3:
                 assert d["counted"] == used, (micro, d)
             assert used <= d["counted"] <= d["dense"], (micro, d)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_optimizer_and_model_state_by_original_name(dist_pool: PoolFactory, stage: int) -> None:
+    """FlatView.optim_state_dict of each per-submodule optimizer, and flatview.checkpoint's
+    full model and optimizer state, by original name: the reference's."""
+    results = dist_pool(2).run(w.optimizer_states, SC, stage, timeout=TIMEOUT)
+    reference = w.reference_optimizer_states(SC)
+    reference_params = w.run_reference(SC).params
+    merged_reference = {name: s for states in reference for name, s in states.items()}
+    for got in results:
+        assert len(got["optimizers"]) == len(reference)
+        for state, want in zip(got["optimizers"], reference, strict=True):
+            _compare_states(state, want)
+        _compare_states(got["merged"], merged_reference)
+        compare(got["model"], reference_params)
+        assert got["views_back"]
+        shapes = got["module_shapes"]
+        assert set(shapes) == set(reference_params)
+        if stage != 3:
+            assert all(shapes[k] == reference_params[k].shape for k in shapes)
+
+
+def _compare_states(got: dict[str, dict], want: dict[str, dict]) -> None:
+    # Parameters skipped in every step they could have stepped in have no state on
+    # either side.
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for name, entries in want.items():
+        assert got[name].keys() == entries.keys(), name
+        for key, value in entries.items():
+            if isinstance(value, np.ndarray) and value.ndim:
+                np.testing.assert_allclose(got[name][key], value, rtol=1e-4, atol=1e-5)
+            else:
+                assert float(got[name][key]) == pytest.approx(float(value)), (name, key)
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "sharded"),
+    [
+        pytest.param(1, 3, True, id="zero1-to-zero3-dcp"),
+        pytest.param(3, 2, False, id="zero3-to-zero2-full", marks=slow),
+        pytest.param(2, 1, True, id="zero2-to-zero1-dcp", marks=slow),
+    ],
+)
+def test_resume_from_a_checkpoint_on_another_stage(
+    dist_pool: PoolFactory, first: int, then: int, sharded: bool
+) -> None:
+    """Saved with flatview.checkpoint after three steps, loaded into a fresh engine of
+    another ZeRO stage (values written into the views, published at the next forward),
+    trained on: the reference's training, uninterrupted."""
+    results = dist_pool(2).run(w.resume, SC, first, then, 3, sharded, timeout=TIMEOUT)
+    reference = w.run_reference(SC).params
+    for got in results:
+        compare(got["params"], reference)

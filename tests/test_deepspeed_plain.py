@@ -73,3 +73,21 @@ def test_plain_zero_clips_at_one_by_default(dist_pool: PoolFactory) -> None:
             for k in unclipped["params"]
         )
         assert drift > 1e-3
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_plain_zero_steps_parameters_a_step_skipped(dist_pool: PoolFactory, stage: int) -> None:
+    """What flatview corrects: plain DeepSpeed gives a parameter its forward did not use a
+    zero gradient (``ignore_unused_parameters``), and AdamW then decays it and moves it by
+    its momentum, where the unwrapped model's AdamW leaves it alone. (It does leave such
+    gradients out of its reduction: the bytes equal flatview's, see
+    test_deepspeed_backend.py.)"""
+    from tests.test_deepspeed_backend import SC
+
+    results = dist_pool(2).run(w.plain_scenario, SC, stage, timeout=TIMEOUT)
+    reference = w.run_reference(SC, "one", 0.0).params
+    assert reference is not None
+    for params in results:
+        drift = {k: float(np.abs(params[k] - reference[k]).max()) for k in reference}
+        # body.3 is skipped in the last step: plain DeepSpeed moved it anyway.
+        assert max(v for k, v in drift.items() if k.startswith("body.3.")) > 1e-3, drift
