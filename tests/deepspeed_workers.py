@@ -489,3 +489,136 @@ def resume(scenario: Any, first: int, then: int, split: int, sharded: bool) -> d
         dist.barrier()
         del engine, fv, opts
     return {"params": params}
+
+
+REFUSALS: dict[str, tuple[int, dict[str, Any], str]] = {
+    # label: (stage, config entries, what the engine is built with)
+    "stage0": (0, {}, "adamw"),
+    "bf16": (1, {"bf16": {"enabled": True}}, "adamw"),
+    "fp16": (2, {"fp16": {"enabled": True}}, "adamw"),
+    "offload": (
+        2,
+        {
+            "zero_force_ds_cpu_optimizer": False,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        },
+        "adamw",
+    ),
+    "accumulation": (1, {"gradient_accumulation_steps": 2}, "adamw"),
+    "communication": (2, {"communication_data_type": "fp16"}, "adamw"),
+    "prescale": (1, {"prescale_gradients": True}, "adamw"),
+    "quantized": (
+        3,
+        {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
+        "adamw",
+    ),
+    "scheduler": (1, {}, "deferred+scheduler"),
+    "stepped": (2, {}, "adamw+stepped"),
+    "adagrad": (1, {}, "adagrad"),
+}
+
+
+def refusals(labels: tuple[str, ...]) -> dict[str, str]:
+    """Per label of :data:`REFUSALS`: ``"WrapError: ..."`` as flatview.wrap refused the
+    engine, ``"wrapped"``, or ``"engine: ..."`` when DeepSpeed itself could not build it
+    on this machine."""
+    import flatview
+    import flatview.optim
+    from tests.scenarios import Scenario, local_batch, loss_of, make_net
+
+    scenario = Scenario(world_size=dist.get_world_size())
+    out: dict[str, str] = {}
+    with deepspeed_on_cpu() as deepspeed:
+        for label in labels:
+            stage, extra, kind = REFUSALS[label]
+            net = make_net(scenario)
+            scheduler = None
+            if kind.startswith("deferred"):
+                client: torch.optim.Optimizer = flatview.optim.Deferred(net.parameters())
+                scheduler = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 1.0)
+            elif kind == "adagrad":
+                client = torch.optim.Adagrad(net.parameters(), lr=0.1)
+            else:
+                client = one_optimizer(net.parameters())
+            config = ds_config(scenario, stage, 0.0, None)
+            config.update(extra)
+            try:
+                engine, _, _, _ = deepspeed.initialize(
+                    model=net, optimizer=client, lr_scheduler=scheduler, config=config
+                )
+                if kind.endswith("stepped"):
+                    xs, ys = local_batch(scenario, 0)
+                    engine.backward(loss_of(engine(xs), ys))
+                    engine.step()
+            except Exception as err:
+                out[label] = f"engine: {type(err).__name__}: {err}"
+                continue
+            try:
+                flatview.wrap(engine).unwrap()
+                out[label] = "wrapped"
+            except Exception as err:
+                out[label] = f"{type(err).__name__}: {err}"
+            del engine
+    return out
+
+
+def refused_while_wrapped(stage: int) -> dict[str, str]:
+    """What flatview refuses on a wrapped engine (StateError messages by call)."""
+    import tempfile
+
+    from tests.scenarios import Scenario
+
+    scenario = Scenario(world_size=dist.get_world_size())
+    out = {}
+    with deepspeed_on_cpu() as deepspeed, tempfile.TemporaryDirectory() as directory:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "one", 0.0)
+        calls = {
+            "save_checkpoint": (engine.save_checkpoint, directory),
+            "load_checkpoint": (engine.load_checkpoint, directory),
+            "no_sync": (engine.no_sync,),
+            "optimizer.state_dict": (engine.optimizer.state_dict,),
+        }
+        for name, (method, *args) in calls.items():
+            try:
+                method(*args)
+                out[name] = "allowed"
+            except Exception as err:
+                out[name] = f"{type(err).__name__}: {err}"
+        del engine, fv, calls
+    return out
+
+
+def unwrap_then_plain(scenario: Any, stage: int, split: int) -> dict[str, Any]:
+    """The engine's own AdamW, wrapped for the first ``split`` steps, then
+    ``fv.unwrap()`` and plain DeepSpeed for the rest (which skip nothing)."""
+    from tests.scenarios import local_batch, loss_of
+
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "one", 0.0)
+        _train(engine, fv, scenario, range(split))
+        fv.unwrap()
+        for micro in range(split, len(scenario.skips)):
+            xs, ys = local_batch(scenario, micro)
+            engine.backward(loss_of(engine(xs), ys))
+            engine.step()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            params = {k: v.detach().clone().numpy() for k, v in engine.module.named_parameters()}
+        del engine, fv
+    return {"params": params}
+
+
+def reference_unwrapped(scenario: Any, split: int) -> dict[str, np.ndarray]:
+    """The reference of :func:`unwrap_then_plain`: after ``split`` steps a fresh AdamW
+    (the engine's optimizer starts afresh over DeepSpeed's partitions)."""
+    from tests.scenarios import batch, loss_of, make_net, skip_names
+
+    net = make_net(scenario)
+    opt = one_optimizer(net.parameters())
+    for micro in range(len(scenario.skips)):
+        if micro == split:
+            opt = one_optimizer(net.parameters())
+        x, y = batch(scenario, micro)
+        loss_of(net(x, skip_names(scenario, micro)), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().numpy().copy() for k, v in net.named_parameters()}

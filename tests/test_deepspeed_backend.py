@@ -176,3 +176,52 @@ def test_resume_from_a_checkpoint_on_another_stage(
     reference = w.run_reference(SC).params
     for got in results:
         compare(got["params"], reference)
+
+
+REFUSED = {
+    "stage0": r"ZeRO stages 1, 2 and 3; this engine runs stage 0",
+    "bf16": r"fp32 training only; this engine trains with bf16",
+    "offload": r"does not support ZeRO offload",
+    "accumulation": r"gradient_accumulation_steps=2",
+    "communication": r"communication_data_type",
+    "prescale": r"prescale_gradients",
+    "quantized": r"ZeRO\+\+ quantized",
+    "scheduler": r"Deferred and a learning-rate scheduler",
+    "stepped": r"has state already",
+    "adagrad": r"Adagrad",
+}
+
+
+def test_unsupported_configurations_are_refused_at_wrap(dist_pool: PoolFactory) -> None:
+    """Every configuration flatview has not made exact is a WrapError naming it. (fp16:
+    DeepSpeed itself refuses it on CPU, "Type fp16 is not supported on your device";
+    flatview's check is the one bf16 takes.)"""
+    labels = tuple(REFUSED)
+    for got in dist_pool(2).run(w.refusals, labels, timeout=TIMEOUT):
+        for label, pattern in REFUSED.items():
+            assert got[label].startswith("WrapError: "), (label, got[label])
+            assert re.search(pattern, got[label]), (label, got[label])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_deepspeed_operations_that_would_be_wrong_are_refused(
+    dist_pool: PoolFactory, stage: int
+) -> None:
+    """DeepSpeed's own checkpoints would save optimizer state kept per view as its flat
+    partitions' (and load it so); no_sync accumulates in a way flatview does not drive."""
+    for got in dist_pool(2).run(w.refused_while_wrapped, stage, timeout=TIMEOUT):
+        for name, message in got.items():
+            assert message.startswith("StateError: "), (name, message)
+            assert "not supported while flatview wraps" in message, (name, message)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_unwrap_hands_back_plain_deepspeed(dist_pool: PoolFactory, stage: int) -> None:
+    """After fv.unwrap() the engine trains as plain DeepSpeed: its gradient hooks and
+    step are its own again, its optimizer steps its partitions (with fresh state)."""
+    split = 3
+    scenario = replace(SC, skips=(*SC.skips[:split], (), (), ()))
+    results = dist_pool(2).run(w.unwrap_then_plain, scenario, stage, split, timeout=TIMEOUT)
+    reference = w.reference_unwrapped(scenario, split)
+    for got in results:
+        compare(got["params"], reference)
