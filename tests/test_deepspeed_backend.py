@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests import deepspeed_workers as w
-from tests.scenarios import GATED, assert_equivalent, compare
+from tests.scenarios import FAIRSCALE, GATED, assert_equivalent, compare, scenarios
 
 if TYPE_CHECKING:
     from tests.conftest import PoolFactory
@@ -225,3 +227,31 @@ def test_unwrap_hands_back_plain_deepspeed(dist_pool: PoolFactory, stage: int) -
     reference = w.reference_unwrapped(scenario, split)
     for got in results:
         compare(got["params"], reference)
+
+
+@slow
+@given(data=st.data())
+@settings(max_examples=max(4, settings().max_examples // 4))
+def test_drawn_scenarios_train_like_the_reference(
+    dist_pool: PoolFactory, data: st.DataObject
+) -> None:
+    """Drawn models (block widths, gates, norms, tied weights, frozen parameters), skip
+    sets, world sizes 1-3, ZeRO stage, one optimizer or several, clipping."""
+    drawn = data.draw(scenarios(world_sizes=(2, 3, 1), configs=(FAIRSCALE,)))
+    scenario = replace(
+        drawn,
+        backend="deepspeed",
+        accumulate=1,
+        set_to_none=True,
+        zero_grad_at="after_step",
+        evaluate=False,
+        unwrap_after=None,
+        options={},
+    )
+    stage = data.draw(st.sampled_from(STAGES), label="stage")
+    mode = data.draw(st.sampled_from(("several", "one")), label="mode")
+    clip = data.draw(st.sampled_from((0.0, 1.0, 0.05)), label="clip")
+    results = dist_pool(scenario.world_size).run(
+        w.run_flatview, scenario, stage, mode, clip, timeout=TIMEOUT
+    )
+    assert_equivalent(results, w.run_reference(scenario, mode, clip), scenario)
