@@ -32,7 +32,7 @@ def _run_script(session: nox.Session, script: str) -> None:
     # Checked before installing anything, so a missing script fails in seconds.
     if not (ROOT / script).is_file():
         session.error(f"{script} does not exist (yet); nothing to run")
-    _install(session, "-e", ".[fairscale,demo]")
+    _install(session, "-e", ".[fairscale,demo,deepspeed]")
     session.run(
         "python",
         script,
