@@ -239,10 +239,16 @@ def full_params(fv: Any, engine: Any) -> dict[str, np.ndarray]:
 
 
 def run_flatview(
-    scenario: Any, stage: int, mode: str = "several", clip: float = 0.0, extra: Any = None
+    scenario: Any,
+    stage: int,
+    mode: str = "several",
+    clip: float = 0.0,
+    extra: Any = None,
+    direct: bool = False,
 ) -> Any:
     """Train the scenario with DeepSpeed and flatview: each micro-batch one step (inside
-    ``fv.step(skip=...)``: forward, engine.backward), then engine.step()."""
+    ``fv.step(skip=...)``: forward, ``engine.backward`` or with ``direct`` the loss's own
+    ``backward()``, which DeepSpeed supports too), then engine.step()."""
     from tests.scenarios import Outcome, local_batch, loss_of, skip_names
 
     with deepspeed_on_cpu() as deepspeed:
@@ -253,7 +259,11 @@ def run_flatview(
             xs, ys = local_batch(scenario, micro)
             skip = skip_names(scenario, micro)
             with fv.step(skip=list(skip)):
-                engine.backward(loss_of(engine(xs, skip), ys))
+                loss = loss_of(engine(xs, skip), ys)
+                if direct:
+                    loss.backward()
+                else:
+                    engine.backward(loss)
             none_grads.append(sorted(n for n, p in fv.named_parameters() if p.grad is None))
             engine.step()
             held = {id(p) for p in module.parameters()}
@@ -566,13 +576,26 @@ def refused_while_wrapped(stage: int) -> dict[str, str]:
     """What flatview refuses on a wrapped engine (StateError messages by call)."""
     import tempfile
 
-    from tests.scenarios import Scenario
+    import flatview
+    from tests.scenarios import Scenario, local_batch, loss_of, make_net
 
     scenario = Scenario(world_size=dist.get_world_size())
     out = {}
     with deepspeed_on_cpu() as deepspeed, tempfile.TemporaryDirectory() as directory:
-        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "one", 0.0)
+        net = make_net(scenario)
+        # Built before wrapping, over what become DeepSpeed's own parameters.
+        early = torch.optim.SGD(net.parameters(), lr=0.1)
+        engine, _, _, _ = deepspeed.initialize(
+            model=net,
+            optimizer=one_optimizer(net.parameters()),
+            config=ds_config(scenario, stage, 0.0, None),
+        )
+        fv = flatview.wrap(engine)
+        xs, ys = local_batch(scenario, 0)
+        engine.backward(loss_of(engine(xs), ys))
+        engine.step()
         calls = {
+            "early optimizer": (early.step,),
             "save_checkpoint": (engine.save_checkpoint, directory),
             "load_checkpoint": (engine.load_checkpoint, directory),
             "no_sync": (engine.no_sync,),
@@ -584,7 +607,7 @@ def refused_while_wrapped(stage: int) -> dict[str, str]:
                 out[name] = "allowed"
             except Exception as err:
                 out[name] = f"{type(err).__name__}: {err}"
-        del engine, fv, calls
+        del engine, fv, calls, early
     return out
 
 

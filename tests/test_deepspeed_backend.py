@@ -63,9 +63,13 @@ def test_the_engines_own_optimizer_steps_views(
 ) -> None:
     """The script DeepSpeed users have (one AdamW given to deepspeed.initialize,
     engine.backward, engine.step) plus fv.step(skip=...): AdamW leaves skipped
-    parameters alone, as on the unwrapped model; no clipping configured."""
+    parameters alone, as on the unwrapped model; no clipping configured. ZeRO 2 calls
+    the loss's own backward() (DeepSpeed supports both)."""
     scenario = replace(SC, world_size=world)
-    results = dist_pool(world).run(w.run_flatview, scenario, stage, "one", 0.0, timeout=TIMEOUT)
+    direct = stage == 2
+    results = dist_pool(world).run(
+        w.run_flatview, scenario, stage, "one", 0.0, None, direct, timeout=TIMEOUT
+    )
     assert_equivalent(results, w.run_reference(scenario, "one", 0.0), scenario)
 
 
@@ -210,8 +214,13 @@ def test_deepspeed_operations_that_would_be_wrong_are_refused(
     dist_pool: PoolFactory, stage: int
 ) -> None:
     """DeepSpeed's own checkpoints would save optimizer state kept per view as its flat
-    partitions' (and load it so); no_sync accumulates in a way flatview does not drive."""
+    partitions' (and load it so); no_sync accumulates in a way flatview does not drive;
+    an optimizer built before wrapping over DeepSpeed's own parameters would train
+    copies the engine overwrites (refused at its first step)."""
     for got in dist_pool(2).run(w.refused_while_wrapped, stage, timeout=TIMEOUT):
+        early = got.pop("early optimizer")
+        assert early.startswith("StateError: "), early
+        assert "holds DeepSpeed's own module parameters" in early, early
         for name, message in got.items():
             assert message.startswith("StateError: "), (name, message)
             assert "not supported while flatview wraps" in message, (name, message)

@@ -184,12 +184,13 @@ class DeepSpeedAdapter:
                     "after every step. Build optimizers from views after wrapping "
                     "(engine.module.<submodule>.parameters() or FlatView.parameters())"
                 )
-        for flat in self.layout.flats:
-            if id(flat.local_shard()) in held or id(flat.holder) in held:
-                raise StateError(
-                    f"optimizer {type(optimizer).__name__} holds a DeepSpeed partition; "
-                    "build optimizers from views"
-                )
+        partitions = [*self.layout.masters(), *(flat.holder for flat in self.layout.flats)]
+        if any(id(p) in held for p in partitions):
+            raise StateError(
+                f"optimizer {type(optimizer).__name__} holds one of DeepSpeed's flat fp32 "
+                "partitions: it would step skipped parameters too. Build optimizers from "
+                "views (engine.module.<submodule>.parameters() or FlatView.parameters())"
+            )
 
     # ---------------------------------------------------------------- install
 

@@ -184,6 +184,10 @@ class FlatGroups:
         for flat in self.flats:
             yield from zip(flat.members, flat.owners, strict=True)
 
+    def masters(self) -> list[torch.Tensor]:
+        """DeepSpeed's own fp32 partitions (what its optimizer steps without flatview)."""
+        return list(self.zero.single_partition_of_fp32_groups)
+
     def prepare_step(self) -> None:
         """Nothing to do before ZeRO 1/2's optimizer step."""
 
@@ -277,6 +281,9 @@ class ShardedParams:
     def compute_params(self) -> Iterator[tuple[nn.Parameter, tuple[Owner, ...]]]:
         for flat in self.flats:
             yield flat.members[0], flat.owners[0]
+
+    def masters(self) -> list[torch.Tensor]:
+        return list(self.zero.fp32_partitioned_groups_flat)
 
     def prepare_step(self) -> None:
         """What DeepSpeed's ZeRO 3 step does first: reset its per-step bookkeeping and
