@@ -197,6 +197,19 @@ def one_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
+def grouped_optimizer(net: nn.Module) -> torch.optim.Optimizer:
+    """The engine's own optimizer with the usual weight-decay groups by name
+    (``mode="groups"``), the one without decay first: two flat partitions under ZeRO 1/2,
+    each module's bias laid out before its weight."""
+    plain = [p for n, p in net.named_parameters() if not n.endswith("weight")]
+    decayed = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    return torch.optim.AdamW(
+        [{"params": plain, "lr": 0.02, "weight_decay": 0.0}, {"params": decayed}],
+        lr=0.05,
+        weight_decay=0.1,
+    )
+
+
 def flatview_engine(
     deepspeed: Any, scenario: Any, stage: int, mode: str, clip: float, extra: Any = None
 ) -> tuple[Any, Any, list[torch.optim.Optimizer]]:
@@ -208,11 +221,12 @@ def flatview_engine(
     from tests.scenarios import freeze, make_net, optimizers
 
     net = make_net(scenario)
-    client = (
-        flatview.optim.Deferred(net.parameters())
-        if mode == "several"
-        else one_optimizer(net.parameters())
-    )
+    if mode == "several":
+        client: torch.optim.Optimizer = flatview.optim.Deferred(net.parameters())
+    elif mode == "groups":
+        client = grouped_optimizer(net)
+    else:
+        client = one_optimizer(net.parameters())
     engine, _, _, _ = deepspeed.initialize(
         model=net, optimizer=client, config=ds_config(scenario, stage, clip, extra)
     )
@@ -284,6 +298,8 @@ def run_reference(scenario: Any, mode: str = "several", clip: float = 0.0) -> An
     net, opts = reference_model(scenario)
     if mode == "one":
         opts = [one_optimizer(net.parameters())]
+    elif mode == "groups":
+        opts = [grouped_optimizer(net)]
     none_grads, norms = [], []
     for _ in reference_training(scenario, net, opts, optimizer_steps(scenario)):
         none_grads.append(sorted(n for n, p in net.named_parameters() if p.grad is None))

@@ -73,6 +73,46 @@ def test_the_engines_own_optimizer_steps_views(
     assert_equivalent(results, w.run_reference(scenario, "one", 0.0), scenario)
 
 
+ZERO_OPTIONS = {
+    # Every parameter gathered and freed per submodule (none persistent), several
+    # sub-groups, prefetching, small buckets.
+    "zero3-unpersistent": (
+        3,
+        {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "sub_group_size": 40,
+            "stage3_prefetch_bucket_size": 50,
+            "reduce_bucket_size": 60,
+        },
+    ),
+    # Flat buffers in round-robin order, DeepSpeed's overlap and buckets (idle: flatview
+    # reduces), flatview's own buckets of 60 elements.
+    "zero2-round-robin": (
+        2,
+        {
+            "stage": 2,
+            "round_robin_gradients": True,
+            "overlap_comm": True,
+            "reduce_bucket_size": 60,
+            "contiguous_gradients": False,
+        },
+    ),
+    "zero1-groups": (1, {"stage": 1, "reduce_bucket_size": 60}),
+}
+
+
+@pytest.mark.parametrize("name", list(ZERO_OPTIONS))
+def test_zero_options_train_like_the_reference(dist_pool: PoolFactory, name: str) -> None:
+    """ZeRO's own options that move parameters or lay them out otherwise, and an engine
+    optimizer with two parameter groups (two flat partitions under ZeRO 1/2, one
+    sub-group split in several under ZeRO 3)."""
+    stage, zero = ZERO_OPTIONS[name]
+    extra = {"zero_optimization": zero}
+    results = dist_pool(2).run(w.run_flatview, SC, stage, "groups", 0.0, extra, timeout=TIMEOUT)
+    assert_equivalent(results, w.run_reference(SC, "groups", 0.0), SC)
+
+
 EXPECTED = {
     "used": r"SkippedParameterUsedError: parameter 'body\.1\.[a-z]+\.(weight|bias)' is declared",
     "mismatch": r"SkipSetMismatchError",

@@ -146,6 +146,22 @@ class DeepSpeedAdapter:
         self._published: list[int] = []
         """Per flat parameter, its master's version when last published."""
         self._callback_queued = False
+        self._registrations = self._module_orders()
+
+    def _module_orders(
+        self,
+    ) -> list[tuple[nn.Module, tuple[str, ...], dict[str, nn.Parameter]]]:
+        """Per module holding DeepSpeed parameters: every parameter name it registers, in
+        order, and the DeepSpeed parameters flatview shows views of, in that order."""
+        shown: dict[int, tuple[nn.Module, dict[str, nn.Parameter]]] = {}
+        for param, owners in self.layout.compute_params():
+            for owner in owners:
+                shown.setdefault(id(owner.module), (owner.module, {}))[1][owner.attr] = param
+        # Entries in the module's registration order (a dict keeps insertion order).
+        return [
+            (module, tuple(module._parameters), {a: e[a] for a in module._parameters if a in e})
+            for module, e in shown.values()
+        ]
 
     @property
     def agreement_group(self) -> dist.ProcessGroup | None:
@@ -287,11 +303,23 @@ class DeepSpeedAdapter:
 
     def _show_compute(self) -> None:
         """Register DeepSpeed's own parameters where they belong (the views stepped
-        aside): what its forward and its hooks read."""
-        for param, owners in self.layout.compute_params():
-            for owner in owners:
-                owner.module.__dict__.pop(owner.attr, None)
-                owner.module._parameters[owner.attr] = param
+        aside): what its forward and its hooks read, in each module's own order (views
+        are then shown in their places: the order users see stays the model's)."""
+        for module, order, entries in self._registrations:
+            params = module._parameters
+            if not params:
+                for attr, param in entries.items():
+                    params[attr] = param
+                continue
+            # Entries left in place (frozen parameters under ZeRO 1/2, ``None`` ones) sit
+            # among them: the module's order is rebuilt.
+            current = dict(params)
+            current.update(entries)
+            params.clear()
+            for attr in order:
+                if attr in current:
+                    params[attr] = current.pop(attr)
+            params.update(current)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if _in_backward():
