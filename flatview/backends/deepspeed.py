@@ -66,8 +66,10 @@ from torch.utils.hooks import RemovableHandle
 
 from flatview.backends.base import UnitSpec
 from flatview.backends.deepspeed_checks import check, is_engine
+from flatview.backends.deepspeed_step import ZeroStep
 from flatview.backends.deepspeed_zero import (
     FlatGroups,
+    ModuleOrder,
     ShardedParams,
     ZeroLayout,
     plain_specs,
@@ -83,9 +85,6 @@ if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
 __all__ = ["DeepSpeedAdapter", "is_engine"]
-
-CLIP_KIND = "clip_norm"
-"""The ledger kind of the all-reduce of the gradient-clipping norm (not a reduction)."""
 
 
 def clean_name(name: str) -> str:
@@ -141,27 +140,9 @@ class DeepSpeedAdapter:
         self._core: Runtime | None = None
         self._patched: list[tuple[object, str]] = []
         self._hooks: list[RemovableHandle] = []
-        self._trained: list[int] = []
-        """Table indices of the views the engine's optimizer trains."""
-        self._published: list[int] = []
-        """Per flat parameter, its master's version when last published."""
         self._callback_queued = False
-        self._registrations = self._module_orders()
-
-    def _module_orders(
-        self,
-    ) -> list[tuple[nn.Module, tuple[str, ...], dict[str, nn.Parameter]]]:
-        """Per module holding DeepSpeed parameters: every parameter name it registers, in
-        order, and the DeepSpeed parameters flatview shows views of, in that order."""
-        shown: dict[int, tuple[nn.Module, dict[str, nn.Parameter]]] = {}
-        for param, owners in self.layout.compute_params():
-            for owner in owners:
-                shown.setdefault(id(owner.module), (owner.module, {}))[1][owner.attr] = param
-        # Entries in the module's registration order (a dict keeps insertion order).
-        return [
-            (module, tuple(module._parameters), {a: e[a] for a in module._parameters if a in e})
-            for module, e in shown.values()
-        ]
+        self._order = ModuleOrder(self.layout)
+        self.zero_step = ZeroStep(untyped, self.layout, self.group, self.world_size, self._lent)
 
     @property
     def agreement_group(self) -> dist.ProcessGroup | None:
@@ -217,7 +198,7 @@ class DeepSpeedAdapter:
         )
         index = self._view_indices()
         self._point_optimizer(index)
-        self._published = [flat.holder._version for flat in self.layout.flats]
+        self.zero_step.core = core
         module, zero, engine = self.engine.module, self.zero, self.engine
         self._hooks.append(module.register_forward_pre_hook(self._pre_forward, prepend=True))
         self._hooks.append(module.register_forward_hook(self._post_forward))
@@ -242,8 +223,8 @@ class DeepSpeedAdapter:
         # Runs after flatview's end of the backward (ZeRO 3 releases what its backward
         # left gathered, reading the submodules' parameters): with DeepSpeed's own.
         self._patch(zero, "backward_epilogue", self._lending(zero.backward_epilogue))
-        self._patch(zero, "step", self._step)
-        self._patch(zero, "zero_grad", self._zero_grad)
+        self._patch(zero, "step", self.zero_step.step)
+        self._patch(zero, "zero_grad", self.zero_step.zero_grad)
         for owner, name, instead in (
             (engine, "no_sync", "accumulate with one engine.backward per engine.step"),
             (engine, "coalesce_grad_reduction", "accumulate nothing across backwards"),
@@ -276,7 +257,7 @@ class DeepSpeedAdapter:
         for group, params in zip(groups, members, strict=True):
             group["params"] = [self.core.tensor(index[id(p)]) for p in params]
             trained.extend(index[id(p)] for p in params)
-        self._trained = trained
+        self.zero_step.trained = trained
 
     def uninstall(self) -> None:
         for handle in self._hooks:
@@ -302,24 +283,9 @@ class DeepSpeedAdapter:
     # ------------------------------------------------------------- lifecycle
 
     def _show_compute(self) -> None:
-        """Register DeepSpeed's own parameters where they belong (the views stepped
-        aside): what its forward and its hooks read, in each module's own order (views
-        are then shown in their places: the order users see stays the model's)."""
-        for module, order, entries in self._registrations:
-            params = module._parameters
-            if not params:
-                for attr, param in entries.items():
-                    params[attr] = param
-                continue
-            # Entries left in place (frozen parameters under ZeRO 1/2, ``None`` ones) sit
-            # among them: the module's order is rebuilt.
-            current = dict(params)
-            current.update(entries)
-            params.clear()
-            for attr in order:
-                if attr in current:
-                    params[attr] = current.pop(attr)
-            params.update(current)
+        """DeepSpeed's own parameters back on the submodules (the views stepped aside):
+        what its forward and its hooks read."""
+        self._order.register()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if _in_backward():
@@ -334,8 +300,8 @@ class DeepSpeedAdapter:
         # (flatview's end of the backward takes them all): they must not add to this one.
         for param, _ in self.layout.compute_params():
             param.grad = None
-        if self._changed():
-            self._publish()
+        if self.zero_step.changed():
+            self.zero_step.publish()
         for flat in self.layout.flats:
             core.guard_skipped(flat.holder)
         core.guard_skipped_plain()
@@ -403,67 +369,6 @@ class DeepSpeedAdapter:
     def _reduced(self, holder: nn.Parameter, shard: torch.Tensor) -> None:
         holder.grad = shard.div_(self.world_size)
 
-    # ------------------------------------------------------------------- step
-
-    def _step(self, closure: Callable[[], float] | None = None) -> None:
-        """The ZeRO optimizer's ``step`` (the module docstring)."""
-        if closure is not None:
-            raise ValueError("DeepSpeed's ZeRO optimizer takes no closure")
-        if self.core.phase is not Phase.IDLE:
-            raise StateError(
-                f"engine.step() while the model is {self.core.phase.name}: step after the "
-                "backward has ended"
-            )
-        # DeepSpeed's parts of the step walk the submodules' parameters: its own.
-        with self._lent():
-            self.layout.prepare_step()
-            self.zero.overflow = False
-            clipping = float(self.engine.gradient_clipping())
-            if clipping > 0:
-                self.zero._global_grad_norm = self._clip(clipping)
-            self.zero.optimizer.step()
-            self._publish()
-
-    def _publish(self) -> None:
-        self.layout.publish()
-        self._published = [flat.holder._version for flat in self.layout.flats]
-
-    def _changed(self) -> bool:
-        """Whether a master partition was written since it was last published."""
-        return any(
-            flat.holder._version != seen
-            for flat, seen in zip(self.layout.flats, self._published, strict=True)
-        )
-
-    @torch.no_grad()
-    def _clip(self, max_norm: float) -> torch.Tensor:
-        """Scale the views' gradients as ``torch.nn.utils.clip_grad_norm_(params,
-        max_norm)`` would on the unwrapped model: every element lives on exactly one
-        rank, so the global norm is the root of one all-reduced sum of squares."""
-        grads = [g for i in self._trained if (g := self.core.tensor(i).grad) is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for grad in grads:
-            squares += torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) ** 2
-        if self.world_size > 1:
-            self.core.ledger.record(CLIP_KIND, squares)
-            dist.all_reduce(squares, group=self.group)
-        total = squares.sqrt()
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
-        return total
-
-    def _zero_grad(self, set_to_none: bool = True) -> None:
-        """DeepSpeed's ``zero_grad``: its parameters' gradients and the views'."""
-        tensors = [p for p, _ in self.layout.compute_params()]
-        tensors += [self.core.tensor(i) for i in self._trained]
-        for tensor in tensors:
-            if set_to_none:
-                tensor.grad = None
-            elif tensor.grad is not None:
-                tensor.grad.detach_()
-                tensor.grad.zero_()
-
     # ---------------------------------------------------------------- lending
 
     @contextlib.contextmanager
@@ -492,7 +397,7 @@ class DeepSpeedAdapter:
                 result = method(*args, **kwargs)
                 if isinstance(self.layout, FlatGroups):
                     self.zero.refresh_fp32_params()
-                    self._published = [flat.holder._version for flat in self.layout.flats]
+                    self.zero_step.mark_published()
             return result
 
         return load

@@ -302,6 +302,42 @@ class ShardedParams:
 ZeroLayout = FlatGroups | ShardedParams
 
 
+class ModuleOrder:
+    """Registers DeepSpeed's own parameters back on their submodules (the views stepped
+    aside), each module's entries in its own registration order: the views are then
+    shown in their places, so the order users see (``named_parameters``, state dict
+    keys) stays the model's whatever order the flat buffers lay parameters in."""
+
+    def __init__(self, layout: ZeroLayout) -> None:
+        shown: dict[int, tuple[nn.Module, dict[str, nn.Parameter]]] = {}
+        for param, owners in layout.compute_params():
+            for owner in owners:
+                shown.setdefault(id(owner.module), (owner.module, {}))[1][owner.attr] = param
+        # Per module: every name it registers, in order, and DeepSpeed's parameters in
+        # that order (a dict keeps insertion order).
+        self._modules = [
+            (module, tuple(module._parameters), {a: e[a] for a in module._parameters if a in e})
+            for module, e in shown.values()
+        ]
+
+    def register(self) -> None:
+        for module, order, entries in self._modules:
+            params = module._parameters
+            if not params:
+                for attr, param in entries.items():
+                    params[attr] = param
+                continue
+            # Entries left in place (frozen parameters under ZeRO 1/2, ``None`` ones) sit
+            # among them: the module's order is rebuilt.
+            current = dict(params)
+            current.update(entries)
+            params.clear()
+            for attr in order:
+                if attr in current:
+                    params[attr] = current.pop(attr)
+            params.update(current)
+
+
 def plain_specs(
     module: nn.Module, layout: ZeroLayout, places: Registrations
 ) -> tuple[PlainSpec, ...]:

@@ -1,0 +1,126 @@
+"""The ZeRO optimizer's ``step`` and ``zero_grad`` as flatview runs them on a wrapped
+DeepSpeed engine (``engine.step()`` calls both): :class:`ZeroStep`.
+
+The step: ZeRO 3's preparation, the config's ``gradient_clipping`` by the global norm of
+the views' gradients (one all-reduce of one number; torch's ``clip_grad_norm_``
+formula), the engine's optimizer (over views), then DeepSpeed's own publishing of the
+stepped masters (:meth:`flatview.backends.deepspeed_zero.FlatGroups.publish`,
+:meth:`~flatview.backends.deepspeed_zero.ShardedParams.publish`). The masters' version
+counters are recorded then, so that values written into views later (outside a step)
+are seen and published before the next forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from flatview.backends.deepspeed_zero import ZeroLayout
+from flatview.errors import StateError
+from flatview.phase import Phase
+
+if TYPE_CHECKING:
+    from flatview.backends.base import Runtime
+
+CLIP_KIND = "clip_norm"
+"""The ledger kind of the all-reduce of the gradient-clipping norm (not a reduction)."""
+
+
+class ZeroStep:
+    """The step of one wrapped engine (see the module docstring). ``lent`` runs DeepSpeed's
+    parts with its own parameters registered on the submodules (they walk them)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        layout: ZeroLayout,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        lent: Callable[[], AbstractContextManager[None]],
+    ) -> None:
+        self.engine = engine
+        self.zero = engine.optimizer
+        self.layout = layout
+        self.group = group
+        self.world_size = world_size
+        self._lent = lent
+        self.core: Runtime | None = None
+        self.trained: list[int] = []
+        """Table indices of the views the engine's optimizer trains (set at install)."""
+        self._published = self._versions()
+
+    def _runtime(self) -> Runtime:
+        assert self.core is not None, "ZeroStep used before install()"
+        return self.core
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        """The ZeRO optimizer's ``step``."""
+        core = self._runtime()
+        if closure is not None:
+            raise ValueError("DeepSpeed's ZeRO optimizer takes no closure")
+        if core.phase is not Phase.IDLE:
+            raise StateError(
+                f"engine.step() while the model is {core.phase.name}: step after the "
+                "backward has ended"
+            )
+        with self._lent():
+            self.layout.prepare_step()
+            self.zero.overflow = False
+            clipping = float(self.engine.gradient_clipping())
+            if clipping > 0:
+                self.zero._global_grad_norm = self.clip(clipping)
+            self.zero.optimizer.step()
+            self.publish()
+
+    def _versions(self) -> list[int]:
+        return [flat.holder._version for flat in self.layout.flats]
+
+    def publish(self) -> None:
+        """The masters into what DeepSpeed computes from (a collective)."""
+        self.layout.publish()
+        self._published = self._versions()
+
+    def mark_published(self) -> None:
+        """The masters are what DeepSpeed computes from (it copied them itself)."""
+        self._published = self._versions()
+
+    def changed(self) -> bool:
+        """Whether a master partition was written since it was last published."""
+        return self._versions() != self._published
+
+    @torch.no_grad()
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Scale the views' gradients as ``torch.nn.utils.clip_grad_norm_(params,
+        max_norm)`` would on the unwrapped model: every element lives on exactly one
+        rank, so the global norm is the root of one all-reduced sum of squares."""
+        core = self._runtime()
+        grads = [g for i in self.trained if (g := core.tensor(i).grad) is not None]
+        flats = self.layout.flats
+        device = flats[0].holder.device if flats else torch.device("cpu")
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in grads:
+            squares += torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) ** 2
+        if self.world_size > 1:
+            core.ledger.record(CLIP_KIND, squares)
+            dist.all_reduce(squares, group=self.group)
+        total = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """DeepSpeed's ``zero_grad``: its parameters' gradients and the views'."""
+        core = self._runtime()
+        tensors = [p for p, _ in self.layout.compute_params()]
+        tensors += [core.tensor(i) for i in self.trained]
+        for tensor in tensors:
+            if set_to_none:
+                tensor.grad = None
+            elif tensor.grad is not None:
+                tensor.grad.detach_()
+                tensor.grad.zero_()
