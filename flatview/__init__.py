@@ -76,8 +76,10 @@ def wrap(
 
     Args:
         model: the outermost ``FullyShardedDataParallel`` module (fairscale's, or torch's
-            FSDP1 with flat parameters or ``use_orig_params=True``), or a torch
-            ``DistributedDataParallel`` module.
+            FSDP1 with flat parameters or ``use_orig_params=True``), a torch
+            ``DistributedDataParallel`` module, a module sharded with FSDP2's
+            ``fully_shard``, or a DeepSpeed ``DeepSpeedEngine`` (ZeRO stages 1-3, right
+            after ``deepspeed.initialize``: its optimizer is pointed at the views).
         check_skip_agreement: in every :meth:`FlatView.step`, check with one tiny
             all-gather that all ranks passed the same skip set (turn off once you trust
             your sampler; the check can also be chosen per step). Iterations outside any
@@ -117,9 +119,9 @@ def wrap(
         optimizers and parameter groups can be built per submodule.
 
     Raises:
-        WrapError: ``model`` is not an outermost FSDP model or a DDP model of a supported
-            configuration (the message names what is not supported), or is already
-            wrapped.
+        WrapError: ``model`` is not an outermost FSDP model, a DDP model or a DeepSpeed
+            engine of a supported configuration (the message names what is not
+            supported), or is already wrapped.
     """
     options = _options(reduce_options, Strategy(reduce_strategy), overlap_reduction)
     adapter = detect(model, compute_on_views, options)
