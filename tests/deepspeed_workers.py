@@ -8,6 +8,7 @@ between tasks but the imported modules.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -661,3 +662,73 @@ def reference_unwrapped(scenario: Any, split: int) -> dict[str, np.ndarray]:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+
+
+def muon_whole(run: Any, stage: int) -> dict[str, Any]:
+    """tests.whole_workers.MuonRun on DeepSpeed: ``Whole(torch.optim.Muon, ...)`` on the
+    matrices (by original shape) and AdamW on the rest, handed to a Deferred; every step
+    inside ``fv.step``, then ``engine.step()``."""
+    import flatview
+    import flatview.optim
+    from tests.scenarios import make_net
+    from tests.whole_workers import newton_schulz
+
+    scenario = run.scenario
+    with deepspeed_on_cpu() as deepspeed, newton_schulz(run):
+        net = make_net(scenario)
+        deferred = flatview.optim.Deferred(net.parameters())
+        engine, _, _, _ = deepspeed.initialize(
+            model=net, optimizer=deferred, config=ds_config(scenario, stage, 0.0, None)
+        )
+        fv = flatview.wrap(engine)
+        named = list(fv.named_parameters())
+        matrices = [p for _, p in named if fv.shape_of(p).ndim == 2]
+        rest = [p for _, p in named if fv.shape_of(p).ndim != 2]
+        muon = flatview.optim.Whole(torch.optim.Muon, fv, matrices, **run.muon_kwargs)
+        adamw = torch.optim.AdamW(rest, lr=0.01)
+        deferred.set(muon, adamw)
+        _train(engine, fv, scenario, range(len(scenario.skips)))
+        state = fv.optim_state_dict(muon)
+        params = full_params(fv, engine)
+        del engine, fv, deferred, muon, adamw
+    return {"params": params, "state": state}
+
+
+def norms(scenario: Any, stage: int) -> list[dict[str, Any]]:
+    """Per step, before the engine steps: every parameter's whole norm and its gradient's
+    (``FlatView.param_norms`` / ``grad_norms``)."""
+    out: list[dict[str, Any]] = []
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "several", 0.0)
+        record = functools.partial(_record_norms, fv, out)
+        _train(engine, fv, scenario, range(len(scenario.skips)), before=record)
+        del engine, fv, record
+    return out
+
+
+def _record_norms(fv: Any, out: list[dict[str, Any]]) -> None:
+    out.append(
+        {
+            "params": {k: float(v) for k, v in fv.param_norms().items()},
+            "grads": {k: None if v is None else float(v) for k, v in fv.grad_norms().items()},
+        }
+    )
+
+
+def reference_norms(scenario: Any) -> list[dict[str, Any]]:
+    """The same norms on the unwrapped model."""
+    from tests.scenarios import optimizer_steps, reference_model, reference_training
+
+    net, opts = reference_model(scenario)
+    out = []
+    for _ in reference_training(scenario, net, opts, optimizer_steps(scenario)):
+        out.append(
+            {
+                "params": {n: float(p.detach().norm()) for n, p in net.named_parameters()},
+                "grads": {
+                    n: None if p.grad is None else float(p.grad.norm())
+                    for n, p in net.named_parameters()
+                },
+            }
+        )
+    return out

@@ -304,3 +304,41 @@ def test_drawn_scenarios_train_like_the_reference(
         w.run_flatview, scenario, stage, mode, clip, timeout=TIMEOUT
     )
     assert_equivalent(results, w.run_reference(scenario, mode, clip), scenario)
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_whole_matrix_optimizers_over_the_partitions(dist_pool: PoolFactory, stage: int) -> None:
+    """flatview.optim.Whole(torch.optim.Muon, ...) on the matrices, AdamW on the rest, both
+    given to a Deferred: torch's Muon on the unwrapped model (float32 Newton-Schulz in
+    both runs, see tests/test_whole.py)."""
+    from tests.whole_workers import MuonRun
+    from tests.whole_workers import reference as muon_reference
+
+    run = MuonRun(SC, float32=True)
+    results = dist_pool(2).run(w.muon_whole, run, stage, timeout=TIMEOUT)
+    reference = muon_reference(run)
+    for got in results:
+        compare(got["params"], reference["params"])
+        state = got["state"]["state"]
+        for name, buffer in reference["momentum"].items():
+            np.testing.assert_allclose(
+                state[name]["momentum_buffer"].numpy(), buffer, rtol=1e-4, atol=1e-5
+            )
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_whole_parameter_norms(dist_pool: PoolFactory, stage: int) -> None:
+    """FlatView.param_norms / grad_norms of the pieces: the whole parameters' norms,
+    None for the gradients of skipped parameters, every step."""
+    results = dist_pool(2).run(w.norms, SC, stage, timeout=TIMEOUT)
+    reference = w.reference_norms(SC)
+    for got in results:
+        assert len(got) == len(reference)
+        for step, (mine, want) in enumerate(zip(got, reference, strict=True)):
+            assert mine["params"] == pytest.approx(want["params"], rel=1e-5), step
+            assert mine["grads"].keys() == want["grads"].keys()
+            for name, value in want["grads"].items():
+                if value is None:
+                    assert mine["grads"][name] is None, (step, name)
+                else:
+                    assert mine["grads"][name] == pytest.approx(value, rel=1e-4), (step, name)
