@@ -269,7 +269,7 @@ def run_flatview(
     with deepspeed_on_cpu() as deepspeed:
         engine, fv, _ = flatview_engine(deepspeed, scenario, stage, mode, clip, extra)
         module = engine.module
-        none_grads, on_modules = [], []
+        none_grads, on_modules, grad_norms = [], [], []
         for micro in range(len(scenario.skips)):
             xs, ys = local_batch(scenario, micro)
             skip = skip_names(scenario, micro)
@@ -281,13 +281,16 @@ def run_flatview(
                     engine.backward(loss)
             none_grads.append(sorted(n for n, p in fv.named_parameters() if p.grad is None))
             engine.step()
+            grad_norms.append(engine.get_global_grad_norm())
             held = {id(p) for p in module.parameters()}
             on_modules.append(held == {id(p) for p in fv.parameters()})
         names = [n for n, _ in fv.named_parameters()]
         empty = sorted(n for n, p in fv.named_parameters() if p.numel() == 0)
         params = full_params(fv, engine)
         del engine, fv
-    return Outcome(names, none_grads, params, empty, all(on_modules))
+    outcome = Outcome(names, none_grads, params, empty, all(on_modules))
+    outcome.grad_norms = [None if n is None else float(n) for n in grad_norms]  # type: ignore[attr-defined]
+    return outcome
 
 
 def run_reference(scenario: Any, mode: str = "several", clip: float = 0.0) -> Any:

@@ -55,6 +55,9 @@ def test_several_optimizers_and_skip_sets_train_like_the_reference(
     reference = w.run_reference(scenario, "several", 1.0)
     assert max(reference.norms) > 1.0  # clipping acts
     assert_equivalent(results, reference, scenario)
+    for got in results:
+        # engine.get_global_grad_norm(): the norm before clipping, as DeepSpeed reports it.
+        assert got.grad_norms == pytest.approx(reference.norms, rel=1e-5)
 
 
 @pytest.mark.parametrize(("stage", "world"), _cases((1, 2, 3)))

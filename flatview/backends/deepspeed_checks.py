@@ -48,6 +48,7 @@ _ENGINE = (
     "module_state_dict",
     "load_module_state_dict",
     "zero_reduce_bucket_size",
+    "zero_compute_grad_norm",
 )
 _ZERO_COMMON = (
     "optimizer",

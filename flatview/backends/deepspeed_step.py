@@ -1,10 +1,11 @@
 """The ZeRO optimizer's ``step`` and ``zero_grad`` as flatview runs them on a wrapped
 DeepSpeed engine (``engine.step()`` calls both): :class:`ZeroStep`.
 
-The step: ZeRO 3's preparation, the config's ``gradient_clipping`` by the global norm of
-the views' gradients (one all-reduce of one number; torch's ``clip_grad_norm_``
-formula), the engine's optimizer (over views), then DeepSpeed's own publishing of the
-stepped masters (:meth:`flatview.backends.deepspeed_zero.FlatGroups.publish`,
+The step: ZeRO 3's preparation, the global norm of the views' gradients (one all-reduce
+of one number, as DeepSpeed's ``get_global_grad_norm`` reports it) and the config's
+``gradient_clipping`` by it (torch's ``clip_grad_norm_`` formula), the engine's
+optimizer (over views), then DeepSpeed's own publishing of the stepped masters
+(:meth:`flatview.backends.deepspeed_zero.FlatGroups.publish`,
 :meth:`~flatview.backends.deepspeed_zero.ShardedParams.publish`). The masters' version
 counters are recorded then, so that values written into views later (outside a step)
 are seen and published before the next forward.
@@ -71,8 +72,12 @@ class ZeroStep:
             self.layout.prepare_step()
             self.zero.overflow = False
             clipping = float(self.engine.gradient_clipping())
-            if clipping > 0:
+            # DeepSpeed computes the norm every step (engine.get_global_grad_norm())
+            # unless its config turns that off, which it allows without clipping only.
+            if clipping > 0 or self.engine.zero_compute_grad_norm():
                 self.zero._global_grad_norm = self.clip(clipping)
+            else:
+                self.zero._global_grad_norm = None
             self.zero.optimizer.step()
             self.publish()
 
@@ -94,9 +99,10 @@ class ZeroStep:
 
     @torch.no_grad()
     def clip(self, max_norm: float) -> torch.Tensor:
-        """Scale the views' gradients as ``torch.nn.utils.clip_grad_norm_(params,
-        max_norm)`` would on the unwrapped model: every element lives on exactly one
-        rank, so the global norm is the root of one all-reduced sum of squares."""
+        """The global 2-norm of the views' gradients, and (``max_norm`` > 0) the gradients
+        scaled as ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` would on the
+        unwrapped model: every element lives on exactly one rank, so the global norm is
+        the root of one all-reduced sum of squares."""
         core = self._runtime()
         grads = [g for i in self.trained if (g := core.tensor(i).grad) is not None]
         flats = self.layout.flats
@@ -108,9 +114,10 @@ class ZeroStep:
             core.ledger.record(CLIP_KIND, squares)
             dist.all_reduce(squares, group=self.group)
         total = squares.sqrt()
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
+        if max_norm > 0:
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for grad in grads:
+                grad.mul_(coefficient.to(grad.dtype))
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
