@@ -42,7 +42,7 @@ def _run_script(session: nox.Session, script: str) -> None:
 
 
 def _pytest(session: nox.Session, profile: str) -> None:
-    _install(session, "-e", ".[fairscale,test,libs,deepspeed]")
+    _install(session, "-e", ".[fairscale,test,libs,integrations,deepspeed]")
     # tests/conftest.py skips `slow` tests unless the profile is `thorough` (or --runslow).
     # pytest exits 5 when no test was collected; nox treats any code but 0 as a failure.
     session.run(

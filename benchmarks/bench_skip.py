@@ -25,7 +25,7 @@ trains it on the same batches with the same skip sequence, each in fresh worker 
 Each approach runs once per round (``--rounds``), round-robin, so that drift in the load
 of a shared machine is spread over all of them. Differences smaller than that noise are
 measured as *pairs*: two variants built side by side in the same processes, their steps
-interleaved (plain vs flatview-wrapped fairscale with nothing skipped; reduce_scatter vs
+interleaved (bare vs flatview-wrapped fairscale with nothing skipped; reduce_scatter vs
 all_to_all; skip-set check off vs on).
 
 Run ``python benchmarks/bench_skip.py --quick`` for a one-minute version; results go to
@@ -332,13 +332,13 @@ def _flatview_fsdp2(
     """flatview + FSDP2 per block: no views (FSDP2 keeps the original parameters), skip
     sets, the agreement check and the flags that catch undeclared unused parameters; with
     ``prefetch`` (see :func:`_fsdp2_model`) flatview steers prefetching off skipped blocks.
-    ``held``: ``ReduceOptions.bucket_whole`` (``None``: small reduce-scatters held and run
+    ``held``: ``ReduceOptions.bucket_all_used`` (``None``: small reduce-scatters held and run
     as one on 2 shards, ``False``: each unit's on its own, as FSDP2 runs them)."""
 
     def build(cfg: Config) -> Trainer:
         import flatview
 
-        options = flatview.ReduceOptions(bucket_whole=held)
+        options = flatview.ReduceOptions(bucket_all_used=held)
         model = _fsdp2_model(cfg, prefetch)
         return _with_flatview(model, cfg, check, "auto", reduce_options=options)
 
@@ -422,9 +422,9 @@ def _flatview_torch(
     unpacked: bool | None = None,
     runtime: bool = False,
     orig_params: bool = False,
-    bucket_whole: bool | None = None,
+    bucket_all_used: bool | None = None,
 ) -> Callable[[Config], Trainer]:
-    """``bucket_whole``: ``ReduceOptions.bucket_whole`` (``None``: torch's layout, each
+    """``bucket_all_used``: ``ReduceOptions.bucket_all_used`` (``None``: torch's layout, each
     fully used gradient reduced on its own). ``runtime``: keep torch's unit runtime
     (``compute_on_views=False``) where flatview would compute on views (NO_SHARD).
     ``orig_params``: ``use_orig_params=True``. ``unpacked`` (torch's runtime only) overrides
@@ -441,12 +441,12 @@ def _flatview_torch(
         options: dict[str, Any] = {"compute_on_views": False} if runtime else {}
         if unpacked is False:
             options["reduce_options"] = flatview.ReduceOptions(
-                in_place_tolerance=None, bucket_whole=True
+                in_place_tolerance=None, bucket_all_used=True
             )
         elif unpacked:
             options["reduce_options"] = flatview.ReduceOptions(in_place_min_numel=0)
-        elif bucket_whole is not None:
-            options["reduce_options"] = flatview.ReduceOptions(bucket_whole=bucket_whole)
+        elif bucket_all_used is not None:
+            options["reduce_options"] = flatview.ReduceOptions(bucket_all_used=bucket_all_used)
         return _with_flatview(model, cfg, check, "auto", **options)
 
     return build
@@ -467,7 +467,7 @@ def _flatview_ddp(check: bool) -> Callable[[Config], Trainer]:
 def _deepspeed(stage: int, wrapped: bool) -> Callable[[Config], Trainer]:
     """A DeepSpeed ZeRO engine (fp32, no clipping) over SGD with momentum; ``wrapped``:
     with flatview (the engine's optimizer steps views, skipped blocks' get no gradient),
-    else plain DeepSpeed (skipped blocks' parameters get zero gradients it steps)."""
+    else bare DeepSpeed (skipped blocks' parameters get zero gradients it steps)."""
 
     def build(cfg: Config) -> Trainer:
         import deepspeed
@@ -505,7 +505,7 @@ def _deepspeed(stage: int, wrapped: bool) -> Callable[[Config], Trainer]:
     return build
 
 
-def _torch_plain(strategy: str) -> Callable[[Config], Trainer]:
+def _torch_bare(strategy: str) -> Callable[[Config], Trainer]:
     """torch FSDP1 without flatview, flat parameters (``use_orig_params=False``): trains only
     when nothing is skipped or the skipped units' flat gradients may stay None."""
 
@@ -697,9 +697,9 @@ PAIRS: tuple[Pair, ...] = (
     *(
         Pair(
             f"deepspeed_zero{stage}_skipping",
-            f"DeepSpeed ZeRO {stage}, skipping: plain DeepSpeed (skipped blocks' parameters "
+            f"DeepSpeed ZeRO {stage}, skipping: bare DeepSpeed (skipped blocks' parameters "
             "stepped on zero gradients) vs wrapped by flatview (check on)",
-            ("plain DeepSpeed", _deepspeed(stage, False)),
+            ("bare DeepSpeed", _deepspeed(stage, False)),
             ("flatview", _deepspeed(stage, True)),
             skip=True,
             deepspeed=True,
@@ -708,23 +708,23 @@ PAIRS: tuple[Pair, ...] = (
     ),
     Pair(
         "fsdp2_skipping",
-        "FSDP2 per block, skipping: plain FSDP2 (every rank skips the same blocks) vs "
+        "FSDP2 per block, skipping: bare FSDP2 (every rank skips the same blocks) vs "
         "wrapped by flatview (check on)",
-        ("plain FSDP2", build_torch_fsdp2),
+        ("bare FSDP2", build_torch_fsdp2),
         ("flatview", _flatview_fsdp2(True)),
         skip=True,
     ),
     Pair(
         "fsdp2_nothing_skipped",
-        "FSDP2 per block, nothing skipped: plain FSDP2 vs wrapped by flatview (check on)",
-        ("plain FSDP2", build_torch_fsdp2),
+        "FSDP2 per block, nothing skipped: bare FSDP2 vs wrapped by flatview (check on)",
+        ("bare FSDP2", build_torch_fsdp2),
         ("flatview", _flatview_fsdp2(True)),
         skip=False,
     ),
     Pair(
         "fsdp2_nothing_skipped_nocheck",
-        "FSDP2 per block, nothing skipped: plain FSDP2 vs wrapped by flatview (check off)",
-        ("plain FSDP2", build_torch_fsdp2),
+        "FSDP2 per block, nothing skipped: bare FSDP2 vs wrapped by flatview (check off)",
+        ("bare FSDP2", build_torch_fsdp2),
         ("flatview", _flatview_fsdp2(False)),
         skip=False,
     ),
@@ -738,41 +738,41 @@ PAIRS: tuple[Pair, ...] = (
     Pair(
         "fsdp2_held_skipping",
         "FSDP2 per block, skipping: flatview with each unit's reduce-scatter on its own "
-        "(bucket_whole=False) vs held and run as one (the default on 2 shards)",
+        "(bucket_all_used=False) vs held and run as one (the default on 2 shards)",
         ("one each", _flatview_fsdp2(True, held=False)),
         ("held", _flatview_fsdp2(True)),
         skip=True,
     ),
     Pair(
         "fsdp2_prefetch_skipping",
-        "FSDP2 per block with explicit prefetching, skipping: plain FSDP2 (which all-gathers "
+        "FSDP2 per block with explicit prefetching, skipping: bare FSDP2 (which all-gathers "
         "prefetched blocks that are skipped) vs wrapped by flatview (check on; prefetching "
         "steered off skipped blocks)",
-        ("plain FSDP2", _torch_fsdp2(True)),
+        ("bare FSDP2", _torch_fsdp2(True)),
         ("flatview", _flatview_fsdp2(True, prefetch=True)),
         skip=True,
     ),
     Pair(
         "fsdp2_prefetch_nothing_skipped",
-        "FSDP2 per block with explicit prefetching, nothing skipped: plain FSDP2 vs wrapped "
+        "FSDP2 per block with explicit prefetching, nothing skipped: bare FSDP2 vs wrapped "
         "by flatview (check on)",
-        ("plain FSDP2", _torch_fsdp2(True)),
+        ("bare FSDP2", _torch_fsdp2(True)),
         ("flatview", _flatview_fsdp2(True, prefetch=True)),
         skip=False,
     ),
     Pair(
         "views_cost_nothing",
-        "Views must cost nothing: fairscale FSDP per block, nothing skipped, plain vs wrapped "
+        "Views must cost nothing: fairscale FSDP per block, nothing skipped, bare vs wrapped "
         "by flatview (check off)",
-        ("plain fairscale", _fairscale(True, True)),
+        ("bare fairscale", _fairscale(True, True)),
         ("flatview", _flatview_fairscale(False, "reduce_scatter")),
         skip=False,
     ),
     Pair(
         "views_cost_nothing_torch",
         "Views must cost nothing: torch FSDP1 per block (FULL_SHARD, use_orig_params=False), "
-        "nothing skipped, plain vs wrapped by flatview (check off)",
-        ("plain torch FSDP1", _torch_plain("FULL_SHARD")),
+        "nothing skipped, bare vs wrapped by flatview (check off)",
+        ("bare torch FSDP1", _torch_bare("FULL_SHARD")),
         ("flatview", _flatview_torch("FULL_SHARD", check=False)),
         skip=False,
     ),
@@ -825,9 +825,9 @@ PAIRS: tuple[Pair, ...] = (
     Pair(
         "replicated_views_cost",
         "DDP-style, what flatview adds: torch FSDP1 per block, NO_SHARD, skipping (skipped units "
-        "are not called, so plain torch all-reduces only used units too), plain vs wrapped by "
+        "are not called, so bare torch all-reduces only used units too), bare vs wrapped by "
         "flatview, on views (check off)",
-        ("plain torch FSDP1", _torch_plain("NO_SHARD")),
+        ("bare torch FSDP1", _torch_bare("NO_SHARD")),
         ("flatview", _flatview_torch("NO_SHARD", check=False)),
         skip=True,
     ),
@@ -852,12 +852,12 @@ PAIRS: tuple[Pair, ...] = (
         skip=False,
     ),
     Pair(
-        "sharded_bucket_whole",
+        "sharded_bucket_all_used",
         "flatview + torch FSDP1 per block, FULL_SHARD (check off), skipping: every fully "
         "used gradient reduce-scattered on its own, as torch does (the default: torch's "
-        "rounding bit for bit) vs fully used gradients sharing buckets (bucket_whole=True)",
+        "rounding bit for bit) vs fully used gradients sharing buckets (bucket_all_used=True)",
         ("alone", _flatview_torch("FULL_SHARD", check=False)),
-        ("bucketed", _flatview_torch("FULL_SHARD", check=False, bucket_whole=True)),
+        ("bucketed", _flatview_torch("FULL_SHARD", check=False, bucket_all_used=True)),
         skip=True,
     ),
     Pair(

@@ -6,7 +6,7 @@ fingerprint, with the check on) and the flags that catch undeclared unused param
 processes over gloo with their steps interleaved, the model of ``bench_skip.py`` (FSDP2
 per block) as:
 
-* ``plain``: plain FSDP2;
+* ``plain``: bare FSDP2;
 * ``old``: flatview with the earlier schedule, emulated: the flags started and waited
   for together at the end of the backward;
 * ``new``: flatview as it is (the flags start at the last parameter group's
@@ -14,7 +14,7 @@ per block) as:
   backward);
 * ``new_off``, ``old_off``: the same with the check off (the flags only).
 
-and prints each one's median step time, its ratio to plain FSDP2 and the host's time
+and prints each one's median step time, its ratio to bare FSDP2 and the host's time
 per step inside the two control collectives (start and wait), which is the robust
 number on a shared machine: step-time ratios move by several percent between runs
 there, the wait barely does.
@@ -66,12 +66,11 @@ def _old_schedule(trainer: bench.Trainer) -> bench.Trainer:
         start(adapter)
         flags, adapter._flags = adapter._flags, None
         if flags is None:
-            missing = sorted(adapter._window_used - adapter._got)
-            return missing, missing
-        result: tuple[list[int], list[int]] = flags.result()
-        return result
+            lacking = sorted(adapter.runtime.plain_used_so_far() - adapter._contributions.gave)
+            return lacking, lacking
+        return flags.lacked(), flags.unused()
 
-    adapter._exchange_missing = exchange
+    adapter._exchange_flags = exchange
     return trainer
 
 
@@ -79,14 +78,15 @@ def worker(rank: int, port: int, steps: int, skip: bool, variants: list[str]) ->
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    import flatview.backends.fsdp2_hooks as hooks
     import flatview.comm.agreement as agreement
+    import flatview.comm.unused as unused
 
     for owner, name in (
         (agreement.Agreement, "__init__"),
         (agreement.Agreement, "settle"),
-        (hooks.FlagExchange, "__init__"),
-        (hooks.FlagExchange, "result"),
+        (unused.UsageFlags, "exchanged"),
+        (unused.UsageFlags, "lacked"),
+        (unused.UsageFlags, "unused"),
     ):
         _timed(owner, name)
     cfg = bench.Config()

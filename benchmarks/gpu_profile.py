@@ -46,7 +46,7 @@ VARIANTS = (
     "flatview_torch_fsdp1",
 )
 """DDP variants are compared with ``ddp_find_unused``; torch FSDP1 per block (``NO_SHARD``
-at world size 1; skipped blocks are not called, so plain FSDP1 handles the skips too)
+at world size 1; skipped blocks are not called, so bare FSDP1 handles the skips too)
 with flatview against without."""
 
 

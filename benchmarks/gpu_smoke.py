@@ -235,7 +235,7 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
 
 def check_mixed_precision(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
     """torch FSDP1 per block in bf16 (``MixedPrecision``), with flatview against without:
-    skipped blocks are not called, so plain FSDP1 leaves their gradients ``None`` too and
+    skipped blocks are not called, so bare FSDP1 leaves their gradients ``None`` too and
     both runs must agree (up to the order of the bf16 reduction)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import MixedPrecision
@@ -372,6 +372,261 @@ def check_whole_muon(cfg: bench.Config, device: torch.device, steps: int) -> dic
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
+# ======================================================================================
+# Frameworks (issue #23): flatview where users train, through Lightning and accelerate.
+#
+# What needs a GPU runs here: Lightning's FSDPStrategy (FlatViewFSDPStrategy: torch
+# builds no FSDP without a device on CPU), Fabric's FSDPStrategy (refused on CPU), and
+# accelerate's FSDP plugins (which on CPU silently become DDP, and flatview refuses
+# that), each with flatview against the same training without any wrapper; plus the
+# Trainer's DDP with manual optimization on CUDA streams. The CPU suite covers the rest
+# (tests/test_integrations.py). On CPU, or without the frameworks, every check here
+# reports "skipped"; a check that ran and differs, or raised, fails the script.
+# ======================================================================================
+
+FRAMEWORK_CLIP = 1.0
+"""Gradient clipping by total norm in the framework checks (where each framework
+would clip)."""
+
+
+def _framework_groups(net: nn.Module) -> list[dict[str, Any]]:
+    """One optimizer's groups per submodule: the idiom the integrations exist for."""
+    return [
+        {"params": list(net.blocks.parameters()), "momentum": 0.9},  # type: ignore[union-attr]
+        {"params": list(net.head.parameters())},  # type: ignore[union-attr]
+    ]
+
+
+def _framework_data(
+    cfg: bench.Config, device: torch.device, steps: int
+) -> tuple[list[list[int]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    masks = bench.skip_masks(cfg, steps)
+    batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, steps, 0)]
+    return masks, batches
+
+
+def _framework_reference(
+    cfg: bench.Config, device: torch.device, steps: int, clip: bool
+) -> dict[str, torch.Tensor]:
+    masks, batches = _framework_data(cfg, device, steps)
+    net = bench.make_net(cfg).to(device)
+    opt = torch.optim.SGD(_framework_groups(net), lr=cfg.lr)
+    for (x, y), skip in zip(batches, masks, strict=True):
+        F.cross_entropy(net(x, skip), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(list(net.parameters()), FRAMEWORK_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+@contextlib.contextmanager
+def _launched() -> Iterator[str]:
+    """What a launcher sets for rank 0 of 1 (the process group is up already), and a
+    directory to work in; restored and removed afterwards."""
+    import shutil
+    import tempfile
+
+    saved = dict(os.environ)
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    tmp = tempfile.mkdtemp(prefix="gpu_smoke_frameworks_")
+    try:
+        yield tmp
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _full_params(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    if isinstance(model, TorchFSDP):
+        config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+        with TorchFSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            state = model.state_dict()
+    else:
+        state = {
+            n: p.full_tensor() if hasattr(p, "full_tensor") else p
+            for n, p in model.named_parameters()
+        }
+    return {n.removeprefix(prefix): t.detach() for n, t in state.items() if n.startswith(prefix)}
+
+
+def _lightning_trainer(
+    cfg: bench.Config, device: torch.device, steps: int, strategy: str
+) -> dict[str, torch.Tensor]:
+    """FlatViewCallback on the Trainer: FlatViewFSDPStrategy (flat parameters, views in
+    configure_optimizers, Lightning's clipping routed), or DDP with manual optimization."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from flatview.integrations.lightning import FlatViewCallback, FlatViewFSDPStrategy
+
+    masks, batches = _framework_data(cfg, device, steps)
+    manual = strategy == "ddp"
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = bench.make_net(cfg)
+            self.automatic_optimization = not manual
+
+        def forward(self, x: torch.Tensor, skip: list[int]) -> torch.Tensor:
+            out: torch.Tensor = self.net(x, skip)
+            return out
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            x, y = batches[index]
+            loss = F.cross_entropy(self(x, masks[index]), y)
+            if not manual:
+                return loss
+            opt = self.optimizers()
+            opt.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(loss)
+            opt.step()  # type: ignore[union-attr]
+            return None
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(_framework_groups(self.net), lr=cfg.lr)
+
+    with _launched() as tmp:
+        chosen: Any = (
+            "ddp"
+            if manual
+            else FlatViewFSDPStrategy(use_orig_params=False, auto_wrap_policy={bench.Block})
+        )
+        lit = Lit()
+        trainer = pl.Trainer(
+            accelerator="gpu" if device.type == "cuda" else "cpu",
+            devices=1,
+            strategy=chosen,
+            max_epochs=1,
+            gradient_clip_val=None if manual else FRAMEWORK_CLIP,
+            callbacks=[
+                FlatViewCallback(skip=lambda m, b, i: [f"net.blocks.{j}" for j in masks[i]])
+            ],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            num_sanity_val_steps=0,
+            default_root_dir=tmp,
+        )
+        trainer.fit(lit, DataLoader(list(range(steps)), batch_size=None))
+        return _full_params(trainer.strategy.model if not manual else lit, "net.")
+
+
+def _fabric_fsdp1(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, torch.Tensor]:
+    """flatview.wrap(fabric.setup_module(net)) under FSDPStrategy(use_orig_params=False),
+    optimizers over views through flatview's setup_optimizers."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import FSDPStrategy
+
+    from flatview.integrations.lightning import setup_optimizers
+
+    masks, batches = _framework_data(cfg, device, steps)
+    with _launched():
+        fabric = Fabric(
+            accelerator=device.type,
+            devices=1,
+            strategy=FSDPStrategy(use_orig_params=False, auto_wrap_policy={bench.Block}),
+        )
+        fabric.launch()
+        net = bench.make_net(cfg)
+        model = fabric.setup_module(net)
+        fv = flatview.wrap(model)
+        opt = setup_optimizers(fabric, fv, torch.optim.SGD(_framework_groups(net), lr=cfg.lr))
+        for (x, y), skip in zip(batches, masks, strict=True):
+            with fv.step(skip=[f"blocks.{i}" for i in skip]):
+                fabric.backward(F.cross_entropy(model(x, skip), y))
+            fabric.clip_gradients(model, opt, max_norm=FRAMEWORK_CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return _full_params(model._forward_module)
+
+
+def _accelerate_fsdp(
+    cfg: bench.Config, device: torch.device, steps: int, version: int
+) -> dict[str, torch.Tensor]:
+    """flatview.integrations.accelerate.prepare under either FSDP plugin, with
+    accelerator.clip_grad_norm_ over the optimizer's parameters."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from flatview.integrations.accelerate import prepare
+
+    masks, batches = _framework_data(cfg, device, steps)
+    with _launched():
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=version, **({"use_orig_params": False} if version == 1 else {})
+        )
+        try:
+            accelerator = Accelerator(fsdp_plugin=plugin, cpu=device.type != "cuda")
+            net = bench.make_net(cfg)
+            model, fv, (opt,) = prepare(
+                accelerator, net, lambda m: torch.optim.SGD(_framework_groups(m), lr=cfg.lr)
+            )
+            for (x, y), skip in zip(batches, masks, strict=True):
+                with fv.step(skip=[f"blocks.{i}" for i in skip]):
+                    accelerator.backward(F.cross_entropy(model(x, skip), y))
+                params = [p for group in opt.param_groups for p in group["params"]]
+                accelerator.clip_grad_norm_(params, FRAMEWORK_CLIP)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return _full_params(model)
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+
+def check_frameworks(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
+    """Each framework path that needs a GPU, against the plain model."""
+    checks: dict[str, tuple[str, Callable[[], dict[str, torch.Tensor]], bool]] = {
+        "lightning_trainer_flatview_fsdp1_clip": (
+            "lightning",
+            lambda: _lightning_trainer(cfg, device, steps, "fsdp1"),
+            True,
+        ),
+        "lightning_trainer_ddp_manual": (
+            "lightning",
+            lambda: _lightning_trainer(cfg, device, steps, "ddp"),
+            False,
+        ),
+        "fabric_fsdp1_flat_views": ("lightning", lambda: _fabric_fsdp1(cfg, device, steps), True),
+        "accelerate_fsdp1": ("accelerate", lambda: _accelerate_fsdp(cfg, device, steps, 1), True),
+        "accelerate_fsdp2": ("accelerate", lambda: _accelerate_fsdp(cfg, device, steps, 2), True),
+    }
+    import importlib.util
+
+    results: dict[str, Any] = {}
+    for name, (package, run, clip) in checks.items():
+        if device.type != "cuda":
+            results[name] = {"ok": True, "skipped": "needs CUDA"}
+            continue
+        if importlib.util.find_spec(package) is None:
+            results[name] = {"ok": True, "skipped": f"{package} is not installed"}
+            continue
+        try:
+            got = run()
+            want = _framework_reference(cfg, device, steps, clip)
+            worst = max(float((got[n].reshape(-1) - want[n].reshape(-1)).abs().max()) for n in want)
+            results[name] = {
+                "ok": got.keys() == want.keys() and worst < 1e-4,
+                "max_abs_diff": worst,
+            }
+        except Exception as exc:  # reported, not raised: the other checks still run
+            results[name] = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(limit=-4),
+            }
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=8)
@@ -395,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         report["equivalence"]["whole_muon_torch_fsdp1"] = check_whole_muon(cfg, device, args.steps)
         report["agreement_readback"] = check_agreement_readback(device)
+        report["frameworks"] = check_frameworks(cfg, device, args.steps)
         report["timing_ms"] = time_ddp(cfg, device, args.timed_steps)
     finally:
         dist.destroy_process_group()
@@ -402,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     ok = all(r["ok"] for r in report["equivalence"].values())
+    ok = ok and all(r["ok"] for r in report["frameworks"].values())
     return 0 if ok and report["agreement_readback"]["ok"] else 1
 
 

@@ -15,8 +15,9 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
 exclude_patterns = ["_build"]
 
-# fairscale is optional at runtime; the docs must build without it.
-autodoc_mock_imports = ["fairscale"]
+# fairscale, Lightning and accelerate are optional at runtime; the docs must build
+# without them (flatview.integrations.lightning imports Lightning when imported).
+autodoc_mock_imports = ["fairscale", "lightning", "pytorch_lightning", "accelerate"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 

@@ -21,7 +21,7 @@ Run it:
     torchrun --nproc-per-node 8 examples/stochastic_depth.py   # GPUs, NCCL
 
 It prints train and held-out accuracy and the gradient bytes flatview reduced against
-what plain FSDP would have reduced, and writes a plot of loss and accuracy per step.
+what bare FSDP would have reduced, and writes a plot of loss and accuracy per step.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def deepspeed_engine(
 
 def wrap_fsdp(net: Mixer, backend: str, env: DistEnv) -> nn.Module:
     """Each block its own FSDP unit inside one outer unit: the usual nesting, and the one
-    plain fairscale cannot train with skipped blocks."""
+    bare fairscale cannot train with skipped blocks."""
     if backend == "ddp":
         # Replicated: nothing to gather; flatview reduces only the used blocks' gradients.
         from torch.nn.parallel import DistributedDataParallel
@@ -422,13 +422,13 @@ def report(
     )
     mean_skipped = sum(history.skipped_blocks) / len(history.skipped_blocks)
     plain, everything = {
-        "ddp": ("plain DDP", "every gradient"),
-        "fsdp2": ("plain FSDP2", "every gradient, padded, if no block were skipped"),
-        # Plain ZeRO (0.19.8) leaves unused parameters' gradients out of its reduction
+        "ddp": ("bare DDP", "every gradient"),
+        "fsdp2": ("bare FSDP2", "every gradient, padded, if no block were skipped"),
+        # Bare ZeRO (0.19.8) leaves unused parameters' gradients out of its reduction
         # too (it moves what flatview moves); it gives them zero gradients that the
         # optimizer then steps (weight decay, momentum), which flatview does not.
         "deepspeed": ("no block skipped", "every gradient, padded"),
-    }.get(args.backend, ("plain FSDP", "every flat gradient, padded"))
+    }.get(args.backend, ("bare FSDP", "every flat gradient, padded"))
     print(
         f"\n{args.steps} steps in {elapsed:.1f} s, {mean_skipped:.2f} of {args.depth} blocks "
         "skipped per step on average\n"

@@ -2,8 +2,8 @@
 
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizers)`` would take
 each view's optimizer state for that of a whole flat parameter (or parameter):
-:func:`guard_torch_checkpoint`, installed by the FSDP adapters, makes it raise before
-any collective, naming :mod:`flatview.checkpoint`, which offers the same functions.
+:func:`guard_torch_checkpoint`, installed by the handle on FSDP models, makes it raise
+before any collective, naming :mod:`flatview.checkpoint`, which offers the same functions.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class Guarded(Protocol):
-    """The adapter :func:`guard_torch_checkpoint` patches (an ``AdapterBase``)."""
+    """Where :func:`guard_torch_checkpoint` installs itself (the handle's site)."""
 
     backend: str
     root: Any
@@ -113,8 +113,8 @@ def _views_held(core: Runtime, optimizer: torch.optim.Optimizer) -> list[str]:
             if index is None:
                 continue
             table = core.table
-            # A plain parameter with a whole-shard placement is one the wrapper shards
+            # A plain parameter with a padded-shard placement is one the wrapper shards
             # by itself (fairscale's flatten_parameters=False).
-            if table.own_view(index) or table.placement_of(index).whole_shard:
+            if table.own_view(index) or table.placement_of(index).padded_shard:
                 names.append(table.name(index))
     return names

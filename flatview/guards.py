@@ -20,9 +20,9 @@ from typing import Protocol
 
 import torch
 
-from flatview.errors import SkippedParameterUsedError
 from flatview.iteration import Iteration
 from flatview.phase import Phase
+from flatview.skip import skipped_used
 from flatview.table import FlatRecord, ParamTable
 
 
@@ -31,14 +31,6 @@ class InFlight(Protocol):
 
     phase: Phase
     iteration: Iteration | None
-
-
-def skipped_used(name: str) -> SkippedParameterUsedError:
-    """The error of a skipped parameter ``name`` that received a gradient."""
-    return SkippedParameterUsedError(
-        f"parameter {name!r} is declared skipped for this step but received a "
-        "gradient: the model used it. Remove it from the skip set or don't use it."
-    )
 
 
 def _plain_guard(

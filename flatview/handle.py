@@ -10,7 +10,9 @@ pieces that do the work:
 * the runtime the backend adapter drives (:class:`flatview.runtime.Runtime`,
   :attr:`FlatView.runtime`), handed to ``adapter.install``;
 * the optimizer checks (:class:`flatview.optimizer_checks.OptimizerChecks`), registered
-  with :mod:`flatview.registry`.
+  with :mod:`flatview.wrapped_models`;
+* the guard on torch's checkpoint functions (:mod:`flatview.checkpoint_guard`) where
+  the wrapper flattens: installed here, as adapters import no feature module.
 
 Norms (:mod:`flatview.norms`) and optimizer state (:mod:`flatview.optim_state`) are
 plain functions over the table and the runtime: the handle calls them, they never
@@ -21,14 +23,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from flatview import norms as _norms
-from flatview import optim_state, registry
+from flatview import optim_state, wrapped_models
 from flatview.backends.base import Adapter
+from flatview.backends.patches import Patches
+from flatview.checkpoint_guard import Guarded, guard_torch_checkpoint
 from flatview.comm.ledger import Ledger
 from flatview.errors import NormError, ParameterError
 from flatview.layout import Placement, Shape
@@ -61,7 +66,7 @@ class FlatView:
         self.adapter = adapter
         units = adapter.describe()
         self._modules = [unit.module for unit in units]
-        registry.check_not_wrapped(self._modules)
+        wrapped_models.check_not_wrapped(self._modules)
         self.table = ParamTable(units, model, adapter.clean_name, adapter.describe_flat)
         """Every original parameter and its lookups (for flatview's own modules)."""
         self.runtime = Runtime(
@@ -76,8 +81,14 @@ class FlatView:
         # With the views shown, a walk of the module tree meets the parameters in the
         # unwrapped model's order.
         self.table.settle_order(model)
-        registry.register(self, self._modules, self._checks)
+        wrapped_models.register(self, self._modules, self._checks)
         adapter.install(self.runtime)
+        self._patches = Patches()  # the handle's own, beside the adapter's
+        if adapter.flattens:
+            site = SimpleNamespace(
+                backend=adapter.backend, root=model, core=self.runtime, patch=self._patches.patch
+            )
+            guard_torch_checkpoint(cast(Guarded, site))
 
     @property
     def phase(self) -> Phase:
@@ -275,7 +286,7 @@ class FlatView:
         ``torch.nn.utils.clip_grad_norm_`` does on the unwrapped model.
 
         ``torch.nn.utils.clip_grad_norm_(fv.parameters(), ...)`` takes the norm of this
-        rank's pieces only (as it does on plain FSDP): each rank would clip by a different,
+        rank's pieces only (as it does on bare FSDP): each rank would clip by a different,
         too small norm. This takes the norm of every whole gradient in ``params`` with
         one all-reduce (:meth:`grad_norms`), combines them into the total norm, and
         scales every gradient in ``params`` by ``min(1, max_norm / (total + 1e-6))``.
@@ -389,7 +400,7 @@ class FlatView:
         return self.table.placement(tensor, self)
 
     def unwrap(self) -> None:
-        """Detach flatview: the model is plain FSDP again.
+        """Detach flatview: the model is bare FSDP again.
 
         Views leave the submodules, flat parameters are registered again, and every hook
         and patch flatview installed is removed. What was written through the views
@@ -400,7 +411,8 @@ class FlatView:
         (or wrap again and build them over the new views).
         """
         self.runtime.detach()
-        registry.unregister(self._modules, self._checks)
+        self._patches.remove()
+        wrapped_models.unregister(self._modules, self._checks)
         # Views the model no longer holds are stale handles: an optimizer over them
         # would step tensors nothing reads.
         # torch's use_orig_params parameters are the wrapper's, never stale: a
@@ -410,8 +422,8 @@ class FlatView:
         for index, param in enumerate(self.table.params):
             wrappers = param.flat is not None and not self.table.own_view(index)
             if not wrappers and id(param.tensor) not in registered:
-                registry.mark_stale(param.tensor, param.name)
-        registry.bump_generation()
+                wrapped_models.mark_stale(param.tensor, param.name)
+        wrapped_models.bump_generation()
 
     # ------------------------------------------------------------------ stats
 

@@ -170,7 +170,7 @@ class Placement:
     Three cases: every rank holds all of it (``layout`` is ``None``: replicated flat
     parameters, one rank, parameters the wrapper does not manage); the local tensor is
     this rank's piece of a segment of ``layout`` (views); or the local tensor is the
-    whole padded shard of a one-segment layout (``whole_shard``: parameters a wrapper
+    padded shard of a one-segment layout (``padded_shard``: parameters a wrapper
     shards one by one without flattening, fairscale's ``flatten_parameters=False``).
     """
 
@@ -180,11 +180,11 @@ class Placement:
     segment: int = 0
     rank: int = 0
     """This rank, in the layout's ranks."""
-    whole_shard: bool = False
+    padded_shard: bool = False
 
     def __post_init__(self) -> None:
-        if self.whole_shard and (self.layout is None or len(self.layout.segments) != 1):
-            raise ValueError(f"{self.name}: a whole-shard placement needs a one-segment layout")
+        if self.padded_shard and (self.layout is None or len(self.layout.segments) != 1):
+            raise ValueError(f"{self.name}: a padded-shard placement needs a one-segment layout")
 
     @property
     def numel(self) -> int:
@@ -204,7 +204,7 @@ class Placement:
     @property
     def local_numel(self) -> int:
         """Elements of this rank's local tensor."""
-        if self.layout is not None and self.whole_shard:
+        if self.layout is not None and self.padded_shard:
             return self.layout.shard_numel
         return self.piece(self.rank).numel
 
@@ -212,7 +212,7 @@ class Placement:
     def local_interval(self) -> Interval:
         """Where this rank's elements of the parameter lie in its flattened local tensor."""
         piece = self.piece(self.rank)
-        return piece.shard_interval if self.whole_shard else (0, piece.numel)
+        return piece.shard_interval if self.padded_shard else (0, piece.numel)
 
     @property
     def param_interval(self) -> Interval:

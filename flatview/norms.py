@@ -43,9 +43,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from flatview.comm.collectives import gather_objects
 from flatview.comm.norms import COLUMNS, NormExchange, request_code
 from flatview.errors import FlatViewError, NormError, StateError
 from flatview.layout import Placement
@@ -317,9 +317,8 @@ def _raise_failures(rt: Runtime, exchange: NormExchange, error: FlatViewError | 
         # The flags were reduced over the agreement group (the world under hybrid
         # sharding): so are the reports.
         group = rt.adapter.agreement_group
-        reports = [None] * dist.get_world_size(group)
         mine = None if error is None else (type(error).__name__, str(error))
-        dist.all_gather_object(reports, mine, group=group)
+        reports = gather_objects(mine, group)
     if error is not None:
         raise error
     told = "; ".join(
@@ -337,24 +336,24 @@ def _raise_on_disagreement(
     columns: Sequence[tuple[str, Column]],
     p: float,
 ) -> None:
-    agreement = exchange.agreement()
+    report = exchange.argument_report()
     what = "/".join(kind for kind, _ in columns)
-    if not agreement.same_request:
+    if not report.same_request:
         raise NormError(
             f"ranks asked for different norms in the same call (this rank: {what} norms "
             f"with norm_type={p}); every rank must make the same call with the same "
             "arguments"
         )
-    if agreement.disputed:
-        names = [table[i].name for i in agreement.disputed]
+    if report.disputed:
+        names = [table[i].name for i in report.disputed]
         raise NormError(
             f"ranks asked for the norms of different parameters: {listing(names)} were "
             "asked for on some ranks and not on others; every rank must pass the same "
             "params (e.g. all of an optimizer's group['params'], not only those with "
             "elements or a gradient on this rank)"
         )
-    if agreement.bad:
-        names = [table[i].name for i in agreement.bad]
+    if report.bad:
+        names = [table[i].name for i in report.bad]
         raise NormError(
             f"on some rank the tensor given for {listing(names)} is laid out like neither "
             "the view nor the whole parameter (its number of elements is neither)"

@@ -40,17 +40,16 @@ hold, a state tensor that cannot be consolidated on a replicated parameter) are 
 before any collective. Without a collective to follow (every rank holds everything)
 they are raised at once; otherwise the rank that found one sends it in place of its
 description, and every rank raises it, so that no rank is left waiting in a collective
-the others never join. Then that one
-small all-gather of descriptions (keys, kinds, dtypes and scalar values, no data) lets
-every rank check the same facts: that the optimizers on all ranks hold the same
-parameters, that every rank holding elements of a parameter has its state, and that
-those ranks agree on its keys, dtypes and scalars. Ranks holding none of a parameter
-are not asked: torch's ``use_orig_params`` views give them no gradient, so no state, or
-after a load state that no longer moves. A disagreement raises the same error on every
-rank before any state tensor moves. The state of parameters that every rank holds whole
-is this rank's, taken as it is and not compared (FSDP keeps it identical across ranks,
-except for parameters torch FSDP is told to ignore, which are each rank's own).
-Loading communicates nothing.
+the others never join. Then that one small all-gather of descriptions (keys, kinds,
+dtypes and scalar values, no data) lets every rank check the same facts: that the
+optimizers on all ranks hold the same parameters, that every rank holding elements of a
+parameter has its state, and that those ranks agree on its keys, dtypes and scalars.
+Ranks holding none of a parameter are not asked: torch's ``use_orig_params`` views give
+them no gradient, so no state, or after a load state that no longer moves. A
+disagreement raises the same error on every rank before any state tensor moves. The
+state of parameters that every rank holds whole is this rank's, taken as it is and not
+compared (FSDP keeps it identical across ranks, except for parameters torch FSDP is told
+to ignore, which are each rank's own). Loading communicates nothing.
 """
 
 from __future__ import annotations
@@ -103,7 +102,7 @@ def local_part(
     piece = home.piece(home.rank)
     start, end = piece.param_interval
     values = full.reshape(-1)[start:end]
-    if home.whole_shard:
+    if home.padded_shard:
         # Padding only ever gets zero gradients: its state is zero.
         out = full.new_zeros(home.local_numel)
         lo, hi = home.local_interval
@@ -306,6 +305,7 @@ def consolidate(
 
 
 def snapshot(value: Any) -> Any:
+    """A state value the caller owns: a tensor as a fresh CPU copy, the rest deep-copied."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     return copy.deepcopy(value)

@@ -7,7 +7,7 @@
 * An optimizer must not hold a flat parameter, alone or beside the views inside it
   (:meth:`OptimizerChecks.check_optimizer`, before every first step).
 
-Registered with :mod:`flatview.registry`, whose step pre-hook calls the last two.
+Registered with :mod:`flatview.wrapped_models`, whose step pre-hook calls the last two.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from flatview.backends.base import Adapter
 from flatview.backends.messages import double_count
+from flatview.comm.collectives import gather_objects
 from flatview.errors import OptimStateError, ParamGroupError
 from flatview.norms import listing
 from flatview.table import ParamTable
@@ -52,11 +53,7 @@ class OptimizerChecks:
         # Every rank of the run: under hybrid sharding replicas too, beyond the group.
         group = adapter.agreement_group
         size = adapter.world_size if adapter.replicas == 1 else dist.get_world_size(group)
-        everyone: list[Any] = [None] * size
-        if size > 1:
-            dist.all_gather_object(everyone, local, group=group)
-        else:
-            everyone = [local]
+        everyone: list[Any] = gather_objects(local, group) if size > 1 else [local]
         gathered = [keys for keys, _, _ in everyone]
         position = self.table.index_of_name
         names = sorted(set().union(*gathered), key=lambda n: position(n) or 0)
@@ -191,7 +188,7 @@ class OptimizerChecks:
                 f"unit {unit!r} (holding {names}{more}): it would step every parameter in "
                 "it, skipped ones too, and it does not see gradients zeroed through the "
                 "views. Build optimizers from views (submodule.parameters() or "
-                "FlatView.parameters()), or call FlatView.unwrap() to train on plain FSDP."
+                "FlatView.parameters()), or call FlatView.unwrap() to train on bare FSDP."
             )
 
 

@@ -16,7 +16,7 @@ Phases
     A wrapper operation that rebuilds module attributes runs (``state_dict``,
     ``summon_full_params``, ``load_state_dict``, ``.to()``): views stepped aside.
 ``DETACHED``
-    After :meth:`flatview.FlatView.unwrap`: the model is plain FSDP again.
+    After :meth:`flatview.FlatView.unwrap`: the model is bare FSDP again.
 
 Transitions (all made by :class:`flatview.runtime.Runtime`)::
 

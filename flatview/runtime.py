@@ -4,8 +4,9 @@ One per wrapped model, made by :class:`flatview.FlatView` and handed to the adap
 ``install``. It owns the phase (:class:`~flatview.phase.Phase`) and its transitions, the
 step in force and the iteration bound to each forward (:mod:`flatview.iteration`), the
 skip-set agreement, the guards on skipped parameters (:mod:`flatview.guards`), the masks
-of the reduction and the all-gather, the window of segments used since the last
-synchronising backward (gradient accumulation under ``no_sync()``), lending the model
+of the reduction and the all-gather, the window of what was used since the last
+synchronising backward (gradient accumulation under ``no_sync()``: segments of flat
+parameters and plain parameters, for every adapter), lending the model
 to a wrapper operation, carrying what was written through views back into the shards,
 and what :attr:`flatview.FlatView.stats` is computed from.
 
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from flatview.accounting import StatsSource, step_stats
+from flatview.autograd import in_backward
 from flatview.backends.base import Adapter
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
@@ -41,16 +43,11 @@ from flatview.iteration import Iteration, bind
 from flatview.layout import MaskPlan
 from flatview.model_views import ModelViews
 from flatview.phase import Phase
-from flatview.registry import forget_checks
 from flatview.skip import SkipSet
 from flatview.stats import StepStats
 from flatview.step_agreement import SkipAgreement
 from flatview.table import FlatRecord, ParamTable
-
-
-def _in_backward() -> bool:
-    """Whether autograd runs a backward on this thread (a forward now recomputes)."""
-    return bool(torch._C._current_graph_task_id() != -1)
+from flatview.wrapped_models import forget_checks
 
 
 class Runtime:
@@ -87,6 +84,9 @@ class Runtime:
         # Per flat parameter, segments used in the backwards since the last synced one
         # (gradient accumulation under no_sync()).
         self._window: list[tuple[bool, ...]] | None = None
+        # Plain parameters used in those backwards: the window of every kind of parameter
+        # is kept here, for every adapter.
+        self._plain_window: frozenset[int] = frozenset()
         self._guards = SkipGuards(table)
         self.views = ModelViews(table, model, adapter.clean_name, adapter.view_owners())
         """Every flat parameter's views, moved together."""
@@ -144,7 +144,7 @@ class Runtime:
     def _abandon_iteration(self) -> None:
         """The body of a step raised: whatever its forward started (guards on the
         compute tensors, the phase) is dropped, so that the next forward starts afresh."""
-        if self.phase is Phase.COMPUTING and not _in_backward():
+        if self.phase is Phase.COMPUTING and not in_backward():
             self._end_compute()
 
     def check_backward_binding(self) -> None:
@@ -198,7 +198,7 @@ class Runtime:
             self._move(Phase.IDLE, Phase.COMPUTING)
             self._bind_iteration(reset_ledger=not agreed)
         elif outermost:
-            fresh = not _in_backward()
+            fresh = not in_backward()
             if fresh:
                 # The last iteration never ended (a forward without backward, or a backward
                 # that raised): its guards belong to compute tensors no backward will use.
@@ -227,7 +227,7 @@ class Runtime:
             or not self.check_skip_agreement
             or self._step_skip is not None
             or not torch.is_grad_enabled()
-            or _in_backward()
+            or in_backward()
         ):
             return False
         iteration = self.iteration
@@ -399,6 +399,18 @@ class Runtime:
             return now
         return tuple(a or b for a, b in zip(self._window[flat], now, strict=True))
 
+    def plain_used_so_far(self) -> frozenset[int]:
+        """Indices of the plain parameters used in this iteration or in the backwards
+        since the last synchronising one (the ``no_sync()`` window)."""
+        return self._plain_window | self.plain_used()
+
+    def forget_plain_window(self) -> None:
+        """The plain parameters' window is over before the backward ends: a synchronising
+        backward reduces it now (an error in that reduction must not leave it to the next
+        backward), or the wrapper dropped what it accumulated (FSDP2, after an aborted
+        backward)."""
+        self._plain_window = frozenset()
+
     def flat_used_so_far(self, flat: nn.Parameter) -> bool:
         """Whether any segment of ``flat`` was used since the last synced backward."""
         record = self.table.flat_record(flat)
@@ -415,8 +427,10 @@ class Runtime:
         if synced:
             self.views.combine_grads(used)
             self._window = None
+            self._plain_window = frozenset()
         else:
             self._window = used
+            self._plain_window = self.plain_used_so_far()
         iteration = self.iteration
         self._stats_source = StatsSource(
             skipped=iteration.skipped if iteration is not None else frozenset(),

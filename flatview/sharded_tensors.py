@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from flatview.comm.collectives import broadcast_tensor
 from flatview.errors import FlatViewError, OptimStateError
 from flatview.layout import Placement
 
@@ -90,7 +91,7 @@ def sharded_value(
         if local is not None and home.piece(home.rank).numel:
             lo, _ = home.local_interval
             value.copy_(local.reshape(-1)[lo])
-        dist.broadcast(value, src=group_rank(adapter, owner), group=adapter.group)
+        broadcast_tensor(value, group_rank(adapter, owner), adapter.group)
         return value.to(device)
     assert home.layout is not None
     metadata = []
@@ -178,7 +179,7 @@ def local_of_sharded(home: Placement, value: Any, like: torch.Tensor | None = No
             f"{end - start} elements: load the sharded form into the dict "
             "flatview.checkpoint.get_state_dict returned for this model"
         )
-    if home.whole_shard:
+    if home.padded_shard:
         return out
     if like is not None and like.numel() == out.numel():
         return out.view(like.shape)

@@ -16,7 +16,7 @@ from typing import TypeAlias
 import torch
 from torch import nn
 
-from flatview.errors import SkipSetError
+from flatview.errors import SkippedParameterUsedError, SkipSetError
 
 SkipItem: TypeAlias = nn.Module | torch.Tensor | str
 SkipSet: TypeAlias = SkipItem | Iterable[SkipItem] | None
@@ -129,3 +129,11 @@ def _short(module: nn.Module) -> str:
 def _value(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def skipped_used(name: str) -> SkippedParameterUsedError:
+    """The error of a skipped parameter ``name`` that received a gradient."""
+    return SkippedParameterUsedError(
+        f"parameter {name!r} is declared skipped for this step but received a "
+        "gradient: the model used it. Remove it from the skip set or don't use it."
+    )

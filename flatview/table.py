@@ -181,7 +181,7 @@ class ParamTable:
                     plain.shape,
                     plain.layout,
                     rank=plain.rank,
-                    whole_shard=plain.layout is not None and plain.whole_shard,
+                    padded_shard=plain.layout is not None and plain.padded_shard,
                 )
                 self.params.append(
                     ParamRecord(

@@ -41,14 +41,15 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flatview.backends.base import is_rank0
+from flatview.comm.collectives import all_reduce_max, all_to_all, gather_objects
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
 from flatview.layout import Interval
 from flatview.local_tensors import local_tensor
+from flatview.optim_state import snapshot
 from flatview.whole_members import (
     EVERY_RANK,
     Member,
@@ -56,7 +57,6 @@ from flatview.whole_members import (
     checksum,
     probe,
     requires_closure,
-    snapshot,
     whole_shaped,
 )
 
@@ -216,8 +216,7 @@ class Whole(torch.optim.Optimizer):
         )
         digest = hashlib.blake2b(description.encode(), digest_size=8).hexdigest()
         mine = (digest, None if failure is None else f"{type(failure).__name__}: {failure}")
-        everyone: list[Any] = [None] * self._world
-        dist.all_gather_object(everyone, mine, group=self._group)
+        everyone = gather_objects(mine, self._group)
         failed = [(r, message) for r, (_, message) in enumerate(everyone) if message]
         if failed:
             rank, message = failed[0]
@@ -280,7 +279,7 @@ class Whole(torch.optim.Optimizer):
                 changed = piece is not None and piece.numel() > 0 and m.checksum != checksum(piece)
                 flags[2 * position + 1] = changed
             self.ledger.record("all_reduce", flags)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            all_reduce_max(flags, self._group)
             found = flags.tolist()
             grads = [m for i, m in enumerate(self._split) if found[2 * i]]
             stale = [m for i, m in enumerate(self._split) if found[2 * i + 1]]
@@ -343,7 +342,7 @@ class Whole(torch.optim.Optimizer):
         outgoing = torch.cat([t.reshape(-1) for chunk in send for t in chunk] or [template[:0]])
         incoming = outgoing.new_empty(sum(out_splits))
         self.ledger.record("all_to_all", outgoing)
-        dist.all_to_all_single(incoming, outgoing, out_splits, in_splits, group=self._group)
+        all_to_all(incoming, outgoing, out_splits, in_splits, self._group)
         offset = 0
         for chunk in receive:
             for m, kind, numel, interval in chunk:
@@ -408,8 +407,7 @@ class Whole(torch.optim.Optimizer):
                 mine[m.name] = {k: snapshot(v) for k, v in state.items()}
         everything = mine
         if self._sharded:
-            gathered: list[Any] = [None] * self._world
-            dist.all_gather_object(gathered, mine, group=self._group)
+            gathered = gather_objects(mine, self._group)
             everything = {k: v for part in gathered for k, v in part.items()}
         if rank0_only and not self._rank0:
             everything = {}

@@ -129,10 +129,6 @@ def checksum(piece: torch.Tensor) -> float:
     return float(piece.double().sum()) if piece.numel() else 0.0
 
 
-def snapshot(value: Any) -> Any:
-    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-
-
 def whole_shaped(value: Any, like: torch.Tensor, name: str, key: Any) -> Any:
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value

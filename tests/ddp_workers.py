@@ -136,7 +136,7 @@ def overlapped_and_end_of_backward(scenario: Scenario) -> dict[str, Any]:
     for overlap in (True, False):
         model = DDP(make_net(scenario), **scenario.options)
         fv = flatview.wrap(model, overlap_reduction=overlap)
-        adapter: Any = fv.adapter
+        adapter: Any = fv.adapter._backward  # the replicated reduction component
         end = adapter._end_backward
 
         def spy(end: Any = end, overlap: bool = overlap, adapter: Any = adapter) -> None:
@@ -186,7 +186,7 @@ def learned_bucket_order(scenario: Scenario) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DDP(_Reversed(), bucket_cap_mb=1e-5)
     fv = flatview.wrap(model, overlap_reduction=True)
-    adapter: Any = fv.adapter
+    adapter: Any = fv.adapter._backward  # the replicated reduction component
     ready_at_start: list[list[int]] = []
     start = adapter._start_bucket
 
@@ -243,7 +243,7 @@ def gradient_grows_after_its_bucket_started(scenario: Scenario) -> dict[str, Any
     torch.manual_seed(0)
     model = DDP(_Twice(), bucket_cap_mb=1e-5)
     fv = flatview.wrap(model, overlap_reduction=True)  # off by default on CPU
-    adapter: Any = fv.adapter
+    adapter: Any = fv.adapter._backward  # the replicated reduction component
     refired: list[bool] = []
     end = adapter._end_backward
 

@@ -76,8 +76,8 @@ def reference_mlp(steps: int, world: int, clip: float | None) -> dict[str, Any]:
     return {"params": _state(model), "norms": norms}
 
 
-def plain_deepspeed_mlp(stage: int, steps: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """Plain DeepSpeed (no flatview): ZeRO ``stage`` with torch's AdamW, ``steps``
+def bare_deepspeed_mlp(stage: int, steps: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """Bare DeepSpeed (no flatview): ZeRO ``stage`` with torch's AdamW, ``steps``
     steps; the final full parameters (gathered under ZeRO 3)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     with deepspeed_on_cpu() as deepspeed:
@@ -202,10 +202,10 @@ def grouped_optimizer(net: nn.Module) -> torch.optim.Optimizer:
     """The engine's own optimizer with the usual weight-decay groups by name
     (``mode="groups"``), the one without decay first: two flat partitions under ZeRO 1/2,
     each module's bias laid out before its weight."""
-    plain = [p for n, p in net.named_parameters() if not n.endswith("weight")]
+    undecayed = [p for n, p in net.named_parameters() if not n.endswith("weight")]
     decayed = [p for n, p in net.named_parameters() if n.endswith("weight")]
     return torch.optim.AdamW(
-        [{"params": plain, "lr": 0.02, "weight_decay": 0.0}, {"params": decayed}],
+        [{"params": undecayed, "lr": 0.02, "weight_decay": 0.0}, {"params": decayed}],
         lr=0.05,
         weight_decay=0.1,
     )
@@ -361,9 +361,9 @@ def recovery(scenario: Any, stage: int, kinds: tuple[str, ...]) -> dict[str, Any
     return {"errors": errors, "params": params, "phase": phase}
 
 
-def gradient_bytes(scenario: Any, stage: int, strategy: str, plain: bool) -> dict[str, Any]:
+def gradient_bytes(scenario: Any, stage: int, strategy: str, bare: bool) -> dict[str, Any]:
     """Bytes of gradient-reducing collectives (counted at the calls) in the backward of
-    each micro-batch of the scenario, with flatview (``plain=False``) or on the plain
+    each micro-batch of the scenario, with flatview (``bare=False``) or on the bare
     engine; with flatview also what flatview's ledger says, and each flat parameter's
     layout and used flags, to compute the used bytes from."""
     import flatview
@@ -378,7 +378,7 @@ def gradient_bytes(scenario: Any, stage: int, strategy: str, plain: bool) -> dic
             optimizer=one_optimizer(net.parameters()),
             config=ds_config(scenario, stage, 0.0, None),
         )
-        fv = None if plain else flatview.wrap(engine, reduce_strategy=strategy)
+        fv = None if bare else flatview.wrap(engine, reduce_strategy=strategy)
         for micro in range(len(scenario.skips)):
             xs, ys = local_batch(scenario, micro)
             skip = skip_names(scenario, micro)
@@ -408,8 +408,8 @@ def gradient_bytes(scenario: Any, stage: int, strategy: str, plain: bool) -> dic
     return {"rows": rows}
 
 
-def plain_scenario(scenario: Any, stage: int) -> dict[str, np.ndarray]:
-    """The scenario on plain DeepSpeed (no flatview), the engine's own AdamW; the final
+def bare_scenario(scenario: Any, stage: int) -> dict[str, np.ndarray]:
+    """The scenario on bare DeepSpeed (no flatview), the engine's own AdamW; the final
     parameters by name."""
     from tests.scenarios import local_batch, loss_of, make_net, skip_names
 
@@ -631,9 +631,9 @@ def refused_while_wrapped(stage: int) -> dict[str, str]:
     return out
 
 
-def unwrap_then_plain(scenario: Any, stage: int, split: int) -> dict[str, Any]:
+def unwrap_then_bare(scenario: Any, stage: int, split: int) -> dict[str, Any]:
     """The engine's own AdamW, wrapped for the first ``split`` steps, then
-    ``fv.unwrap()`` and plain DeepSpeed for the rest (which skip nothing)."""
+    ``fv.unwrap()`` and bare DeepSpeed for the rest (which skip nothing)."""
     from tests.scenarios import local_batch, loss_of
 
     with deepspeed_on_cpu() as deepspeed:
@@ -651,7 +651,7 @@ def unwrap_then_plain(scenario: Any, stage: int, split: int) -> dict[str, Any]:
 
 
 def reference_unwrapped(scenario: Any, split: int) -> dict[str, np.ndarray]:
-    """The reference of :func:`unwrap_then_plain`: after ``split`` steps a fresh AdamW
+    """The reference of :func:`unwrap_then_bare`: after ``split`` steps a fresh AdamW
     (the engine's optimizer starts afresh over DeepSpeed's partitions)."""
     from tests.scenarios import batch, loss_of, make_net, skip_names
 

@@ -117,7 +117,7 @@ def _state(model: nn.Module, names: Collection[str]) -> dict[str, np.ndarray]:
 
 
 def fairscale_units_edge(kind: str, skips: list[tuple[str, ...]]) -> dict[str, Any]:
-    """Train ``kind`` (see :func:`_fairscale_chain`) three ways: plain fairscale (no
+    """Train ``kind`` (see :func:`_fairscale_chain`) three ways: bare fairscale (no
     skips: it cannot skip a nested unit), fairscale + flatview with the same steps, and
     fairscale + flatview with ``skips`` (one tuple of layer names per step); in one process
     the same steps on the unwrapped model. Rank 0 returns every final state."""
@@ -142,7 +142,7 @@ def fairscale_units_edge(kind: str, skips: list[tuple[str, ...]]) -> dict[str, A
 
 
 def fairscale_clip(scenario: Scenario, norm_type: float, max_norm: float) -> dict[str, Any]:
-    """Train ``scenario`` (one fairscale unit, so that plain fairscale can leave blocks
+    """Train ``scenario`` (one fairscale unit, so that bare fairscale can leave blocks
     out too) with ``clip_grad_norm_`` before every step, plain and with flatview. Plain
     SGD: a zero gradient (plain) and ``None`` (flatview, skipped) step alike. Returns
     both runs' norms, and on rank 0 both final states."""
@@ -174,7 +174,7 @@ def fairscale_clip(scenario: Scenario, norm_type: float, max_norm: float) -> dic
 def no_shard_summon_mid_iteration(scenario: Scenario) -> dict[str, Any]:
     """torch ``NO_SHARD``: per step a forward, ``summon_full_params`` (which writes the
     local shard back onto itself), a second forward, then one backward through both;
-    plain FSDP and FSDP + flatview (computed on views). Rank 0 returns both final
+    bare FSDP and FSDP + flatview (computed on views). Rank 0 returns both final
     states and the adapter flatview took."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 

@@ -1,5 +1,5 @@
 """Worker tasks of test_fsdp2_held.py: FSDP2's small reduce-scatters held and run as one
-(``ReduceOptions.bucket_whole``, :mod:`flatview.comm.held`)."""
+(``ReduceOptions.bucket_all_used``, :mod:`flatview.comm.held`)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ UNITS = 3  # the blocks of the scenarios below, each its own unit, and the root
 
 
 def held_against_unheld(scenario: Scenario, bucket: bool | None) -> dict[str, Any]:
-    """Train ``scenario`` with ``bucket_whole=bucket`` and with ``False`` (each unit
-    reduce-scattered on its own, as plain FSDP2 does) in the same processes: their final
+    """Train ``scenario`` with ``bucket_all_used=bucket`` and with ``False`` (each unit
+    reduce-scattered on its own, as bare FSDP2 does) in the same processes: their final
     parameters, and per optimizer step what each reduced (counted at the collectives)."""
     out: dict[str, Any] = {}
     for key, value in (("held", bucket), ("unheld", False)):
-        run = replace(scenario, options={**scenario.options, "bucket_whole": value})
+        run = replace(scenario, options={**scenario.options, "bucket_all_used": value})
         model, fv, opts = distributed_model(run)
         steps = []
         for stepped in distributed_training(run, model, fv, opts):
@@ -76,7 +76,7 @@ def _configure(model: Any, kind: str) -> None:
 
 def one_step(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     """One step skipping nothing, with FSDP2 configured as ``kind`` says, with flatview
-    (``bucket_whole`` left at its default) and plain: parameters of both, the
+    (``bucket_all_used`` left at its default) and plain: parameters of both, the
     reduce-scatters flatview counted and those a custom comm saw."""
     scenario = Scenario(
         backend="fsdp2",
@@ -117,7 +117,7 @@ def aborted(bucket: bool | None) -> dict[str, Any]:
         inner=(4,) * UNITS,
         norms=(False,) * UNITS,
         gates=(True,) + (False,) * (UNITS - 1),
-        options={"bucket_whole": bucket},
+        options={"bucket_all_used": bucket},
     )
     model, fv, opts = distributed_model(scenario)
     xs, ys = local_batch(scenario, 0)
@@ -147,7 +147,7 @@ def refused(kind: str) -> str:
     scenario = Scenario(backend="fsdp2", world_size=world, options=options)
     model = wrap_fsdp(scenario, make_net(scenario))
     reduce = (
-        flatview.ReduceOptions(bucket_whole=True)
+        flatview.ReduceOptions(bucket_all_used=True)
         if kind == "hsdp"
         else flatview.ReduceOptions(in_place_min_numel=16)
     )

@@ -26,8 +26,8 @@ from tests.scenarios import (
 
 
 def against_plain(scenario: Scenario) -> dict[str, Any]:
-    """Train the scenario with FSDP2 + flatview and with plain FSDP2 (the same skip set on
-    every rank, which plain FSDP2 trains correctly) in the same processes: what each
+    """Train the scenario with FSDP2 + flatview and with bare FSDP2 (the same skip set on
+    every rank, which bare FSDP2 trains correctly) in the same processes: what each
     communicated per step and their final parameters."""
     model, fv, opts = distributed_model(scenario)
     plain = wrap_fsdp(scenario, make_net(scenario))
@@ -53,7 +53,7 @@ def against_plain(scenario: Scenario) -> dict[str, Any]:
 def mismatch(per_block: bool, declare: bool, hsdp: bool = False) -> dict[str, Any]:
     """Ranks skip different blocks (rank r skips block r % 2; with ``hsdp``, on a 2 x 2
     mesh, replica r // 2 skips block r // 2: the shard groups agree within). With
-    flatview (``declare``): the error each rank raised; without: how far plain FSDP2's
+    flatview (``declare``): the error each rank raised; without: how far bare FSDP2's
     gradients are from the correct ones (each rank's own forward, averaged)."""
     scenario = Scenario(
         backend="fsdp2",

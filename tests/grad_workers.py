@@ -182,7 +182,7 @@ def unwrap_reference(scenario: Scenario) -> dict[str, np.ndarray]:
 
 
 def unwrap_and_rewrap(scenario: Scenario) -> dict[str, Any] | None:
-    """Two steps with flatview (skipping), unwrap, one step of plain FSDP with a fresh
+    """Two steps with flatview (skipping), unwrap, one step of bare FSDP with a fresh
     optimizer over ``model.parameters()``, wrap again with fresh optimizers over the new
     views, two more steps. The old optimizers raise at their step after unwrap."""
     out: dict[str, Any] = {}

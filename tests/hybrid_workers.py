@@ -220,12 +220,12 @@ def reduce_cases(kind: str) -> list[dict[str, Any]]:
 
 
 def plain_training(scenario: Scenario) -> Any:
-    """Plain torch FSDP1 hybrid training (nothing skipped, no flatview): the final full
+    """Bare torch FSDP1 hybrid training (nothing skipped, no flatview): the final full
     parameters on rank 0."""
     model = wrap_fsdp(scenario, make_net(scenario))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for micro in range(len(scenario.skips)):
-        assert not scenario.skips[micro], "plain FSDP cannot skip"
+        assert not scenario.skips[micro], "bare FSDP cannot skip"
         x, y = local_batch(scenario, micro)
         loss_of(model(x), y).backward()
         opt.step()

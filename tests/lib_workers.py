@@ -115,7 +115,7 @@ def bert_task(backend: str) -> dict[str, Any]:
             prompt, max_new_tokens=4, do_sample=False, pad_token_id=0
         ).tolist()
 
-        # Plain FSDP with one unit runs generation inside the summoning (with a unit per
+        # Bare FSDP with one unit runs generation inside the summoning (with a unit per
         # layer it fails at the summoning's exit): the same tokens.
         plain = fsdp(tiny_bert(), backend, per_layer=False)
         with summoned(plain, backend):

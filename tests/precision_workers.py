@@ -1,11 +1,11 @@
-"""Workers of tests/test_fp16_reduction.py: flatview skipping a block against plain FSDP
+"""Workers of tests/test_fp16_reduction.py: flatview skipping a block against bare FSDP
 training the same model with that block's contribution multiplied by zero.
 
 Under a low-precision gradient reduction the fp32 single-process reference is the wrong
 yardstick: fp16 rounds every reduced gradient, and AdamW's first steps (an update of about
 ``lr * sign(g)``) turn the rounding of a near-zero element into a whole ``lr``. What a user
-who adds flatview must get is the training plain FSDP gives them under the same policy.
-Plain FSDP cannot skip, but a block whose residual is multiplied by zero runs and gets
+who adds flatview must get is the training bare FSDP gives them under the same policy.
+Bare FSDP cannot skip, but a block whose residual is multiplied by zero runs and gets
 exactly zero gradients, while every other gradient is the skipping model's, bit for bit
 (``x + 0 * (f(x) - x)`` is ``x`` exactly, and its backward adds exact zeros)."""
 
@@ -54,8 +54,8 @@ def skipping_and_zeroed_plain(
     scenario: Scenario,
 ) -> tuple[list[np.ndarray | None], ...]:
     """Train the scenario twice with one elementwise optimizer over all parameters:
-    FSDP + flatview skipping as declared, and plain FSDP over its flat parameters with the
-    skipped blocks zeroed. Skips may only occur in the first step: plain FSDP's zero
+    FSDP + flatview skipping as declared, and bare FSDP over its flat parameters with the
+    skipped blocks zeroed. Skips may only occur in the first step: bare FSDP's zero
     gradients then leave the momentum buffers at zero, as flatview's ``None`` does.
 
     Every rank returns (flatview's, plain's) flat gradient shards of the first step, one
@@ -100,14 +100,15 @@ def _flat_grads(model: torch.nn.Module) -> list[np.ndarray | None]:
     return [None if p.grad is None else p.grad.detach().float().numpy().copy() for p in flats]
 
 
-def reduce_calls(scenario: Scenario, bucket_whole: bool | None) -> tuple[int, list[np.ndarray]]:
-    """One step skipping nothing with ``ReduceOptions(bucket_whole=...)``: the
+def reduce_calls(scenario: Scenario, bucket_all_used: bool | None) -> tuple[int, list[np.ndarray]]:
+    """One step skipping nothing with ``ReduceOptions(bucket_all_used=...)``: the
     reduce-scatters counted at the collective, and this rank's flat gradient shards."""
     from flatview.testing.counting import CollectiveCounter
 
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, _net(scenario, zeroed=False))
-        fv = flatview.wrap(model, reduce_options=flatview.ReduceOptions(bucket_whole=bucket_whole))
+        options = flatview.ReduceOptions(bucket_all_used=bucket_all_used)
+        fv = flatview.wrap(model, reduce_options=options)
         x, y = local_batch(scenario, 0)
         with CollectiveCounter() as counter, fv.step():
             loss_of(model(x), y).backward()
@@ -118,10 +119,10 @@ def reduce_calls(scenario: Scenario, bucket_whole: bool | None) -> tuple[int, li
 def rank_local_accumulation(
     scenario: Scenario, skip: Sequence[str] = ()
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Two backward passes, both leaving out ``skip`` (gates: plain FSDP leaves their
+    """Two backward passes, both leaving out ``skip`` (gates: bare FSDP leaves their
     gradients at zero, flatview masks them); between them every rank but 0 drops its
     gradients, so only rank 0 accumulates (torch keeps its earlier shard to add to: a
-    fact of that rank alone). FSDP + flatview, then plain FSDP: this rank's flat
+    fact of that rank alone). FSDP + flatview, then bare FSDP: this rank's flat
     gradient shards of each."""
     out = []
     for use_flatview in (True, False):

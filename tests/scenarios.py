@@ -152,19 +152,19 @@ BACKEND_CONFIGS: tuple[BackendConfig, ...] = (*QUICK_CONFIGS, *THOROUGH_CONFIGS)
 
 def torch_backend_tested() -> bool:
     """Whether flatview's torch backend accepts this torch (it refuses untested versions)."""
-    from flatview.backends import torch_fsdp
+    from flatview.backends import torch_versions
 
-    return torch_fsdp.torch_version() in torch_fsdp.TESTED_TORCH
+    return torch_versions.torch_version() in torch_versions.TESTED_TORCH
 
 
 def only_on_tested_torch(backend: str) -> pytest.MarkDecorator:
     """A module's ``pytestmark`` for flatview's torch-based ``backend`` (``"torch"``,
     ``"FSDP2"``): skipped on a torch it was not tested with (it refuses those)."""
-    from flatview.backends import torch_fsdp
+    from flatview.backends import torch_versions
 
     return pytest.mark.skipif(
         not torch_backend_tested(),
-        reason=f"flatview's {backend} backend is tested with torch {torch_fsdp.TESTED_TORCH}",
+        reason=f"flatview's {backend} backend is tested with torch {torch_versions.TESTED_TORCH}",
     )
 
 
@@ -368,7 +368,7 @@ class Scenario:
     ``"between"`` (between the first forward of each step and its backward)."""
     unwrap_after: int | None = None
     """After this optimizer step (counting from 0), ``fv.unwrap()``; training goes on as
-    plain FSDP with one fresh optimizer over ``model.parameters()`` (the reference: a
+    bare FSDP with one fresh optimizer over ``model.parameters()`` (the reference: a
     fresh one over the plain net's), and later micro-batches must skip nothing."""
     batch_per_rank: int = 3
     seed: int = 0
@@ -379,7 +379,7 @@ class Scenario:
     """Check with every step that all ranks pass the same skip set."""
     declare: bool = True
     """Run each backward inside ``fv.step(skip=...)``; False runs it outside any step,
-    as plain FSDP (only for scenarios that skip nothing)."""
+    as bare FSDP (only for scenarios that skip nothing)."""
     evaluate: bool = False
     """After every optimizer step, a forward whose graph no backward consumes (a
     validation loss computed with autograd on), then ``zero_grad``, then a forward under
@@ -400,11 +400,11 @@ class Scenario:
         """The options of ``flatview.wrap`` the scenario's ``options`` hold."""
         keys = {"overlap": "overlap_reduction", "compute_on_views": "compute_on_views"}
         chosen = {keys[k]: v for k, v in self.options.items() if k in keys}
-        if "bucket_whole" in self.options:
+        if "bucket_all_used" in self.options:
             import flatview
 
-            bucket = self.options["bucket_whole"]
-            chosen["reduce_options"] = flatview.ReduceOptions(bucket_whole=bucket)
+            bucket = self.options["bucket_all_used"]
+            chosen["reduce_options"] = flatview.ReduceOptions(bucket_all_used=bucket)
         return chosen
 
 
@@ -506,7 +506,7 @@ def scenarios(
         options["prefetch"] = draw(st.booleans())
     if config.backend == "fsdp2" and not config.hybrid and draw(st.booleans()):
         # Small reduce-scatters held and run as one (the default on 2 shards) or not.
-        options["bucket_whole"] = draw(st.sampled_from((True, False)))
+        options["bucket_all_used"] = draw(st.sampled_from((True, False)))
     if config.strategy in HYBRID_STRATEGIES:
         options["hybrid"] = draw(st.sampled_from(("mesh", "tuple")))
     if config.backend == "ddp" and draw(st.booleans()):
@@ -519,14 +519,14 @@ def scenarios(
         options["overlap"] = True
     zero_grad_at = draw(st.sampled_from(ZERO_GRAD_PLACES))
     unwrap_after = None
-    # Plain FSDP cannot skip or freeze parts of a flat parameter: unwrapping is drawn
+    # Bare FSDP cannot skip or freeze parts of a flat parameter: unwrapping is drawn
     # only where it would train the same afterwards.
     # With use_orig_params, torch zeroes (in a no_sync() window, until a synchronising
     # backward) what accumulates for a parameter whose .grad is None while others of its
-    # flat parameter have one: after a step that skipped it, plain torch training does
+    # flat parameter have one: after a step that skipped it, bare torch training does
     # that too (docs/limitations.md).
     orig_window = bool(options.get("use_orig_params")) and accumulate > 1
-    # Plain FSDP2 (torch 2.13) trains otherwise than the unwrapped model after a forward
+    # Bare FSDP2 (torch 2.13) trains otherwise than the unwrapped model after a forward
     # with autograd on and no backward (the evaluate passes): up to 2e-2 off on 2 and 4
     # ranks without flatview ever wrapping it, while wrapped it trains right.
     plain_fsdp2_evaluates = config.backend == "fsdp2" and evaluate
@@ -670,7 +670,7 @@ def zero_grads(scenario: Scenario, opts: Sequence[torch.optim.Optimizer]) -> Non
 
 
 def plain_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer a plain FSDP user trains with after :attr:`Scenario.unwrap_after`
+    """The optimizer a bare FSDP user trains with after :attr:`Scenario.unwrap_after`
     (elementwise, so flat and original parameters step alike)."""
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
@@ -849,7 +849,7 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
         )
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     prefetch = options.pop("prefetch", False)
-    options.pop("bucket_whole", None)  # flatview's (Scenario.flatview_options)
+    options.pop("bucket_all_used", None)  # flatview's (Scenario.flatview_options)
     blocks: list[Any] = []
     if scenario.nested:
         blocks = [fully_shard(block, **kwargs) for block in net.body]
@@ -925,7 +925,7 @@ def synced_backward(
     """The backward passes of micro-batches ``micros`` (one optimizer step's) on this
     rank's chunks: all but the last under ``no_sync()``, each inside
     ``fv.step(skip=...)`` unless the scenario does not declare its skips (or ``fv`` is
-    None: plain FSDP, after unwrap). ``before_backward`` runs between the first forward
+    None: bare FSDP, after unwrap). ``before_backward`` runs between the first forward
     and its backward."""
     for micro in micros:
         xs, ys = local_batch(scenario, micro)
@@ -982,7 +982,7 @@ def distributed_training(
 
 
 def plain_parameters(scenario: Scenario, model: nn.Module) -> list[nn.Parameter]:
-    """``model.parameters()`` as a plain FSDP user builds an optimizer over them.
+    """``model.parameters()`` as a bare FSDP user builds an optimizer over them.
 
     torch FSDP1 ``SHARD_GRAD_OP`` with ``use_orig_params=True`` keeps a unit unsharded
     after a forward with autograd on but no backward, and registers non-leaf views of the

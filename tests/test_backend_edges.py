@@ -2,7 +2,7 @@
 unit given to ``wrap``, fairscale units without parameters of their own or with
 parameters shared across units, fairscale's ``clip_grad_norm_`` and CPU offload after
 wrapping, and ``summon_full_params`` inside an iteration of torch ``NO_SHARD`` computed
-on views. Each is checked against plain FSDP or the single-process reference."""
+on views. Each is checked against bare FSDP or the single-process reference."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_nested_unit_refused_before_first_forward(
     """Before the first forward no unit knows it is nested (``_is_root`` is None on all).
     torch marks a unit that another FSDP was built around: refused at wrap. fairscale
     marks nothing until the root's lazy initialisation: refused at the unit's first
-    forward, before it computes anything (it used to train 0.021 away from plain FSDP).
+    forward, before it computes anything (it used to train 0.021 away from bare FSDP).
     Either way the message names where the unit sits in the outer model."""
     if backend.backend == "fairscale":
         _needs_fairscale()
@@ -68,7 +68,7 @@ def test_fairscale_units_without_own_or_with_shared_parameters(
     (its name group is empty); ``shared``: a weight shared by sibling units through
     fairscale's ``append_shared_param`` (listed in the second unit's parameters without
     a name). ``wrap`` used to fail in ``describe`` (zip of names and parameters). Both
-    train like plain fairscale and, with nested units skipped, like the reference."""
+    train like bare fairscale and, with nested units skipped, like the reference."""
     _needs_fairscale()
     out = dist_pool(2).run(ew.fairscale_units_edge, kind, skips, timeout=TIMEOUT)[0]
     reference = out["reference"]
@@ -99,7 +99,7 @@ def test_no_shard_summon_between_forwards(dist_pool: PoolFactory, options: dict[
     """torch ``NO_SHARD`` computed on views: ``summon_full_params`` writes the local shard
     back onto itself in place. The views aliased it with its version counter, so a
     backward through a forward taken before the summoning failed ("modified by an
-    inplace operation"); plain FSDP runs it. Same training as plain FSDP."""
+    inplace operation"); bare FSDP runs it. Same training as bare FSDP."""
     scenario = NO_SHARD.scenario(skips=((), (), ()), options=options)
     out = dist_pool(2).run(ew.no_shard_summon_mid_iteration, scenario, timeout=TIMEOUT)[0]
     assert out["adapter"] == "TorchReplicatedAdapter"

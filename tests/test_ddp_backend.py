@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flatview.backends.replicated import readiness_order
+from flatview.backends.bucket_order import readiness_order
 from flatview.comm.bucketing import plan_buckets
 from tests import ddp_workers as w
 from tests.scenarios import DDP

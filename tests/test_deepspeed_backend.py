@@ -152,15 +152,15 @@ def _used_bytes(flats: list[tuple[object, tuple[bool, ...]]]) -> int:
 def test_skipping_reduces_only_the_used_gradients(dist_pool: PoolFactory, stage: int) -> None:
     """Bytes counted at the collective calls of each backward: with the exact exchange
     (reduce_strategy="all_to_all") exactly the used gradients; by default one collective
-    per backward moving what plain DeepSpeed moves (ZeRO 1/2: the used gradients when
+    per backward moving what bare DeepSpeed moves (ZeRO 1/2: the used gradients when
     something is skipped, the padded flat buffer when nothing is; ZeRO 3: each used
     parameter padded to a multiple of the world size, as DeepSpeed's reduce-scatter)."""
     pool = dist_pool(2)
     exact = pool.run(w.gradient_bytes, SC, stage, "all_to_all", False, timeout=TIMEOUT)
     default = pool.run(w.gradient_bytes, SC, stage, "auto", False, timeout=TIMEOUT)
-    plain = pool.run(w.gradient_bytes, SC, stage, "auto", True, timeout=TIMEOUT)
+    bare = pool.run(w.gradient_bytes, SC, stage, "auto", True, timeout=TIMEOUT)
     for rank in range(2):
-        rows = zip(exact[rank]["rows"], default[rank]["rows"], plain[rank]["rows"], strict=True)
+        rows = zip(exact[rank]["rows"], default[rank]["rows"], bare[rank]["rows"], strict=True)
         for micro, (e, d, p) in enumerate(rows):
             used = _used_bytes(e["flats"])
             assert e["counted"] == e["ledger"] == e["used"] == used, (micro, e)
@@ -270,12 +270,12 @@ def test_deepspeed_operations_that_would_be_wrong_are_refused(
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_unwrap_hands_back_plain_deepspeed(dist_pool: PoolFactory, stage: int) -> None:
-    """After fv.unwrap() the engine trains as plain DeepSpeed: its gradient hooks and
+def test_unwrap_hands_back_bare_deepspeed(dist_pool: PoolFactory, stage: int) -> None:
+    """After fv.unwrap() the engine trains as bare DeepSpeed: its gradient hooks and
     step are its own again, its optimizer steps its partitions (with fresh state)."""
     split = 3
     scenario = replace(SC, skips=(*SC.skips[:split], (), (), ()))
-    results = dist_pool(2).run(w.unwrap_then_plain, scenario, stage, split, timeout=TIMEOUT)
+    results = dist_pool(2).run(w.unwrap_then_bare, scenario, stage, split, timeout=TIMEOUT)
     reference = w.reference_unwrapped(scenario, split)
     for got in results:
         compare(got["params"], reference)

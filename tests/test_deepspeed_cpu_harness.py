@@ -25,7 +25,7 @@ def test_harness_trains_every_stage_and_leaves_nothing(dist_pool: PoolFactory) -
         assert result["env_same"]
         assert result["locks_same"]
         for inside in result["inside"]:
-            # No shared-memory op: DeepSpeed's backend runs plain gloo collectives.
+            # No shared-memory op: DeepSpeed's backend runs gloo's own collectives.
             assert inside == {
                 "shm_op": True,
                 "backend_shm": None,

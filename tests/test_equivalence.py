@@ -5,7 +5,7 @@ Hypothesis varies the backend, model shapes (so parameters straddle shard bounda
 and padding is exercised), world sizes 1 to 4, nesting, tied parameters, frozen
 parameters, how and where gradients are zeroed, gradient accumulation, evaluation passes
 between steps, the skip set of every micro-batch (the first included) and unwrapping
-midway (then training on as plain FSDP). Optimizers are built per submodule from views.
+midway (then training on as bare FSDP). Optimizers are built per submodule from views.
 The reference runs the same model, data and optimizers in one process, without
 executing skipped parts.
 """
@@ -164,11 +164,11 @@ def test_mixed_precision(dist_pool: PoolFactory, backend: BackendConfig) -> None
     """Training agrees with the fp32 reference to fp16 accuracy."""
     if backend.strategy in HYBRID_STRATEGIES:
         # Hybrid layouts need 4 ranks, and there the fp32 reference is no yardstick: on
-        # 2 x 2 with reduce_dtype float16, plain torch FSDP1 on its own ends
+        # 2 x 2 with reduce_dtype float16, bare torch FSDP1 on its own ends
         # body.0.norm.weight[0] 5% off it (fp16 rounding of a near-zero gradient, which
         # AdamW's first steps turn into a whole lr), as flatview does. Compared against
-        # plain torch under the same policy instead: tests/test_fp16_reduction.py.
-        pytest.skip("fp16 reduction on 4 ranks: compared against plain torch FSDP1 instead")
+        # bare torch under the same policy instead: tests/test_fp16_reduction.py.
+        pytest.skip("fp16 reduction on 4 ranks: compared against bare torch FSDP1 instead")
     scenario = backend.scenario(
         world_size=2,
         inner=(3, 4),
@@ -237,7 +237,7 @@ def test_nothing_skipped_equals_plain_fsdp(
     dist_pool: PoolFactory, backend: BackendConfig, option: str
 ) -> None:
     """With nothing skipped, flatview's reduction is the wrapper's own: the same
-    parameters as plain FSDP with an optimizer over the flat parameters, bit for bit
+    parameters as bare FSDP with an optimizer over the flat parameters, bit for bit
     (low-precision compute included, where any other reduction order would show)."""
     scenario = backend.scenario(
         GATED,

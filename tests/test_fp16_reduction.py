@@ -1,14 +1,14 @@
-"""Skipping under a low-precision gradient reduction gives plain FSDP's training.
+"""Skipping under a low-precision gradient reduction gives bare FSDP's training.
 
 The fp32 single-process reference is the wrong yardstick here (see
 :mod:`tests.precision_workers`): on 4 ranks with ``reduce_dtype=float16`` torch FSDP1 on
 its own ends ``body.0.norm.weight[0]`` 5% away from it (0.0495 with AdamW at lr 0.05),
 exactly as far as FSDP + flatview does. What must hold is that flatview skipping a block
-is plain FSDP with that block zeroed: the first step's sharded gradients of every unit
+is bare FSDP with that block zeroed: the first step's sharded gradients of every unit
 (the skipped unit: None against plain's zeros) and the final parameters, bit for bit.
 
 Bit for bit except where the wrapper's own layout cannot be kept: fairscale buckets the
-reduce-scatters of several units (its ``bucket_cap_mb``), plain fairscale's bucket holds
+reduce-scatters of several units (its ``bucket_cap_mb``), bare fairscale's bucket holds
 the zeroed block and flatview's does not, so the other gradients sit elsewhere in the
 collective's buffer, and on 3 or more ranks gloo sums them in another order. There they
 agree to fp16 rounding (2 ranks: a sum of two is the same either way)."""
@@ -74,7 +74,7 @@ def test_skipping_is_plain_with_the_block_zeroed(
         assert len(ours) == len(plain) == 3, rank  # root, body.0, body.1
         for unit, (got, want) in enumerate(zip(ours, plain, strict=True)):
             if unit == 2:
-                # The skipped block: no gradient with flatview, zeros from plain FSDP.
+                # The skipped block: no gradient with flatview, zeros from bare FSDP.
                 assert got is None, rank
                 assert want is not None and not want.any(), rank
                 continue
@@ -90,7 +90,7 @@ def test_gradients_used_whole_go_alone_unless_bucketing_is_asked_for(
     dist_pool: PoolFactory,
 ) -> None:
     """torch FSDP1 reduce-scatters each unit on its own, and so does flatview by default
-    (its layout, its rounding); ``bucket_whole=True`` shares one collective. On 2 ranks
+    (its layout, its rounding); ``bucket_all_used=True`` shares one collective. On 2 ranks
     both give the same sums (two values add up the same either way)."""
     scenario = FULL.scenario(world_size=2, inner=(3, 4, 2), norms=(True, False, True))
     alone = dist_pool(2).run(reduce_calls, scenario, None, timeout=TIMEOUT)

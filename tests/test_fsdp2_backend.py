@@ -1,6 +1,6 @@
 """torch FSDP2 (``fully_shard``) and FSDP2 HSDP: skip sets, the agreement check, errors,
 stats at the collectives, norms and optimizer state, against a single-process reference
-and against plain FSDP2 in the same processes."""
+and against bare FSDP2 in the same processes."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_accumulation_with_different_skips(dist_pool: PoolFactory) -> None:
     ids=["bf16-params", "no-reshard-prefetch", "reshard-to-2", "hsdp-2x2"],
 )
 def test_same_as_plain_fsdp2(dist_pool: PoolFactory, world_size: int, options: dict) -> None:
-    """With the same skip set on every rank plain FSDP2 trains correctly: flatview on top
+    """With the same skip set on every rank bare FSDP2 trains correctly: flatview on top
     ends at exactly its parameters; skipped blocks are never gathered (explicit prefetch
     steered away from them) and cost no reduction."""
     scenario = FSDP2.scenario(GATED, world_size=world_size, options=options)
@@ -135,7 +135,7 @@ def test_hybrid_mismatch_across_replicas(dist_pool: PoolFactory) -> None:
 
 
 def test_plain_fsdp2_mismatch_is_silent(dist_pool: PoolFactory) -> None:
-    """The hazard the check exists for: plain FSDP2 with ranks skipping different
+    """The hazard the check exists for: bare FSDP2 with ranks skipping different
     blocks raises nothing and computes wrong gradients."""
     results = dist_pool(2).run(w.mismatch, True, False, timeout=TIMEOUT)
     assert all(r["error"] is None for r in results)
@@ -203,7 +203,7 @@ def test_equivalent_random(dist_pool: PoolFactory, data: st.DataObject) -> None:
 def test_equivalent_random_hybrid(dist_pool: PoolFactory, data: st.DataObject) -> None:
     scenario = data.draw(scenarios(world_sizes=(4,), configs=(FSDP2,)))
     # Held reduce-scatters are refused with HSDP (test_fsdp2_held.py).
-    options = {k: v for k, v in scenario.options.items() if k != "bucket_whole"}
+    options = {k: v for k, v in scenario.options.items() if k != "bucket_all_used"}
     scenario = replace(scenario, options={**options, "hsdp": 2})
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 

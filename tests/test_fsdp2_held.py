@@ -1,5 +1,5 @@
 """FSDP2's small reduce-scatters held and run as one collective at the end of the backward
-(``ReduceOptions.bucket_whole``; by default on CPU over 2 shards): the same training bit
+(``ReduceOptions.bucket_all_used``; by default on CPU over 2 shards): the same training bit
 for bit as each unit's own reduce-scatter, fewer collectives, the same bytes; never in
 place of a call whose output FSDP2 (or the user) reads right away."""
 
@@ -68,13 +68,13 @@ def test_same_bits_as_one_reduce_scatter_each(dist_pool: PoolFactory, fields: di
 
 
 def test_forced_on_four_shards(dist_pool: PoolFactory) -> None:
-    """``bucket_whole=True`` on 4 shards: gloo may add the ranks' values in another order
+    """``bucket_all_used=True`` on 4 shards: gloo may add the ranks' values in another order
     (the position in the buffer decides), so within rounding of one reduce-scatter each,
     and like the single-process reference."""
     scenario = FSDP2.scenario(GATED, world_size=4)
     result = dist_pool(4).run(w.held_against_unheld, scenario, True, timeout=TIMEOUT)[0]
     _check_held(result, tolerance=1e-6)
-    forced = FSDP2.scenario(GATED, world_size=4, options={"bucket_whole": True})
+    forced = FSDP2.scenario(GATED, world_size=4, options={"bucket_all_used": True})
     check_equivalent(dist_pool, forced, timeout=TIMEOUT)
 
 
@@ -99,7 +99,7 @@ NOT_HELD = {
 def test_not_held_where_the_output_is_read_at_once(dist_pool: PoolFactory, kind: str) -> None:
     """A user's own reduce-scatter, a sum divided afterwards, an all-reduce hook, a
     post-accumulate-grad hook and a cast of the output all need the output right after
-    the call: each unit's reduce-scatter runs on its own there, as plain FSDP2's."""
+    the call: each unit's reduce-scatter runs on its own there, as bare FSDP2's."""
     result = dist_pool(2).run(w.one_step, kind, NOT_HELD[kind], timeout=TIMEOUT)[0]
     compare(result["flatview"], result["plain"], tolerance=0.0)
     units = w.UNITS + 1
@@ -151,7 +151,7 @@ def test_same_bits_random(dist_pool: PoolFactory, data: st.DataObject) -> None:
     """Random models, skip sets, accumulation and FSDP2 options on 2 shards: held or not,
     the same parameters bit for bit."""
     scenario = data.draw(scenarios(world_sizes=(2,), configs=(FSDP2,)))
-    options = {k: v for k, v in scenario.options.items() if k != "bucket_whole"}
+    options = {k: v for k, v in scenario.options.items() if k != "bucket_all_used"}
     scenario = replace(scenario, options=options)
     result = dist_pool(2).run(w.held_against_unheld, scenario, None, timeout=TIMEOUT)[0]
     _check_held(result, tolerance=0.0)

@@ -115,7 +115,7 @@ def test_writes_through_views_reach_the_shard(
     "backend", [backend_param(c, slow=str(c) not in QUICK) for c in BACKEND_CONFIGS]
 )
 def test_unwrap_then_train_and_wrap_again(dist_pool: PoolFactory, backend: BackendConfig) -> None:
-    """After unwrap the model trains as plain FSDP would (the flat parameters carry the
+    """After unwrap the model trains as bare FSDP would (the flat parameters carry the
     zeroed gradients), wrapping again trains exactly, and optimizers over the detached
     views raise at their step (DDP and FSDP2 make no views: theirs keep the model's own
     parameters)."""

@@ -2,7 +2,7 @@
 
 The masked hybrid reduction (:mod:`flatview.comm.hybrid`) against hand-computed sums,
 with its bytes measured per group at the collectives; the grid check on torch's own
-groups; plain torch FSDP1 hybrid training against the single-process reference (which
+groups; bare torch FSDP1 hybrid training against the single-process reference (which
 shows the harness's hybrid models are right). Then flatview on torch FSDP1
 ``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2``: the reference equivalence with skip sets,
 bytes per group (through ``fv.stats`` and at the collectives), the skip-set check across
@@ -159,7 +159,7 @@ def test_hybrid_reduce_matches_hand_computed_sums(dist_pool: PoolFactory) -> Non
         assert "shards over 4 ranks, the shard group has 2" in results[rank][-1]["error"]
 
 
-# ------------------------------------------------------------ plain torch hybrid
+# ------------------------------------------------------------ bare torch hybrid
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 from ``transformers`` with a unit per layer, on torch FSDP1 and fairscale, 2 ranks.
 
 * ``model.module.generate(...)`` inside ``summon_full_params`` gives the unwrapped model's
-  tokens, as plain FSDP with one unit does;
+  tokens, as bare FSDP with one unit does;
 * timm's ``p.ndim <= 1`` grouping on views is refused by ``check_param_groups``;
   ``flatview.optim.param_groups`` trains as timm's rule on the unwrapped model;
 * PEFT LoRA: ``fv.numel`` gives the counts PEFT's ``get_nb_trainable_parameters`` gives
@@ -54,5 +54,5 @@ def test_peft_counts(dist_pool: PoolFactory, backend: str) -> None:
     for rank, got in enumerate(results):
         assert got["got"] == tuple(got["want"]), rank
         assert f"numel={got['want'][1]}" in got["repr"], rank
-        # PEFT itself counts this rank's pieces (as on plain FSDP1).
+        # PEFT itself counts this rank's pieces (as on bare FSDP1).
         assert got["peft_on_wrapped"][1] < got["want"][1], rank

@@ -338,7 +338,7 @@ def test_local_elements() -> None:
     # Rank 2 of 3 holds elements [8, 10) of a 10-element parameter that fairscale
     # shards unflattened: its shard has 4 elements, the last 2 padding.
     layout = FlatLayout.packed([(2, 5)], 3)
-    home = Placement("p", (2, 5), layout, 0, 2, whole_shard=True)
+    home = Placement("p", (2, 5), layout, 0, 2, padded_shard=True)
     assert (home.local_numel, home.local_interval, home.param_interval) == (4, (0, 2), (8, 10))
     assert local_elements(home, torch.arange(4.0)).tolist() == [0.0, 1.0]
     # A sharded parameter shown whole (torch's views, for a while): this rank's part.

@@ -90,7 +90,7 @@ def check_against_reference(dist_pool: PoolFactory, scenario: Scenario) -> None:
 @st.composite
 def homes_over_ranks(draw: st.DrawFn) -> tuple[list[list[Placement]], int]:
     """Per rank, the homes of every parameter of one layout (with gaps, as torch aligns),
-    or of one parameter fairscale shards on its own (the whole padded shard is local)."""
+    or of one parameter fairscale shards on its own (the padded shard is local)."""
     world = draw(st.integers(1, 5))
     shapes = draw(
         st.lists(st.lists(st.integers(0, 4), max_size=3).map(tuple), min_size=1, max_size=5)
@@ -98,7 +98,7 @@ def homes_over_ranks(draw: st.DrawFn) -> tuple[list[list[Placement]], int]:
     if draw(st.booleans()):
         layout = FlatLayout.packed(shapes[:1], world)
         return [
-            [Placement("p0", shapes[0], layout, 0, r, whole_shard=True)] for r in range(world)
+            [Placement("p0", shapes[0], layout, 0, r, padded_shard=True)] for r in range(world)
         ], world
     offset, segments = 0, []
     for shape in shapes:

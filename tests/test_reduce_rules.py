@@ -406,7 +406,7 @@ def test_a_unit_reduced_twice_in_one_backward(
         assert max(r["errors"].values()) < 1e-5, r
         reductions = r["calls"].get("all_reduce", 0) + r["calls"].get("reduce_scatter", 0)
         # Packed, NO_SHARD's two share a bucket; a sharded gradient used whole is
-        # reduce-scattered on its own, as torch does (ShardedReduction bucket_whole).
+        # reduce-scattered on its own, as torch does (ShardedReduction bucket_all_used).
         alone = unpacked or strategy == "FULL_SHARD"
         assert reductions == (2 if alone else 1), r
 
@@ -439,3 +439,17 @@ def test_wrap_keywords_fill_in_reduce_options_and_contradictions_are_refused() -
     with pytest.raises(ValueError, match="'bogus' is not a valid Strategy"):
         ReduceOptions(strategy="bogus")  # type: ignore[arg-type]
     assert ReduceOptions(strategy="all_to_all").strategy is Strategy.ALL_TO_ALL  # type: ignore[arg-type]
+
+
+def test_bucket_whole_is_a_deprecated_alias_of_bucket_all_used() -> None:
+    """``ReduceOptions.bucket_whole``, renamed ``bucket_all_used`` ("whole" names whole
+    parameters only), still works, with a DeprecationWarning, read and written."""
+    for value in (True, False):
+        with pytest.warns(DeprecationWarning, match="bucket_all_used"):
+            options = ReduceOptions(bucket_whole=value)
+        assert options == ReduceOptions(bucket_all_used=value)
+        with pytest.warns(DeprecationWarning, match="bucket_all_used"):
+            assert options.bucket_whole is value
+    contradicts = pytest.raises(ValueError, match="contradicts bucket_all_used=True")
+    with contradicts, pytest.warns(DeprecationWarning):
+        ReduceOptions(bucket_all_used=True, bucket_whole=False)

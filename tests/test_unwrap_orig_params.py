@@ -55,7 +55,7 @@ def test_unwrap_with_unit_left_unsharded(dist_pool: PoolFactory) -> None:
     # A thorough hypothesis draw: the harness's plain optimizer over model.parameters()
     # met torch's non-leaf views ("can't optimize a non-leaf Tensor").
     check_equivalent(dist_pool, SCENARIO, timeout=120)
-    # Optimizers over torch's own parameters train on after unwrap, as with plain FSDP;
+    # Optimizers over torch's own parameters train on after unwrap, as with bare FSDP;
     # unwrap() marked those of the unsharded unit stale (StateError at their step).
     results = dist_pool(2).run(keep_optimizers_after_unwrap, SCENARIO, timeout=120)
     compare(results[0], run_reference(replace(SCENARIO, unwrap_after=None)).params)

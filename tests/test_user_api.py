@@ -4,7 +4,7 @@ model trained alike in one process (workers in :mod:`tests.user_workers`).
 * Forwards inside ``summon_full_params`` (evaluation, ``model.module.generate``): the
   user's module and the FSDP root, on torch FSDP1 (every strategy, ``use_orig_params``
   both ways) and fairscale, nested units included, between a backward and its optimizer
-  step; equal to the unwrapped model's outputs, training exact afterwards. (Plain FSDP
+  step; equal to the unwrapped model's outputs, training exact afterwards. (Bare FSDP
   fails at the summoning's exit there, or with ``use_orig_params=True`` trains on from
   stale shards; a forward that reaches no unit worked already.)
 * Whole-parameter facts (``shape_of``, ``numel``, ``repr``); timm's ``p.ndim <= 1``

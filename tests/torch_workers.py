@@ -117,7 +117,7 @@ def uninstall_task(scenario: Scenario) -> list[str]:
     fv = flatview.wrap(root, **scenario.flatview_options)
     with fv.step(skip=["body.1"]):
         loss_of(root(x, ("body.1",)), y).backward()
-    patched = list(fv.adapter._patched)  # type: ignore[attr-defined]
+    patched = list(fv.adapter._patches._patched)  # type: ignore[attr-defined]
     fv.adapter.uninstall()
     left = [f"{type(owner).__name__}.{name}" for owner, name in patched if name in vars(owner)]
     units = [m for m in root.modules() if isinstance(m, type(root))]
@@ -208,10 +208,10 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
         target = _original_tree(root).body[0]
     elif case == "version":
         root = wrap_fsdp(scenario, net)
-        import flatview.backends.torch_fsdp as torch_fsdp
+        import flatview.backends.torch_versions as torch_versions
 
-        tested = torch_fsdp.TESTED_TORCH
-        torch_fsdp.TESTED_TORCH = ((1, 0),)
+        tested = torch_versions.TESTED_TORCH
+        torch_versions.TESTED_TORCH = ((1, 0),)
         try:
             try:
                 flatview.wrap(root)
@@ -220,15 +220,15 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
             else:
                 raise AssertionError("no error")
             # The escape hatch: a warning instead, and a working FlatView.
-            os.environ[torch_fsdp.UNTESTED_TORCH_ENV] = "1"
+            os.environ[torch_versions.UNTESTED_TORCH_ENV] = "1"
             with pytest.warns(UserWarning, match="going ahead"):
                 fv = flatview.wrap(root, **scenario.flatview_options)
             assert dict(fv.named_parameters())
             fv.unwrap()
             return refused
         finally:
-            torch_fsdp.TESTED_TORCH = tested
-            os.environ.pop(torch_fsdp.UNTESTED_TORCH_ENV, None)
+            torch_versions.TESTED_TORCH = tested
+            os.environ.pop(torch_versions.UNTESTED_TORCH_ENV, None)
     elif case == "overlap_reduction":
         target, kwargs = wrap_fsdp(scenario, net), {"overlap_reduction": False}
     elif case in ("views_sharded", "views_mixed_precision"):

@@ -22,7 +22,7 @@ from tests.scenarios import (
 def keep_optimizers_after_unwrap(scenario: Scenario) -> dict[str, np.ndarray] | None:
     """The scenario's training with the optimizers over ``fv.parameters()`` kept across
     ``unwrap()`` after step 0 (torch's own parameters with ``use_orig_params``, which a
-    plain FSDP optimizer holds too). Step 0 ends with a forward with autograd on and no
+    bare FSDP optimizer holds too). Step 0 ends with a forward with autograd on and no
     backward, then one without autograd inside a step, as the equivalence harness's
     evaluation passes. Rank 0 returns the final parameters."""
     with backend_context(scenario.backend):

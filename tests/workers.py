@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatview
-from flatview.backends.replicated import ReplicatedAdapter
+from flatview.backends.torch_replicated import TorchReplicatedAdapter
 from flatview.errors import SkipSetError, StateError
 from flatview.layout import PieceKind
 from flatview.testing.counting import CollectiveCounter
@@ -165,7 +165,7 @@ def alias_after_operations(scenario: Scenario) -> dict[str, bool]:
         train_step(model, fv, scenario, 0, ())
         out["after_backward"] = aliased()
         flats = [flat for flat, _ in flats_and_shards(model, scenario.backend)]
-        if isinstance(fv.adapter, ReplicatedAdapter):
+        if isinstance(fv.adapter, TorchReplicatedAdapter):
             # Computed on views (torch, every unit NO_SHARD): the gradients are the views'
             # own, and the flat parameters get none.
             out["grads_alias_flat_grad"] = all(
@@ -275,7 +275,7 @@ def _fsdp2_runtime(model: nn.Module) -> list[Any]:
 
 
 def unwrap_restores_plain_fsdp(scenario: Scenario) -> dict[str, bool]:
-    """``unwrap()`` gives the flat parameters back, without flatview's hooks: plain FSDP
+    """``unwrap()`` gives the flat parameters back, without flatview's hooks: bare FSDP
     trains, the old handle refuses steps, and the model can be wrapped again."""
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
@@ -356,7 +356,7 @@ def mixed_precision_run(scenario: Scenario) -> dict[str, Any]:
 
 def plain_and_flatview(scenario: Scenario) -> tuple[dict[str, np.ndarray], ...] | None:
     """Train the scenario (nothing may be skipped) twice with one optimizer over all
-    parameters: plain FSDP over its flat parameters, and FSDP + flatview over views.
+    parameters: bare FSDP over its flat parameters, and FSDP + flatview over views.
     Rank 0 returns both final states."""
     states = []
     for use_flatview in (False, True):
@@ -367,7 +367,7 @@ def plain_and_flatview(scenario: Scenario) -> tuple[dict[str, np.ndarray], ...] 
             # Momentum and weight decay, elementwise: any difference in a gradient shows.
             opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
             for micro in range(len(scenario.skips)):
-                assert not scenario.skips[micro], "plain FSDP cannot skip"
+                assert not scenario.skips[micro], "bare FSDP cannot skip"
                 x, y = local_batch(scenario, micro)
                 step = fv.step() if fv is not None else contextlib.nullcontext()
                 with step:

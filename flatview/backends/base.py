@@ -1,15 +1,17 @@
-"""What a backend adapter tells the core, and what the core asks of an adapter.
+"""The adapter contract: what a backend adapter tells the runtime, and what the runtime
+asks of an adapter.
 
-An adapter maps one FSDP implementation onto flatview's backend-neutral core: it
-describes the flat parameters (layout, owners, names, where the local shard lives:
-:class:`FlatSpec`, :class:`PlainSpec`, :class:`UnitSpec`), calls the runtime
-(:class:`Runtime`) at the points of the wrapper's lifecycle (a pass begins, a backward
-ends, a wrapper operation such as ``state_dict`` runs), and reduces gradients
-with a reduction object of its own (:mod:`flatview.comm.sharded`,
-:mod:`flatview.comm.replicated`) that counts into the runtime's ledger.
+An adapter maps one wrapper onto flatview's backend-neutral runtime: it describes the
+flat parameters (layout, owners, names, where the local shard lives: :class:`FlatSpec`,
+:class:`PlainSpec`, :class:`UnitSpec`), calls the runtime (:class:`Runtime`) at the
+points of the wrapper's lifecycle (a pass begins, a backward ends, a wrapper operation
+such as ``state_dict`` runs), and reduces gradients with a reduction object of its own
+(:mod:`flatview.comm.sharded`, :mod:`flatview.comm.replicated`) that counts into the
+runtime's ledger. Every adapter class derives from :class:`Adapter` alone and is built
+from components (``docs/internals.md``: "The components", "Adding a backend").
 
 This module is the bottom of the backend side: it imports nothing of flatview's above
-the layout, the views and the communication primitives, so the core and every adapter
+the layout, the views and the communication primitives, so the runtime and every adapter
 can import it (:class:`Runtime` is a protocol that :class:`flatview.runtime.Runtime`
 satisfies).
 """
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FlatSpec:
-    """One flat parameter, as the core needs to know it."""
+    """One flat parameter, as the runtime needs to know it."""
 
     flat: nn.Parameter
     flat_owner: Owner
@@ -50,7 +52,7 @@ class FlatSpec:
     """The current full-precision local shard (its storage can move, e.g. on ``.to()``)."""
     wrapper_views: tuple[nn.Parameter, ...] | None = None
     """Set when the wrapper already keeps its own per-parameter views (torch FSDP with
-    ``use_orig_params=True``): the core then uses them as they are and neither creates,
+    ``use_orig_params=True``): the runtime then uses them as they are and neither creates,
     shows, hides nor feeds gradients to views for this flat parameter."""
 
 
@@ -66,14 +68,14 @@ class PlainSpec:
     layout: FlatLayout | None = None
     """Set when the wrapper shards the parameter on its own (fairscale's
     ``flatten_parameters=False``): a one-segment layout, of which the parameter holds
-    rank ``rank``'s whole padded shard. ``None``: every rank holds all of it."""
+    rank ``rank``'s padded shard. ``None``: every rank holds all of it."""
     rank: int = 0
     reduced: bool = False
     """flatview all-reduces its gradient itself (DDP): counted in ``FlatView.stats``."""
     aliases: tuple[str, ...] = ()
     """Its other original names: a tied parameter is registered at several places."""
-    whole_shard: bool = True
-    """With ``layout``: the parameter holds rank ``rank``'s whole padded shard (True), or
+    padded_shard: bool = True
+    """With ``layout``: the parameter holds rank ``rank``'s padded shard (True), or
     only its piece of the segment, unpadded (False: FSDP2's ``DTensor`` local tensors)."""
 
 
@@ -112,6 +114,9 @@ class Runtime(Protocol):
     def phase(self) -> Phase: ...
 
     @property
+    def accumulating(self) -> bool: ...
+
+    @property
     def ledger(self) -> Ledger: ...
 
     @property
@@ -134,6 +139,10 @@ class Runtime(Protocol):
     def unit_skipped(self, unit: int) -> bool: ...
 
     def plain_used(self) -> frozenset[int]: ...
+
+    def plain_used_so_far(self) -> frozenset[int]: ...
+
+    def forget_plain_window(self) -> None: ...
 
     def flat_used_so_far(self, flat: nn.Parameter) -> bool: ...
 
@@ -171,22 +180,41 @@ def is_rank0(adapter: Adapter) -> bool:
 
 
 class Adapter(Protocol):
-    """The backend side of a :class:`~flatview.FlatView`."""
+    """The backend side of a :class:`~flatview.FlatView`: one class per wrapper (or per
+    way of driving one), deriving from this protocol and from nothing else. What it does
+    it assembles from components that take what they need (``docs/internals.md``); the
+    members with a body here are the defaults most adapters keep."""
 
     backend: str
+    """The registry entry this adapter belongs to (:mod:`flatview.backends.registry`)."""
     group: dist.ProcessGroup | None
     rank: int
     world_size: int
     device: torch.device
     bucket_numel: int
-    overlaps_agreement: bool
+    overlaps_agreement: bool = False
     """The wrapper communicates nothing the skip set decides before flatview's own
     gradient collectives, so the skip-set check may run alongside the forward; the
     adapter calls ``Runtime.settle_agreement`` before its first collective."""
 
-    replicas: int
+    replicas: int = 1
     """How many ranks hold each shard: hybrid sharding's replica-group size (``group``,
     ``rank`` and ``world_size`` are then the shard group's), 1 otherwise."""
+
+    wrapper_reduces: bool = True
+    """The wrapper alone would communicate gradients (fairscale at world size 1 does not:
+    its unsharded gradients are final). :attr:`flatview.StepStats.dense_bytes` and
+    ``used_bytes`` are 0 otherwise."""
+
+    takes_overlap: bool = False
+    """The adapter reduces a replicating wrapper's gradients itself, so
+    ``ReduceOptions.overlap`` applies (others reduce in the wrapper's own hooks and refuse
+    it: :func:`flatview.backends.registry.detect`)."""
+
+    flattens: bool = False
+    """The wrapper keeps the parameters in flat parameters, which flatview shows views of
+    (fairscale FSDP, torch FSDP1): torch's own checkpoint functions would misread an
+    optimizer over those views, so the handle installs :mod:`flatview.checkpoint_guard`."""
 
     @property
     def agreement_group(self) -> dist.ProcessGroup | None:
@@ -194,11 +222,7 @@ class Adapter(Protocol):
         the parameter-group check run: ``group``, except under hybrid sharding (the
         world: replicas that skip differently must be caught too). Its rank 0 is the
         rank that "rank 0 only" results go to."""
-
-    wrapper_reduces: bool
-    """The wrapper alone would communicate gradients (fairscale at world size 1 does not:
-    its unsharded gradients are final). :attr:`flatview.StepStats.dense_bytes` and
-    ``used_bytes`` are 0 otherwise."""
+        return self.group if self.replicas == 1 else None
 
     def clean_name(self, name: str) -> str:
         """An original name from a module or parameter name in the wrapped tree."""
@@ -206,18 +230,33 @@ class Adapter(Protocol):
     def describe(self) -> list[UnitSpec]:
         """Every unit of the wrapped model, root first, in module order."""
 
-    def install(self, core: Runtime) -> None:
+    def install(self, runtime: Runtime) -> None:
         """Attach the runtime to the wrapper's lifecycle."""
 
     def uninstall(self) -> None:
         """Detach everything :meth:`install` attached."""
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Raise if ``optimizer`` holds parameters this backend cannot serve."""
+        """Raise if ``optimizer`` holds parameters this backend cannot serve (checked at
+        its first step)."""
+        return None
 
     def view_owners(self) -> list[Owner]:
-        """Where views are shown that :meth:`describe` reports as plain parameters."""
+        """Where views are shown that :meth:`describe` reports as plain parameters (an
+        adapter that describes its views as plain parameters lists their places here)."""
+        return []
 
     def describe_flat(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
         """(unit name, original names) of a flat parameter whose views the adapter
         describes as plain parameters, else ``None``."""
+        return None
+
+
+def end_root_forward(runtime: Runtime) -> None:
+    """What every FSDP adapter does when its root unit's forward returns: a skip-set check
+    that ran alongside the forward settles, so that a rank's error raises from the
+    forward, before the wrapper's backward begins; and a forward without autograd has no
+    backward to wait for."""
+    runtime.settle_agreement()
+    if not torch.is_grad_enabled():
+        runtime.end_forward_only()

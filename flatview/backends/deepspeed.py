@@ -45,27 +45,32 @@ communication after the step, its engine bookkeeping. What flatview does instead
   ``FlatView.optim_state_dict``) and ``no_sync``. At wrap time, every configuration of
   :mod:`flatview.backends.deepspeed_checks`.
 
-Everything changed is an instance attribute or a hook on DeepSpeed's objects;
-:meth:`DeepSpeedAdapter.uninstall` takes it back (the engine's optimizer then steps
-DeepSpeed's partitions again, with fresh state).
+Everything changed is an instance attribute or a hook on DeepSpeed's objects, kept in
+one :class:`~flatview.backends.patches.Patches`; :meth:`DeepSpeedAdapter.uninstall`
+takes it back (the engine's optimizer then steps DeepSpeed's partitions again, with
+fresh state). The adapter is assembled from components: the layout of ZeRO's partitions
+and the order DeepSpeed's parameters are registered back in
+(:mod:`~flatview.backends.deepspeed_zero`), the step (:mod:`~flatview.backends.deepspeed_step`),
+flatview's sharded reduction (:class:`~flatview.comm.sharded.ShardedReduction`), and the
+one state it keeps between hooks, :class:`Backward`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.hooks import RemovableHandle
 
-from flatview.backends.base import UnitSpec
-from flatview.backends.deepspeed_checks import check, is_engine
+from flatview.autograd import at_end_of_backward, in_backward
+from flatview.backends.base import Adapter, UnitSpec
+from flatview.backends.deepspeed_checks import DeepSpeedModel
 from flatview.backends.deepspeed_step import ZeroStep
 from flatview.backends.deepspeed_zero import (
     FlatGroups,
@@ -75,26 +80,50 @@ from flatview.backends.deepspeed_zero import (
     plain_specs,
     registrations,
 )
+from flatview.backends.patches import Patches
 from flatview.comm.options import ReduceOptions
 from flatview.comm.sharded import ShardedReduction
 from flatview.errors import StateError
 from flatview.phase import Phase
+from flatview.states import Transitions
 from flatview.views import Owner
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
-__all__ = ["DeepSpeedAdapter", "is_engine"]
+__all__ = ["DeepSpeedAdapter"]
+
+_WRAPPER = "module"
+"""The attribute the engine keeps the user's module under (dropped from original names)."""
+
+_REPLACED = (
+    "reduce_ready_partitions_and_remove_grads",
+    "update_hook_state_and_maybe_run_epilogue",
+    "overlapping_partition_gradients_reduce_epilogue",
+    "process_gradients",
+    "reduce_gradients",
+)
+"""The ZeRO optimizer's gradient handling (its per-parameter hooks and its end of the
+backward; the stages have different ones), made no-ops: flatview reduces instead."""
+
+_REFUSED = (
+    ("engine", "no_sync", "accumulate with one engine.backward per engine.step"),
+    ("engine", "coalesce_grad_reduction", "accumulate nothing across backwards"),
+    ("engine", "save_checkpoint", "save with flatview.checkpoint.get_state_dict"),
+    ("engine", "load_checkpoint", "load with flatview.checkpoint.set_state_dict"),
+    ("zero", "state_dict", "use FlatView.optim_state_dict"),
+    ("zero", "load_state_dict", "use FlatView.load_optim_state_dict"),
+)
+"""(object, method, what to do instead): DeepSpeed operations that would be wrong on a
+wrapped engine (its optimizer state is per view; its windows accumulate nothing)."""
 
 
 def clean_name(name: str) -> str:
     """An original name from a name in the engine's tree (``module.`` dropped)."""
+    if name == _WRAPPER:
+        return ""
     head, _, rest = name.partition(".")
-    return rest if head == "module" else ("" if name == "module" else name)
-
-
-def _in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
+    return rest if head == _WRAPPER else name
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -105,26 +134,44 @@ def _never(*args: Any, **kwargs: Any) -> bool:
     return False
 
 
-class DeepSpeedAdapter:
-    """Maps the flatview core onto one DeepSpeed ZeRO engine (see the module docstring)."""
+class Backward(enum.Enum):
+    """Whether the end of a backward is queued: a backward reached the last forward's
+    outputs and flatview's reduction waits for it to finish."""
+
+    NONE_QUEUED = "no backward of the last forward has begun (or its end has run)"
+    QUEUED = "a backward reached the forward's outputs; its end runs once it is done"
+
+
+_BACKWARD_MOVES = {
+    Backward.NONE_QUEUED: (Backward.QUEUED,),
+    # Back when the end runs, or at the next forward after a backward that raised (its
+    # end never ran).
+    Backward.QUEUED: (Backward.NONE_QUEUED,),
+}
+
+
+class DeepSpeedAdapter(Adapter):
+    """Maps the flatview runtime onto one DeepSpeed ZeRO engine (see the module
+    docstring)."""
 
     backend = "deepspeed"
-    overlaps_agreement = False
-    replicas = 1
     clean_name = staticmethod(clean_name)
+    # ZeRO 1/2 keep parameters in flat buffers, ZeRO 3 in per-rank partitions: torch's
+    # checkpoint functions would take a view's optimizer state for a whole parameter's.
+    flattens = True
 
-    def __init__(self, engine: nn.Module, options: ReduceOptions | None = None) -> None:
+    def __init__(self, model: DeepSpeedModel, options: ReduceOptions) -> None:
         # DeepSpeed is untyped: its objects are reached through ``Any``.
-        untyped: Any = engine
-        self.engine: Any = untyped
-        self.stage = check(untyped)
-        self.zero: Any = untyped.optimizer
-        self.options = options if options is not None else ReduceOptions()
-        self.group: dist.ProcessGroup | None = self.zero.dp_process_group
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        self.engine: Any = model.engine
+        self.stage = model.stage
+        self.zero: Any = model.zero
+        self.options = options
+        self.group = model.group
+        self.rank = model.rank
+        self.world_size = model.world_size
+        # At world size 1 ZeRO communicates no gradient.
         self.wrapper_reduces = self.world_size > 1
-        module: nn.Module = untyped.module
+        module: nn.Module = self.engine.module
         places = registrations(module)
         self.layout: ZeroLayout = (
             ShardedParams(self.zero, places, self.world_size, module)
@@ -137,21 +184,16 @@ class DeepSpeedAdapter:
         self.bucket_numel = max(int(self.engine.zero_reduce_bucket_size()), 1)
         # Where the holders are registered while DeepSpeed computes: outside the model.
         self._holders = nn.Module()
-        self._core: Runtime | None = None
-        self._patched: list[tuple[object, str]] = []
-        self._hooks: list[RemovableHandle] = []
-        self._callback_queued = False
+        self._installed: Runtime | None = None
+        self._patches = Patches()
+        self._backward = Transitions(Backward.NONE_QUEUED, _BACKWARD_MOVES)
         self._order = ModuleOrder(self.layout)
-        self.zero_step = ZeroStep(untyped, self.layout, self.group, self.world_size, self._lent)
+        self.zero_step = ZeroStep(self.engine, self.layout, self.group, self.world_size, self._lent)
 
     @property
-    def agreement_group(self) -> dist.ProcessGroup | None:
-        return self.group
-
-    @property
-    def core(self) -> Runtime:
-        assert self._core is not None, "adapter used before install()"
-        return self._core
+    def runtime(self) -> Runtime:
+        assert self._installed is not None, "adapter used before install()"
+        return self._installed
 
     # --------------------------------------------------------------- describe
 
@@ -161,12 +203,6 @@ class DeepSpeedAdapter:
             for k, flat in enumerate(self.layout.flats)
         )
         return [UnitSpec("", self.engine, flats, self._plain, True)]
-
-    def view_owners(self) -> list[Owner]:
-        return []
-
-    def describe_flat(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
-        return None
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer over DeepSpeed's own parameters or partitions: the engine
@@ -191,50 +227,38 @@ class DeepSpeedAdapter:
 
     # ---------------------------------------------------------------- install
 
-    def install(self, core: Runtime) -> None:
-        self._core = core
+    def install(self, runtime: Runtime) -> None:
+        self._installed = runtime
         self.reduction = ShardedReduction(
-            self.group, self.rank, self.world_size, core.ledger, self.options, self.bucket_numel
+            self.group, self.rank, self.world_size, runtime.ledger, self.options, self.bucket_numel
         )
-        index = self._view_indices()
-        self._point_optimizer(index)
-        self.zero_step.core = core
+        self.zero_step.install(runtime, self._point_optimizer(self._view_indices()))
         module, zero, engine = self.engine.module, self.zero, self.engine
-        self._hooks.append(module.register_forward_pre_hook(self._pre_forward, prepend=True))
-        self._hooks.append(module.register_forward_hook(self._post_forward))
-        for name in ("state_dict", "_apply"):
-            self._patch(module, name, self._lending(getattr(module, name)))
-        self._patch(module, "load_state_dict", self._loading(module.load_state_dict))
-        self._patch(engine, "module_state_dict", self._lending(engine.module_state_dict))
-        self._patch(engine, "load_module_state_dict", self._loading(engine.load_module_state_dict))
+        patches = self._patches
+        patches.hook(module.register_forward_pre_hook(self._pre_forward, prepend=True))
+        patches.hook(module.register_forward_hook(self._post_forward))
+        patches.lending(module, ("state_dict", "_apply"), self._lent)
+        patches.patch(module, "load_state_dict", self._loading(module.load_state_dict))
+        patches.lending(engine, ("module_state_dict",), self._lent)
+        patches.patch(
+            engine, "load_module_state_dict", self._loading(engine.load_module_state_dict)
+        )
         # The end of the backward is flatview's (an autograd callback): DeepSpeed's own
         # reduction, in its gradient hooks and at its end of backward, does nothing.
-        self._patch(engine, "allreduce_gradients", _noop)
-        for name in (
-            "reduce_ready_partitions_and_remove_grads",
-            "update_hook_state_and_maybe_run_epilogue",
-            "overlapping_partition_gradients_reduce_epilogue",
-            "process_gradients",
-            "reduce_gradients",
-        ):
+        patches.patch(engine, "allreduce_gradients", _noop)
+        for name in _REPLACED:
             if hasattr(zero, name):
-                self._patch(zero, name, _noop)
-        self._patch(zero, "should_refresh_expected_hook_count", _never)
+                patches.patch(zero, name, _noop)
+        patches.patch(zero, "should_refresh_expected_hook_count", _never)
         # Runs after flatview's end of the backward (ZeRO 3 releases what its backward
         # left gathered, reading the submodules' parameters): with DeepSpeed's own.
-        self._patch(zero, "backward_epilogue", self._lending(zero.backward_epilogue))
-        self._patch(zero, "step", self.zero_step.step)
-        self._patch(zero, "zero_grad", self.zero_step.zero_grad)
-        for owner, name, instead in (
-            (engine, "no_sync", "accumulate with one engine.backward per engine.step"),
-            (engine, "coalesce_grad_reduction", "accumulate nothing across backwards"),
-            (engine, "save_checkpoint", "save with flatview.checkpoint.get_state_dict"),
-            (engine, "load_checkpoint", "load with flatview.checkpoint.set_state_dict"),
-            (zero, "state_dict", "use FlatView.optim_state_dict"),
-            (zero, "load_state_dict", "use FlatView.load_optim_state_dict"),
-        ):
-            if hasattr(owner, name):
-                self._patch(owner, name, self._refusing(name, instead))
+        patches.lending(zero, ("backward_epilogue",), self._lent)
+        patches.patch(zero, "step", self.zero_step.step)
+        patches.patch(zero, "zero_grad", self.zero_step.zero_grad)
+        owners = {"engine": engine, "zero": zero}
+        for owner, name, instead in _REFUSED:
+            if hasattr(owners[owner], name):
+                patches.patch(owners[owner], name, _refusing(name, instead))
 
     def _view_indices(self) -> dict[int, int]:
         """Per DeepSpeed parameter (by id), the table index of its view (the views are
@@ -243,29 +267,24 @@ class DeepSpeedAdapter:
         for compute, owners in self.layout.compute_params():
             owner = owners[0]
             view = owner.module._parameters[owner.attr]
-            found = None if view is None else self.core.index_of(view)
+            found = None if view is None else self.runtime.index_of(view)
             assert found is not None, owner
             index[id(compute)] = found
         return index
 
-    def _point_optimizer(self, index: dict[int, int]) -> None:
+    def _point_optimizer(self, index: dict[int, int]) -> list[int]:
         """Point each of the engine's optimizer's parameter groups at the views of its
-        parameters (see the module docstring)."""
+        parameters (see the module docstring); the table indices of those views."""
         groups = self.zero.optimizer.param_groups
         members = self.layout.client_params()
         trained: list[int] = []
         for group, params in zip(groups, members, strict=True):
-            group["params"] = [self.core.tensor(index[id(p)]) for p in params]
+            group["params"] = [self.runtime.tensor(index[id(p)]) for p in params]
             trained.extend(index[id(p)] for p in params)
-        self.zero_step.trained = trained
+        return trained
 
     def uninstall(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for owner, name in self._patched:
-            owner.__dict__.pop(name, None)
-        self._patched.clear()
+        self._patches.remove()
         client = self.zero.optimizer
         for group, params in zip(client.param_groups, self.layout.client_restore(), strict=True):
             group["params"] = params
@@ -274,28 +293,21 @@ class DeepSpeedAdapter:
         client.state = defaultdict(dict)
         for flat in self.layout.flats:
             flat.holder.grad = None
-        self._show_compute()
-
-    def _patch(self, owner: object, name: str, replacement: Callable[..., Any]) -> None:
-        object.__setattr__(owner, name, replacement)
-        self._patched.append((owner, name))
+        self._order.register()
 
     # ------------------------------------------------------------- lifecycle
 
-    def _show_compute(self) -> None:
-        """DeepSpeed's own parameters back on the submodules (the views stepped aside):
-        what its forward and its hooks read."""
-        self._order.register()
-
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if _in_backward():
+        if in_backward():
             return  # a recomputation (activation checkpointing): not a new iteration
-        core = self.core
-        if self._callback_queued:
-            # The last backward raised before it ended: its callback never ran.
-            self._callback_queued = False
-        core.begin_compute(outermost=True)
-        self._show_compute()
+        runtime = self.runtime
+        if self._backward.state is Backward.QUEUED:
+            # The last backward raised before it ended: its end never ran.
+            self._backward.move(Backward.NONE_QUEUED)
+        runtime.begin_compute(outermost=True)
+        # DeepSpeed's own parameters back on the submodules (the views stepped aside):
+        # what its forward and its hooks read.
+        self._order.register()
         # Gradients DeepSpeed's parameters hold now were left by a backward that raised
         # (flatview's end of the backward takes them all): they must not add to this one.
         for param, _ in self.layout.compute_params():
@@ -303,16 +315,16 @@ class DeepSpeedAdapter:
         if self.zero_step.changed():
             self.zero_step.publish()
         for flat in self.layout.flats:
-            core.guard_skipped(flat.holder)
-        core.guard_skipped_plain()
+            runtime.guard_skipped(flat.holder)
+        runtime.guard_skipped_plain()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _in_backward():
+        if in_backward():
             return
-        core = self.core
-        core.settle_agreement()
+        runtime = self.runtime
+        runtime.settle_agreement()
         if not torch.is_grad_enabled():
-            core.end_forward_only()
+            runtime.end_forward_only()
             return
         for leaf in tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
@@ -320,16 +332,16 @@ class DeepSpeedAdapter:
                 leaf.register_hook(self._backward_starts)
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
-        if self._core is None or self._callback_queued:
+        if self._installed is None or self._backward.state is Backward.QUEUED:
             return
-        self._core.check_backward_binding()
-        self._callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._installed.check_backward_binding()
+        self._backward.move(Backward.QUEUED)
+        at_end_of_backward(self._end_backward)
 
     def _end_backward(self) -> None:
-        self._callback_queued = False
-        core = self.core
-        if core.phase is not Phase.COMPUTING:
+        self._backward.move(Backward.NONE_QUEUED)
+        runtime = self.runtime
+        if runtime.phase is not Phase.COMPUTING:
             raise StateError(
                 "a second backward through a forward whose backward already ran "
                 "(retain_graph=True), or the backward of an earlier forward after a later "
@@ -340,17 +352,17 @@ class DeepSpeedAdapter:
         finally:
             for param, _ in self.layout.compute_params():
                 param.grad = None
-        core.end_backward(synced=True)
+        runtime.end_backward(synced=True)
 
     @torch.no_grad()
     def _reduce(self) -> None:
         """Every flat parameter's used gradient, reduced (the module docstring)."""
-        core = self.core
+        runtime = self.runtime
         world = self.world_size
         try:
             for index, flat in enumerate(self.layout.flats):
                 flat.holder.grad = None
-                plan = core.reduction_plan(flat.holder)
+                plan = runtime.reduction_plan(flat.holder)
                 if plan is None or plan.none_used:
                     continue
                 padded = self.layout.padded_gradient(index, plan.used)
@@ -360,7 +372,7 @@ class DeepSpeedAdapter:
                     continue
                 rows = list(padded.view(world, shard))
                 done = functools.partial(self._reduced, flat.holder)
-                self.reduction.add(rows, plan, done, whole=padded)
+                self.reduction.add(rows, plan, done, padded=padded)
             self.reduction.finish()
         except BaseException:
             self.reduction.abandon()
@@ -373,18 +385,10 @@ class DeepSpeedAdapter:
 
     @contextlib.contextmanager
     def _lent(self) -> Iterator[None]:
-        with self.core.lend():
-            if self.core.phase is Phase.LENT:
-                self._show_compute()
+        with self.runtime.lend():
+            if self.runtime.phase is Phase.LENT:
+                self._order.register()
             yield
-
-    def _lending(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def lent(*args: Any, **kwargs: Any) -> Any:
-            with self._lent():
-                return method(*args, **kwargs)
-
-        return lent
 
     def _loading(self, method: Callable[..., Any]) -> Callable[..., Any]:
         """A load into DeepSpeed's module parameters, carried into the fp32 masters
@@ -402,10 +406,11 @@ class DeepSpeedAdapter:
 
         return load
 
-    def _refusing(self, name: str, instead: str) -> Callable[..., Any]:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise StateError(
-                f"{name} is not supported while flatview wraps the DeepSpeed engine: {instead}"
-            )
 
-        return refuse
+def _refusing(name: str, instead: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise StateError(
+            f"{name} is not supported while flatview wraps the DeepSpeed engine: {instead}"
+        )
+
+    return refuse

@@ -1,7 +1,8 @@
-"""What flatview's DeepSpeed adapter supports, checked at wrap time: the DeepSpeed version,
-every engine and ZeRO internal the adapter reads, calls or replaces, and every
-configuration flatview has not made exact, each refused with a :class:`WrapError`
-that names it (before anything is patched, and before any collective).
+"""Which models flatview's DeepSpeed adapter (:mod:`flatview.backends.deepspeed`) takes,
+and what it checks at wrap time (:func:`inspect`): the DeepSpeed version, every engine
+and ZeRO internal the adapter reads, calls or replaces, and every configuration flatview
+has not made exact, each refused with a :class:`WrapError` that names it (before
+anything is patched, and before any collective).
 
 Supported: ZeRO stages 1, 2 and 3 of a ``DeepSpeedEngine`` over one data-parallel group,
 fp32 parameters and gradients, no offload, one micro-batch per step, any
@@ -14,11 +15,14 @@ parameters).
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from flatview.backends._common import optional_class, require_attrs, require_autograd_internals
+from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
 from flatview.deferred import Deferred
 from flatview.errors import WrapError
 
@@ -87,18 +91,47 @@ _ZERO_3 = (
 )
 
 
-def engine_class() -> type[Any] | None:
-    """DeepSpeed's engine class, if DeepSpeed can be imported here."""
-    return optional_class("deepspeed.runtime.engine", "DeepSpeedEngine")
+_ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
 def is_engine(model: object) -> bool:
-    cls = engine_class()
-    return cls is not None and isinstance(model, cls)
+    """Whether ``model`` is a ``DeepSpeedEngine``. Looked up among the modules already
+    imported: an engine exists only once DeepSpeed is, and importing DeepSpeed (seconds,
+    and an accelerator chosen for the process) only to turn down another model would
+    cost every ``flatview.wrap`` of a model no other backend takes."""
+    found = sys.modules.get(_ENGINE_MODULE)
+    cls = getattr(found, "DeepSpeedEngine", None)
+    return isinstance(cls, type) and isinstance(model, cls)
 
 
-def check(engine: Any) -> int:
-    """Refuse what flatview does not support (see the module docstring); the ZeRO stage."""
+@dataclass(frozen=True)
+class DeepSpeedModel:
+    """A DeepSpeed engine that passed every check (:func:`inspect`)."""
+
+    engine: Any
+    zero: Any
+    """The engine's ZeRO optimizer (``engine.optimizer``)."""
+    stage: int
+    group: dist.ProcessGroup | None
+    """The data-parallel group ZeRO partitions over."""
+    rank: int
+    world_size: int
+
+
+def inspect(model: Any) -> DeepSpeedModel:
+    """Check ``model`` (a ``DeepSpeedEngine``) for everything the adapter relies on, and
+    refuse what flatview does not support (see the module docstring), before anything is
+    patched."""
+    stage = _check(model)
+    zero = model.optimizer
+    group: dist.ProcessGroup | None = zero.dp_process_group
+    return DeepSpeedModel(
+        model, zero, stage, group, dist.get_rank(group), dist.get_world_size(group)
+    )
+
+
+def _check(engine: Any) -> int:
+    """Every check of the module docstring, in order; the ZeRO stage."""
     require_autograd_internals(TESTED)
     require_attrs(engine, _ENGINE, "the DeepSpeed engine", TESTED)
     pipeline = optional_class("deepspeed.runtime.pipe.engine", "PipelineEngine")

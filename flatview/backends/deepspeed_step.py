@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flatview.backends.deepspeed_zero import ZeroLayout
+from flatview.comm.collectives import all_reduce_sum
 from flatview.errors import StateError
 from flatview.phase import Phase
 
@@ -49,23 +50,29 @@ class ZeroStep:
         self.group = group
         self.world_size = world_size
         self._lent = lent
-        self.core: Runtime | None = None
+        self._installed: Runtime | None = None
         self.trained: list[int] = []
         """Table indices of the views the engine's optimizer trains (set at install)."""
         self._published = self._versions()
 
+    def install(self, runtime: Runtime, trained: list[int]) -> None:
+        """Step through ``runtime``'s views: ``trained`` are the table indices of those
+        the engine's optimizer steps."""
+        self._installed = runtime
+        self.trained = trained
+
     def _runtime(self) -> Runtime:
-        assert self.core is not None, "ZeroStep used before install()"
-        return self.core
+        assert self._installed is not None, "ZeroStep used before install()"
+        return self._installed
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
         """The ZeRO optimizer's ``step``."""
-        core = self._runtime()
+        runtime = self._runtime()
         if closure is not None:
             raise ValueError("DeepSpeed's ZeRO optimizer takes no closure")
-        if core.phase is not Phase.IDLE:
+        if runtime.phase is not Phase.IDLE:
             raise StateError(
-                f"engine.step() while the model is {core.phase.name}: step after the "
+                f"engine.step() while the model is {runtime.phase.name}: step after the "
                 "backward has ended"
             )
         with self._lent():
@@ -103,16 +110,16 @@ class ZeroStep:
         scaled as ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` would on the
         unwrapped model: every element lives on exactly one rank, so the global norm is
         the root of one all-reduced sum of squares."""
-        core = self._runtime()
-        grads = [g for i in self.trained if (g := core.tensor(i).grad) is not None]
+        runtime = self._runtime()
+        grads = [g for i in self.trained if (g := runtime.tensor(i).grad) is not None]
         flats = self.layout.flats
         device = flats[0].holder.device if flats else torch.device("cpu")
         squares = torch.zeros((), dtype=torch.float32, device=device)
         for grad in grads:
             squares += torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) ** 2
         if self.world_size > 1:
-            core.ledger.record(CLIP_KIND, squares)
-            dist.all_reduce(squares, group=self.group)
+            runtime.ledger.record(CLIP_KIND, squares)
+            all_reduce_sum(squares, self.group)
         total = squares.sqrt()
         if max_norm > 0:
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -122,9 +129,9 @@ class ZeroStep:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """DeepSpeed's ``zero_grad``: its parameters' gradients and the views'."""
-        core = self._runtime()
+        runtime = self._runtime()
         tensors = [p for p, _ in self.layout.compute_params()]
-        tensors += [core.tensor(i) for i in self.trained]
+        tensors += [runtime.tensor(i) for i in self.trained]
         for tensor in tensors:
             if set_to_none:
                 tensor.grad = None

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatview.backends._common import join
 from flatview.backends.base import FlatSpec, PlainSpec
+from flatview.backends.names import join
 from flatview.errors import WrapError
 from flatview.layout import FlatLayout, Segment
 from flatview.views import Owner

@@ -18,6 +18,12 @@ Where fairscale keeps things (see ``docs/internals.md``):
   unit with trainable parameters fired its post-backward hook, which a unit that did
   not run cannot do (fairscale crashes there when a nested unit is skipped).
 
+The adapter is assembled from components beside this module: the wrap-time checks
+(:mod:`~flatview.backends.fairscale_checks`), the reduction
+(:mod:`~flatview.backends.fairscale_reduce`), the masked all-gather
+(:mod:`~flatview.backends.fairscale_gather`) and units without a backward
+(:mod:`~flatview.backends.fairscale_settle`).
+
 Everything this adapter changes is an instance attribute or a hook, removed by
 :meth:`FairscaleAdapter.uninstall`.
 """
@@ -31,99 +37,44 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import (
-    forward_in_summon,
-    join,
-    nested_unit_message,
-    optional_class,
-    owners_and_names,
-    without_segments,
-)
-from flatview.backends._fsdp1_shared import UnitAdapter
-from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
+from flatview.backends.base import Adapter, FlatSpec, PlainSpec, UnitSpec, end_root_forward
 from flatview.backends.fairscale_checks import (
     LOCAL_LENDING_METHODS,
-    check_privates,
-    check_version,
+    FairscaleModel,
+    clean_name,
 )
 from flatview.backends.fairscale_gather import MaskedGatherDist
-from flatview.backends.messages import undeclared_units
-from flatview.checkpoint_guard import guard_torch_checkpoint
+from flatview.backends.fairscale_reduce import FairscaleReduction, install_shim, remove_shim
+from flatview.backends.fairscale_settle import UnitSettling
+from flatview.backends.names import join, nested_unit_message, owners_and_names
+from flatview.backends.patches import Patches
+from flatview.backends.summoning import forward_in_summon
+from flatview.backends.unit_tree import lending_methods, settle_units, undeclared_units
 from flatview.comm.options import ReduceOptions
-from flatview.comm.sharded import ShardedReduction
-from flatview.errors import StateError, WrapError
-from flatview.layout import FlatLayout, MaskPlan
+from flatview.errors import WrapError
+from flatview.layout import FlatLayout
 from flatview.views import Owner
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
-_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 
-
-def _fsdp_class() -> type[nn.Module] | None:
-    return optional_class("fairscale.nn.data_parallel", "FullyShardedDataParallel")
-
-
-def is_fairscale_fsdp(model: object) -> bool:
-    cls = _fsdp_class()
-    return cls is not None and isinstance(model, cls)
-
-
-def clean_name(name: str) -> str:
-    """An original name from a name in the wrapped tree (wrapper levels dropped)."""
-    return without_segments(name, _WRAPPER_SEGMENTS)
-
-
-class FairscaleAdapter(UnitAdapter):
-    """Maps the flatview core onto one fairscale FSDP model (root and nested units)."""
+class FairscaleAdapter(Adapter):
+    """Maps the flatview runtime onto one fairscale FSDP model (root and nested units)."""
 
     backend = "fairscale"
     clean_name = staticmethod(clean_name)
-    reduction: ShardedReduction
-    """Where every gradient fairscale would reduce goes (:class:`_ReducerShim`); made
-    at :meth:`install`, with the runtime's ledger."""
+    flattens = True
 
-    def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
-        super().__init__()
-        self.options = options if options is not None else ReduceOptions()
-        version = check_version()
-        from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
-
-        fsdp = _fsdp_class()
-        assert fsdp is not None
-        # fairscale is untyped: its attributes are reached through ``Any``.
-        root: Any = model
+    def __init__(self, model: FairscaleModel, options: ReduceOptions) -> None:
+        self.model = model
+        self.options = options
+        root: Any = model.root
         self.root = root
-        # Before the first forward every unit has `_is_root` None and fairscale leaves no
-        # other trace of nesting on a unit: the root's lazy initialisation marks the
-        # others False, which the first forward checks (_pre_forward).
-        self._fsdp = fsdp
-        units: list[tuple[str, Any]] = [
-            (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
-        ]
-        check_privates(root, units, TrainingState, version)
-        self._idle = TrainingState.IDLE
-        self._pre = TrainingState.BACKWARD_PRE
-        self._post = TrainingState.BACKWARD_POST
-        self._summoning = TrainingState.SUMMON_FULL_PARAMS
-        if root._is_root is False:
-            raise WrapError(nested_unit_message(root, fsdp, clean_name))
-        self.units = units
-        self._check_units(TrainingState.IDLE)
-        if root._output_pre_backward_hook_registered:
-            # fairscale hooked the outputs of a forward for its backward, which would then
-            # run without flatview and without the views learning its gradients.
-            raise WrapError(
-                "flatview.wrap was called between a forward and its backward (the root "
-                "waits for the backward of a forward that ran with autograd on); wrap the "
-                "model between iterations: after the backward, or before the forward (run "
-                "evaluation passes under torch.no_grad())"
-            )
-        self.group: dist.ProcessGroup | None = root.process_group
+        self.units = model.units
+        self.group = root.process_group
         self.rank: int = root.rank
         self.world_size: int = root.world_size
         # One rank: fairscale reduces nothing (its gradients are final), nor does flatview.
@@ -131,9 +82,9 @@ class FairscaleAdapter(UnitAdapter):
         self.device = torch.device(root.compute_device)
         cap = int(root.bucket_cap_mb * 2**20 // 4)
         self.bucket_numel = max(cap, 1)
-        self._plain_plans: dict[int, MaskPlan] = {}
         # Per unit, the masks of the masked gather its unsharded buffer holds, if any.
         self._gathered: dict[int, tuple[tuple[int, tuple[bool, ...]], ...]] = {}
+        self._patches = Patches()
 
     # --------------------------------------------------------------- describe
 
@@ -201,55 +152,55 @@ class FairscaleAdapter(UnitAdapter):
             local_shard=local_shard,
         )
 
-    def _lending_methods(self, unit: Any) -> tuple[str, ...]:
-        # fairscale's local state-dict pair rebuilds module attributes too.
-        return super()._lending_methods(unit) + LOCAL_LENDING_METHODS
-
     # ---------------------------------------------------------------- install
 
-    def install(self, core: Runtime) -> None:
-        self._core = core
-        self.reduction = ShardedReduction(
-            self.root.process_group_reduce_scatter,
-            self.rank,
-            self.world_size,
-            core.ledger,
-            self.options,
-            self.bucket_numel,
-        )
+    def install(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.reduction = FairscaleReduction(self.root, runtime, self.options, self.bucket_numel)
+        """Where every gradient fairscale would reduce goes (a shim of its bucketer)."""
+        self._settling = UnitSettling(self.root, self.units, self.model.states, runtime)
+        patches = self._patches
         for index, (_, unit) in enumerate(self.units):
-            self._hook(unit.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
-            self._patch_lending(unit, self._lending_methods(unit))
-            self.patch(unit, "summon_full_params", self._lending_context(unit.summon_full_params))
-            self.patch(unit, "forward", self._summonable(unit, unit.forward))
+            patches.hook(
+                unit.register_forward_pre_hook(functools.partial(self._pre_forward, index))
+            )
+            # fairscale's local state-dict pair rebuilds module attributes too.
+            methods = lending_methods(unit, self.root) + LOCAL_LENDING_METHODS
+            patches.lending(unit, methods, runtime.lend)
+            patches.patch(
+                unit, "summon_full_params", self._lending_context(unit.summon_full_params)
+            )
+            patches.patch(unit, "forward", self._summonable(unit, unit.forward))
             fpw = unit._fsdp_wrapped_module
-            self.patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
-            self.patch(unit, "_rebuild_full_params", self._masking_gather(unit))
-        self._hook(self.root.register_forward_hook(self._post_forward))
-        self.patch(
+            patches.patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
+            patches.patch(unit, "_rebuild_full_params", self._masking_gather(unit))
+        patches.hook(self.root.register_forward_hook(self._post_forward))
+        patches.patch(
             self.root, "_wait_for_post_backward", self._finishing(self.root._wait_for_post_backward)
         )
-        self.patch(self.root, "_setup_streams", self._streams_then_shim(self.root._setup_streams))
+        patches.patch(
+            self.root, "_setup_streams", self._streams_then_shim(self.root._setup_streams)
+        )
         if self.root._reducer is not None:
-            self._install_shim()
-        guard_torch_checkpoint(self)
+            install_shim(self.root, self.units, self.reduction)
 
     def uninstall(self) -> None:
-        super().uninstall()
-        for _, unit in self.units:
-            if isinstance(unit._reducer, _ReducerShim):
-                unit._reducer = unit._reducer.original
+        self._patches.remove()
+        remove_shim(self.units)
 
     # -------------------------------------------------------------- lifecycle
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        end_root_forward(self.runtime)
 
     def _summonable(self, unit: Any, original: Callable[..., Any]) -> Callable[..., Any]:
         """``unit.forward``, except inside ``summon_full_params`` of the unit, where the
         original module holds the full parameters and runs on them directly (see
-        :func:`~flatview.backends._common.forward_in_summon`)."""
+        :func:`~flatview.backends.summoning.forward_in_summon`)."""
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if unit.training_state is not self._summoning:
+            if unit.training_state is not self.model.states.SUMMON_FULL_PARAMS:
                 return original(*args, **kwargs)
             # The flattening wrapper's own forward would lay views of the (sharded) flat
             # parameters over the summoned ones: run what it wraps.
@@ -261,17 +212,17 @@ class FairscaleAdapter(UnitAdapter):
         if self.root._is_root is False and module is self.root:
             # An outer FSDP's forward is running (its lazy initialisation marked this
             # one nested): wrap was given a nested unit before the first forward.
-            raise WrapError(nested_unit_message(self.root, self._fsdp, clean_name))
-        if self.units[unit_index][1].training_state is self._summoning:
+            raise WrapError(nested_unit_message(self.root, self.model.fsdp, clean_name))
+        if self.units[unit_index][1].training_state is self.model.states.SUMMON_FULL_PARAMS:
             return  # a forward inside summon_full_params: not an iteration
-        self.core.begin_compute(outermost=module is self.root)
-        self.core.check_unit_forward(unit_index)
+        self.runtime.begin_compute(outermost=module is self.root)
+        self.runtime.check_unit_forward(unit_index)
 
     def _lending_context(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @contextlib.contextmanager
         @functools.wraps(method)
         def lent(*args: Any, **kwargs: Any) -> Iterator[Any]:
-            with self.core.lend(), method(*args, **kwargs) as value:
+            with self.runtime.lend(), method(*args, **kwargs) as value:
                 yield value
 
         return lent
@@ -282,7 +233,7 @@ class FairscaleAdapter(UnitAdapter):
         def unflatten_and_guard() -> None:
             original()
             for flat in fpw.flat_params:
-                self.core.guard_skipped(flat)
+                self.runtime.guard_skipped(flat)
 
         return unflatten_and_guard
 
@@ -301,7 +252,7 @@ class FairscaleAdapter(UnitAdapter):
             plans = {}
             if not force_full_precision:
                 for flat in unit._fsdp_wrapped_module.flat_params:
-                    plan = self.core.gather_plan(flat)
+                    plan = self.runtime.gather_plan(flat)
                     if plan is not None:
                         plans[id(flat)] = (flat, plan)
             # fairscale reuses full parameters it still holds (no reshard after forward,
@@ -316,7 +267,7 @@ class FairscaleAdapter(UnitAdapter):
                 return original(force_full_precision)
             self._gathered[id(unit)] = wanted
             real = module.dist
-            module.dist = MaskedGatherDist(real, self.core, plans)
+            module.dist = MaskedGatherDist(real, self.runtime, plans)
             try:
                 return original(force_full_precision)
             finally:
@@ -327,139 +278,28 @@ class FairscaleAdapter(UnitAdapter):
     def _streams_then_shim(self, original: Callable[[], None]) -> Callable[[], None]:
         def setup_streams() -> None:
             original()
-            self._install_shim()
+            install_shim(self.root, self.units, self.reduction)
 
         return setup_streams
 
-    def _install_shim(self) -> None:
-        current = self.root._reducer
-        shim = current if isinstance(current, _ReducerShim) else _ReducerShim(self, current)
-        for _, unit in self.units:
-            unit._reducer = shim
-
     def _finishing(self, original: Callable[[], None]) -> Callable[[], None]:
         def wait_for_post_backward() -> None:
-            self.core.check_backward_binding()
+            runtime = self.runtime
+            runtime.check_backward_binding()
+            synced = bool(self.root._require_backward_grad_sync)
             # Units that took no part in the backward are brought to the state fairscale's
             # final callback expects, like skipped ones.
+            settling = self._settling
             with torch.no_grad():
-                undeclared = self._units_without_backward(
-                    bool(self.root._require_backward_grad_sync)
+                undeclared = settle_units(
+                    self.units, runtime, synced, settling.took_part, settling.settle
                 )
-            self._keep_cpu_grads_of_unreduced()
+            settling.keep_cpu_grads_of_unreduced()
             # Raised only once fairscale has finished the backward (reductions flushed,
             # gradients finalised, states reset), so that the next iteration is sound.
             original()
-            self.core.end_backward(synced=bool(self.root._require_backward_grad_sync))
+            runtime.end_backward(synced=bool(self.root._require_backward_grad_sync))
             if undeclared:
                 raise undeclared_units(undeclared)
 
         return wait_for_post_backward
-
-    def _took_part(self, unit: Any, synced: bool) -> bool:
-        trainable = [p for p in unit.params if p.requires_grad]
-        # Every unit, whether it took part or not: parameters no gradient reached.
-        self._reshard_unreached(unit, trainable, synced)
-        return not trainable or unit.training_state is self._post
-
-    def _settle_unit(self, unit: Any, synced: bool) -> None:
-        for p in unit.params:
-            unit._init_param_attributes(p)
-        # Gradients accumulated under no_sync() in earlier micro-batches still need
-        # their reduction, which the unit's own hook would have started.
-        pending = [
-            p
-            for p in unit.params
-            if p.requires_grad
-            and synced
-            and p._is_sharded
-            and p.grad is not None
-            and p.grad.shape == p._orig_size
-            and self.core.flat_used_so_far(p)
-        ]
-        if pending:
-            unit.training_state = self._pre
-            for p in pending:
-                unit._post_backward_hook(p)
-        unit.training_state = self._post
-
-    @torch.no_grad()
-    def _keep_cpu_grads_of_unreduced(self) -> None:
-        """With ``move_grads_to_cpu`` fairscale's final callback hands every parameter its
-        CPU gradient buffer (``p.grad = p._cpu_grad``), which only a reduction refreshes:
-        one that no rank reduces in this backward (skipped) would get whatever an earlier
-        step left there. Make the buffer what the parameter's gradient is now (zeros for
-        ``None``: the views keep ``None``)."""
-        if not bool(self.root._require_backward_grad_sync):
-            return
-        plain_used = self.core.plain_used()
-        for _, unit in self.units:
-            for p in unit.params:
-                buffer = getattr(p, "_cpu_grad", None)
-                if buffer is None or not p.requires_grad:
-                    continue
-                index = self.core.index_of(p)
-                if self.core.flat_used_so_far(p) or (index is not None and index in plain_used):
-                    continue
-                if p.grad is None:
-                    buffer.zero_()
-                elif p.grad is not buffer and p.grad.shape == buffer.shape:
-                    buffer.copy_(p.grad)
-
-    @staticmethod
-    def _reshard_unreached(unit: Any, params: list[Any], synced: bool) -> None:
-        """A parameter no gradient reached (skipped, in a unit that ran) never got its
-        post-backward hook, which frees the full copy and points ``.data`` back at the
-        fp32 shard; fairscale's final callback does that for non-root units only. Do what
-        the hook would have done."""
-        for p in params:
-            shard = getattr(p, "_fp32_shard", None)
-            if shard is None or p.data.data_ptr() == shard.data_ptr():
-                continue
-            if synced or unit.reshard_after_forward:
-                unit._free_full_params([p])
-            if unit.mixed_precision:
-                unit._free_fp16_param_shard([p])
-            unit._use_fp32_param_shard([p])
-
-    # -------------------------------------------------------------- reduction
-
-    def plan_for(self, param: nn.Parameter) -> MaskPlan:
-        plan = self.core.reduction_plan(param)
-        if plan is not None:
-            return plan
-        # A parameter the unit keeps unflattened: one segment, always used when reduced.
-        plan = self._plain_plans.get(id(param))
-        if plan is None:
-            layout = FlatLayout.packed([(param._orig_size.numel(),)], self.world_size)  # type: ignore[attr-defined]
-            plan = self._plain_plans[id(param)] = MaskPlan.build(layout, (True,))
-        return plan
-
-
-class _ReducerShim:
-    """Stands in for fairscale's ``ReduceScatterBucketer``: routes every gradient through
-    the adapter's sharded reduction, so skipped segments never travel."""
-
-    def __init__(self, adapter: FairscaleAdapter, original: Any) -> None:
-        self.adapter = adapter
-        self.original = original
-
-    def reduce_scatter_async(
-        self,
-        input_list: list[torch.Tensor],
-        group: Any,
-        callback_fn: Callable[[torch.Tensor], None] | None = None,
-    ) -> None:
-        if not (isinstance(callback_fn, functools.partial) and callback_fn.args):
-            raise StateError(
-                "fairscale called its reducer without the per-parameter callback flatview "
-                "relies on; this fairscale version is not supported"
-            )
-        param = callback_fn.args[0]
-        self.adapter.reduction.add(input_list, self.adapter.plan_for(param), callback_fn)
-
-    def flush(self) -> None:
-        self.adapter.reduction.finish()
-
-    def teardown(self) -> None:
-        """Nothing to free: buckets live only between add() and flush()."""

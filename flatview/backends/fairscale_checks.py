@@ -1,20 +1,42 @@
-"""The fairscale versions and internals flatview's fairscale adapter relies on, checked
-at wrap time: the version first, then every fairscale attribute the adapter reads, calls
-or replaces, so that a fairscale that moved one is refused by ``flatview.wrap`` with the
-attribute named, before anything is patched (not in the middle of a backward)."""
+"""Which models flatview's fairscale adapter takes, and what it checks at wrap time
+(:func:`inspect`): the version first, then every fairscale attribute the adapter reads,
+calls or replaces, so that a fairscale that moved one is refused by ``flatview.wrap``
+with the attribute named, before anything is patched (not in the middle of a backward);
+then the units, and a model caught between a forward and its backward."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-from flatview.backends._common import (
-    LENDING_METHODS,
-    ROOT_LENDING_METHODS,
-    require_attrs,
-    require_autograd_internals,
-)
+from torch import nn
+
+from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
+from flatview.backends.messages import check_no_pending_backward
+from flatview.backends.names import nested_unit_message, without_segments
+from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS
+from flatview.backends.unit_tree import check_units
 from flatview.errors import WrapError
+
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
+
+
+def fsdp_class() -> type[nn.Module] | None:
+    """fairscale's ``FullyShardedDataParallel``, if fairscale is installed."""
+    return optional_class("fairscale.nn.data_parallel", "FullyShardedDataParallel")
+
+
+def is_fairscale_fsdp(model: object) -> bool:
+    """Whether ``model`` is a fairscale ``FullyShardedDataParallel`` module."""
+    cls = fsdp_class()
+    return cls is not None and isinstance(model, cls)
+
+
+def clean_name(name: str) -> str:
+    """An original name from a name in the wrapped tree (wrapper levels dropped)."""
+    return without_segments(name, _WRAPPER_SEGMENTS)
+
 
 LOCAL_LENDING_METHODS = ("local_state_dict", "load_local_state_dict")
 """fairscale's own lending methods: its local (sharded) state dicts."""
@@ -91,3 +113,49 @@ def check_privates(root: Any, units: list[tuple[str, Any]], states: Any, version
         # _masking_gather swaps the module's `dist` for the length of a gather.
         module = sys.modules[type(unit).__module__]
         require_attrs(module, ("dist",), f"module {module.__name__}", found)
+
+
+def _awaiting_backward(name: str, root: Any) -> str | None:
+    """What shows that the root waits for a backward: fairscale hooked the outputs of a
+    forward for its backward, which would then run without flatview."""
+    if root._output_pre_backward_hook_registered:
+        return "the root waits for the backward of a forward that ran with autograd on"
+    return None
+
+
+@dataclass(frozen=True)
+class FairscaleModel:
+    """A fairscale FSDP model that passed every check (:func:`inspect`)."""
+
+    root: Any
+    units: list[tuple[str, Any]]
+    """``(original name, unit)`` per unit, root first, in module order."""
+    fsdp: type
+    """fairscale's ``FullyShardedDataParallel``."""
+    states: Any
+    """fairscale's ``TrainingState``."""
+
+
+def inspect(model: nn.Module) -> FairscaleModel:
+    """Check ``model`` (the outermost fairscale unit) for everything the adapter relies
+    on, before anything is patched: the version, the internals, every unit, and a model
+    caught between a forward and its backward."""
+    version = check_version()
+    from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
+
+    fsdp = fsdp_class()
+    assert fsdp is not None
+    # fairscale is untyped: its attributes are reached through ``Any``.
+    root: Any = model
+    # Before the first forward every unit has `_is_root` None and fairscale leaves no
+    # other trace of nesting on a unit: the root's lazy initialisation marks the
+    # others False, which the first forward checks (the adapter's pre-forward hook).
+    units: list[tuple[str, Any]] = [
+        (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
+    ]
+    check_privates(root, units, TrainingState, version)
+    if root._is_root is False:
+        raise WrapError(nested_unit_message(root, fsdp, clean_name))
+    check_units(units, root, TrainingState.IDLE)
+    check_no_pending_backward([("", root)], _awaiting_backward)
+    return FairscaleModel(root, units, fsdp, TrainingState)

@@ -20,9 +20,9 @@ class MaskedGatherDist:
     of the unit's flat parameters are partly skipped: their gathers are masked, every
     other call passes through."""
 
-    def __init__(self, real: Any, core: Runtime, plans: dict[int, tuple[Any, MaskPlan]]):
+    def __init__(self, real: Any, runtime: Runtime, plans: dict[int, tuple[Any, MaskPlan]]):
         self._real = real
-        self._core = core
+        self._runtime = runtime
         self._plans = plans
 
     def __getattr__(self, name: str) -> Any:
@@ -41,12 +41,12 @@ class MaskedGatherDist:
         if plan is None:
             return self._real._all_gather_base(output, source, **kw)
         world = plan.layout.world_size
-        self._core.gather_masked(list(output.view(world, -1).unbind(0)), source, plan)
+        self._runtime.gather_masked(list(output.view(world, -1).unbind(0)), source, plan)
         return None
 
     def all_gather(self, chunks: list[torch.Tensor], source: torch.Tensor, **kw: Any) -> Any:
         plan = self._plan_for(source)
         if plan is None:
             return self._real.all_gather(chunks, source, **kw)
-        self._core.gather_masked(chunks, source, plan)
+        self._runtime.gather_masked(chunks, source, plan)
         return None

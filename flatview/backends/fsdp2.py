@@ -3,7 +3,7 @@
 FSDP2 keeps every original parameter where the user put it, as a ``DTensor`` sharded on
 dim 0 (``Shard(0)``) over the mesh's shard dimension: there is nothing to view, and
 ``fv.parameters()`` are the model's own parameters under their own names. What flatview
-adds is the skip set. Measured on torch 2.13 (CPU, gloo), plain FSDP2 with one unit per
+adds is the skip set. Measured on torch 2.13 (CPU, gloo), bare FSDP2 with one unit per
 block:
 
 * a block whose forward is not called is neither all-gathered nor reduce-scattered, and
@@ -33,11 +33,11 @@ and maps the skip set onto the runtime:
   all-reduce of flags, started by the last group's post_backward alongside its
   reduce-scatter and waited for at the end of the backward, raises
   :class:`~flatview.errors.UndeclaredUnusedError` on every rank if any rank lacked it);
-* the root's post-backward final callback is shadowed to end the core's backward;
+* the root's post-backward final callback is shadowed to end the runtime's backward;
 * each group's all-gather and reduce-scatter objects (``set_custom_all_gather`` /
   ``set_custom_reduce_scatter``, public) are wrapped to count bytes in the ledger at the
   collective; for HSDP the all-reduce of the reduce-scatter output across the replicate
-  dimension is counted there too. Where :func:`~flatview.backends.fsdp2_hooks.decide_bucketing`
+  dimension is counted there too. Where :func:`~flatview.backends.fsdp2_reduce.decide_bucketing`
   says so, small reduce-scatters are held and run as one at the end of the backward
   (:mod:`flatview.comm.held`): on CPU a step goes by its number of collectives.
 
@@ -47,175 +47,104 @@ cannot run alongside it, since a rank whose skip set fails to resolve raises fro
 ``step()`` without a forward (:mod:`flatview.comm.agreement`). Norms and optimizer-state
 consolidation run within the shard group (replicas hold the same pieces).
 
-torch privates touched (checked at wrap time, torch versions in
-:data:`flatview.backends.torch_fsdp.TESTED_TORCH`): ``FSDPModule._get_fsdp_state``;
-``FSDPState._lazy_init``, ``_is_root``, ``_fsdp_param_groups``, ``_training_state``,
-``_states_to_forward_prefetch``, ``_states_to_backward_prefetch``,
-``_root_post_backward_final_callback``; ``FSDPParamGroup.fsdp_params``,
-``_training_state``, ``mesh_info``, ``post_backward``, ``reduce_grads``, ``all_reduce_grads``,
-``reduce_scatter_unused_params``, ``_all_gather_comm``, ``_reduce_scatter_comm``;
-``FSDPParam.sharded_param``, ``_orig_size``, ``fsdp_placement``, ``is_dtensor``,
-``offload_to_cpu``, ``_unsharded_param``, ``unsharded_accumulated_grad``; the mesh
-infos' ``shard_process_group``, ``shard_mesh_size``, ``shard_mesh_rank``,
-``replicate_process_group`` (``_fsdp_common.HSDPMeshInfo``).
+The adapter is assembled from components beside this module: the wrap-time checks
+(:mod:`~flatview.backends.fsdp2_checks`), what each rank contributes to FSDP2's
+reduce-scatters, counting them and holding small ones
+(:mod:`~flatview.backends.fsdp2_reduce`), and the steering of explicit prefetching
+(:mod:`~flatview.backends.fsdp2_prefetch`); the flags are
+:class:`~flatview.comm.unused.UsageFlags`. torch privates touched here (checked at wrap
+time, torch versions in :data:`flatview.backends.torch_versions.TESTED_TORCH`):
+``FSDPState._states_to_forward_prefetch``, ``_states_to_backward_prefetch``,
+``_root_post_backward_final_callback``; ``FSDPModule.reset_iter_state``;
+``FSDPParamGroup.post_backward``, ``_training_state``, ``reduce_grads``,
+``reduce_scatter_unused_params``,
+``_reduce_scatter_comm``; ``FSDPParam.sharded_param``, ``_orig_size``,
+``_unsharded_param``.
 
 Everything changed is an instance attribute or a hook, removed by ``uninstall``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+import enum
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import AdapterBase
-from flatview.backends.base import PlainSpec, UnitSpec
-from flatview.backends.fsdp2_hooks import (
-    STATE_ATTRS,
-    CountingAllGather,
+from flatview.autograd import in_backward
+from flatview.backends.base import Adapter, PlainSpec, UnitSpec, end_root_forward
+from flatview.backends.fsdp2_checks import FSDP2Model, shard_layout
+from flatview.backends.fsdp2_prefetch import PrefetchSteering
+from flatview.backends.fsdp2_reduce import (
+    Contributions,
     CountingReduceScatter,
-    FlagExchange,
-    Unit,
-    check_attrs,
-    check_group,
-    check_no_pending_backward,
     clear_dropped,
+    count_collectives,
     decide_bucketing,
     drop_unreduced_grads,
     hold_plan,
-    refuse_reduce_options,
-    restore_prefetch,
-    shard_layout,
-    steer_prefetch,
+    stop_counting,
 )
+from flatview.backends.patches import Patches
 from flatview.comm.held import HeldReduceScatters
 from flatview.comm.options import ReduceOptions
-from flatview.errors import SkippedParameterUsedError, StateError, UndeclaredUnusedError, WrapError
+from flatview.comm.unused import UsageFlags, undeclared_unused
+from flatview.phase import Phase
+from flatview.states import Transitions
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
 
-class FSDP2Adapter(AdapterBase):
-    """Maps the flatview core onto one FSDP2 model (root and nested ``fully_shard`` units)."""
+class Iteration(enum.Enum):
+    """Where the iteration of the last root forward is."""
+
+    IDLE = "no iteration in flight (or its backward ended)"
+    FORWARD = "the root forward ran; no parameter group has started its post-backward"
+    BACKWARD = "some group's post-backward ran: FSDP's states are mid-backward"
+
+
+_ITERATION_MOVES = {
+    Iteration.IDLE: (Iteration.FORWARD, Iteration.IDLE),
+    Iteration.FORWARD: (Iteration.FORWARD, Iteration.BACKWARD, Iteration.IDLE),
+    Iteration.BACKWARD: (Iteration.FORWARD, Iteration.BACKWARD, Iteration.IDLE),
+}
+
+
+class FSDP2Adapter(Adapter):
+    """Maps the flatview runtime onto one FSDP2 model (root and nested ``fully_shard``
+    units)."""
 
     backend = "fsdp2"
+    bucket_numel = 2**62
 
-    def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
-        super().__init__()
-        from flatview.backends.torch_fsdp import check_torch_version
+    def __init__(self, model: FSDP2Model, options: ReduceOptions) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-        self.options = options if options is not None else ReduceOptions()
-        refuse_reduce_options(self.options)
-        check_torch_version("FSDP2 backend relies on fully_shard")
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState
-
-        self._idle = TrainingState.IDLE
+        self.model = model
+        self.options = options
+        self.root: Any = model.root
+        self.units = model.units
+        self.hybrid = model.hybrid
+        self.group = model.group
+        self.rank = model.rank
+        self.world_size = model.world_size
+        self.replicas = model.replicas
+        self.device = model.device
+        self.wrapper_reduces = self.world_size * self.replicas > 1
         self._post_backward_state = TrainingState.POST_BACKWARD
-        if not isinstance(model, FSDPModule):
-            raise WrapError(
-                "flatview.wrap was given a model whose submodules are sharded with FSDP2 "
-                "but which is not itself: call fully_shard(model) on the root too, then "
-                "wrap the root"
-            )
-        root: Any = model
-        self.root = root
-        check_attrs(root, ("_get_fsdp_state",), "module")
-        root_state = root._get_fsdp_state()
-        check_attrs(root_state, STATE_ATTRS, "state")
-        if root_state._is_root is False:
-            raise WrapError(
-                "flatview.wrap was given a nested FSDP2 module; wrap the outermost "
-                "fully_shard module, the one the training loop calls"
-            )
-        # Lazy initialisation decides the root and may replace sharded parameters
-        # (reset_sharded_param): it must happen before flatview records them.
-        root_state._lazy_init()
-        self._root_state = root_state
-        self.units: list[Unit] = []
-        seen: set[int] = set()
-        for name, module in root.named_modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            state: Any = module._get_fsdp_state()
-            if id(state) in seen:
-                continue
-            seen.add(id(state))
-            check_attrs(state, STATE_ATTRS, "state")
-            if state._training_state is not self._idle:
-                raise StateError(
-                    f"FSDP2 unit {name or '<root>'!r} is in state {state._training_state.name}; "
-                    "wrap the model between iterations"
-                )
-            unit = Unit(name, cast(nn.Module, module), state)
-            if len(unit.groups) > 1:
-                raise WrapError(
-                    f"FSDP2 unit {name or '<root>'!r} has {len(unit.groups)} parameter groups "
-                    "(shard_placement_fn with per-parameter meshes); flatview supports one"
-                )
-            self.units.append(unit)
-        groups = [g for u in self.units for g in u.groups]
-        for unit in self.units:
-            for group in unit.groups:
-                check_group(unit.name, group, CPUOffloadPolicy)
-        check_no_pending_backward([(u.name, u.groups) for u in self.units])
-        # After a forward (under no_grad) FSDP2 keeps the root's unsharded parameters
-        # registered (it does not reshard the root after forward): flatview records the
-        # sharded ones, which the next forward unshards again (FSDPModule.reshard).
-        for unit in self.units:
-            cast(Any, unit.module).reshard()
-        mesh_infos = [g.mesh_info for g in groups]
-        self.hybrid = bool(mesh_infos) and isinstance(mesh_infos[0], HSDPMeshInfo)
-        if mesh_infos:
-            first = mesh_infos[0]
-            if any(m.mesh != first.mesh for m in mesh_infos):
-                raise WrapError("FSDP2 units use different device meshes; flatview needs one mesh")
-            self.group: dist.ProcessGroup | None = first.shard_process_group
-            self.rank: int = int(first.shard_mesh_rank)
-            self.world_size: int = int(first.shard_mesh_size)
-            replicas = first.replicate_mesh_size if self.hybrid else 1
-            if self.hybrid and first.mesh.size() != dist.get_world_size():
-                raise WrapError(
-                    "FSDP2 HSDP over a mesh that does not span every process: flatview's "
-                    "skip-set check needs the mesh to cover the default process group"
-                )
-            self.device = groups[0].device
-        else:
-            self.group = None
-            self.rank = dist.get_rank()
-            self.world_size = dist.get_world_size()
-            replicas = 1
-            self.device = torch.device("cpu")
-        self.replicas = replicas
         self._holds = decide_bucketing(self.options, self.device, self.hybrid, self.world_size)
         self._held: HeldReduceScatters | None = None
-        self.wrapper_reduces = self.world_size * replicas > 1
-        self.bucket_numel = 2**62
-        self._aliases: dict[int, list[str]] = {}
-        self._names: dict[int, str] = {}
-        for name, param in root.named_parameters(remove_duplicate=False):
-            if id(param) in self._names:
-                self._aliases[id(param)].append(name)
-            else:
-                self._names[id(param)] = name
-                self._aliases[id(param)] = []
-        # Per parameter (by core index, filled at install): whether this rank's backward
-        # gave it a gradient since the last synchronising backward.
-        self._got: set[int] = set()
-        # Parameters not skipped in some backward since the last synchronising one.
-        self._window_used: set[int] = set()
-        self._versions: dict[int, tuple[int, int]] = {}
+        self._iteration = Transitions(Iteration.IDLE, _ITERATION_MOVES)
         self._ran: set[int] = set()
-        self._backward_started = False
-        self._in_flight = False
-        self._prefetch: dict[int, tuple[Any, Any, Any, Any]] = {}
+        """Units whose forward ran in this iteration."""
+        self._prefetch = PrefetchSteering([u.state for u in self.units])
         # In the final callback: the groups whose post_backward FSDP has yet to run, the
         # flags' exchange once the last has run.
         self._unfinished: set[int] | None = None
-        self._flags: FlagExchange | None = None
+        self._flags: UsageFlags | None = None
+        self._patches = Patches()
 
     @staticmethod
     def clean_name(name: str) -> str:
@@ -238,7 +167,9 @@ class FSDP2Adapter(AdapterBase):
             )
         # Parameters FSDP2 does not manage (ignored_params): every rank holds them whole.
         extra = tuple(
-            PlainSpec(self._names[id(p)], p, tuple(p.shape), aliases=tuple(self._aliases[id(p)]))
+            PlainSpec(
+                self.model.names[id(p)], p, tuple(p.shape), aliases=tuple(self.model.aliases[id(p)])
+            )
             for p in self.root.parameters()
             if id(p) not in managed
         )
@@ -251,72 +182,53 @@ class FSDP2Adapter(AdapterBase):
     def _plain(self, param: nn.Parameter, shape: tuple[int, ...]) -> PlainSpec:
         layout = shard_layout(shape, self.world_size) if self.world_size > 1 else None
         return PlainSpec(
-            self._names[id(param)],
+            self.model.names[id(param)],
             param,
             shape,
             layout,
             self.rank,
             reduced=True,
-            aliases=tuple(self._aliases[id(param)]),
-            whole_shard=False,
+            aliases=tuple(self.model.aliases[id(param)]),
+            padded_shard=False,
         )
 
     # ---------------------------------------------------------------- install
 
-    def install(self, core: Runtime) -> None:
-        self._core = core
+    def install(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._contributions = Contributions(runtime)
+        patches = self._patches
         for index, unit in enumerate(self.units):
-            self._hook(
+            patches.hook(
                 unit.module.register_forward_pre_hook(self._pre_forward_of(index), prepend=True)
             )
             for group in unit.groups:
-                self.patch(group, "post_backward", self._post_backward_of(index, group))
-        self._hook(self.root.register_forward_hook(self._post_forward))
+                patches.patch(group, "post_backward", self._post_backward_of(index, group))
+        patches.hook(self.root.register_forward_hook(self._post_forward))
         for unit in self.units:
             # FSDP queues the callback of whichever state's pre-backward fires first.
-            self.patch(
+            patches.patch(
                 unit.state,
                 "_root_post_backward_final_callback",
                 self._final_callback_of(unit.state),
             )
         if self._holds is not None:
-            self._held = HeldReduceScatters(core.ledger)
+            self._held = HeldReduceScatters(runtime.ledger)
         self._params_of = [
             [
-                (fsdp_param, core.index_of(fsdp_param.sharded_param))
+                (fsdp_param, runtime.index_of(fsdp_param.sharded_param))
                 for group in unit.groups
                 for fsdp_param in group.fsdp_params
             ]
             for unit in self.units
         ]
-        self._count_collectives()
+        count_collectives(self.units, runtime.ledger, self.hybrid, self._held)
 
     def uninstall(self) -> None:
-        restore_prefetch([u.state for u in self.units], self._prefetch)
+        self._prefetch.restore()
         self._drop_held()
-        for unit in self.units:
-            for group in unit.groups:
-                for attr in ("_all_gather_comm", "_reduce_scatter_comm"):
-                    comm = getattr(group, attr)
-                    if isinstance(comm, (CountingAllGather, CountingReduceScatter)):
-                        setattr(group, attr, comm.inner)
-        super().uninstall()
-
-    def _count_collectives(self) -> None:
-        """Wrap every group's all-gather and reduce-scatter (again, if the user set a
-        custom one since) so that the ledger counts them."""
-        ledger = self.core.ledger
-        for unit in self.units:
-            for group in unit.groups:
-                if not isinstance(group._all_gather_comm, CountingAllGather):
-                    group._all_gather_comm = CountingAllGather(group._all_gather_comm, ledger)
-                if not isinstance(group._reduce_scatter_comm, CountingReduceScatter):
-                    group._reduce_scatter_comm = CountingReduceScatter(
-                        group._reduce_scatter_comm,
-                        ledger,
-                        group if self.hybrid else None,
-                        self._held,
-                    )
+        stop_counting(self.units)
+        self._patches.remove()
 
     # -------------------------------------------------------------- lifecycle
 
@@ -325,41 +237,41 @@ class FSDP2Adapter(AdapterBase):
         outermost = unit.module is self.root
 
         def pre_forward(module: nn.Module, args: Any) -> None:
-            core = self.core
-            if outermost and not _in_backward():
-                if self._in_flight and self._backward_started:
+            runtime = self.runtime
+            if outermost and not in_backward():
+                if self._iteration.state is Iteration.BACKWARD:
                     # The last backward raised before FSDP's final callback: FSDP's states
                     # are mid-backward (what reset_iter_state is for).
                     self.root.reset_iter_state()
                     drop_unreduced_grads(f for entries in self._params_of for f, _ in entries)
                     self._reset_round()
-                self._in_flight = True
-                self._backward_started = False
+                self._iteration.move(Iteration.FORWARD)
                 self._ran.clear()
-            core.begin_compute(outermost)
-            core.check_unit_forward(index)
+            runtime.begin_compute(outermost)
+            runtime.check_unit_forward(index)
             self._ran.add(index)
-            if outermost and not _in_backward():
-                self._count_collectives()
-                self._steer_prefetch()
+            if outermost and not in_backward():
+                count_collectives(self.units, runtime.ledger, self.hybrid, self._held)
+                skipped = {id(u.state) for i, u in enumerate(self.units) if runtime.unit_skipped(i)}
+                self._prefetch.steer(skipped)
 
         return pre_forward
 
-    def _steer_prefetch(self) -> None:
-        skipped = {id(u.state) for i, u in enumerate(self.units) if self.core.unit_skipped(i)}
-        steer_prefetch([u.state for u in self.units], skipped, self._prefetch)
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        end_root_forward(self.runtime)
 
     def _post_backward_of(self, index: int, group: Any) -> Any:
         original = group.post_backward
 
         def post_backward(*unused: Any) -> None:
-            self._backward_started = True
+            if self._iteration.state is not Iteration.IDLE:
+                self._iteration.move(Iteration.BACKWARD)
             saved = group.reduce_scatter_unused_params
             comm = group._reduce_scatter_comm
             counting = isinstance(comm, CountingReduceScatter)
             try:
-                self.core.check_backward_binding()
-                self._before_reduce(index, group)
+                self.runtime.check_backward_binding()
+                self._contributions.before_reduce(group, index in self._ran)
                 unfinished = self._unfinished
                 if unfinished is not None and id(group) in unfinished:
                     unfinished.discard(id(group))
@@ -381,45 +293,6 @@ class FSDP2Adapter(AdapterBase):
 
         return post_backward
 
-    def _before_reduce(self, index: int, group: Any) -> None:
-        core = self.core
-        used = core.plain_used()
-        ran = index in self._ran
-        reducing = bool(group.reduce_grads)
-        for fsdp_param in group.fsdp_params:
-            param_index = core.index_of(fsdp_param.sharded_param)
-            if param_index is None or not fsdp_param.sharded_param.requires_grad:
-                continue
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            grad = unsharded.grad if unsharded is not None else None
-            # Without mixed precision earlier micro-batches accumulate in the same
-            # tensor: only one that changed since the last backward is this one's.
-            fresh = grad is not None and self._versions.get(param_index) != (
-                id(grad),
-                grad._version,
-            )
-            if param_index not in used:
-                if fresh:
-                    raise SkippedParameterUsedError(
-                        f"parameter {core.name(param_index)!r} is declared skipped for this "
-                        "step but received a gradient: the model used it. Remove it from "
-                        "the skip set or don't use it."
-                    )
-                continue
-            if fresh:
-                self._got.add(param_index)
-            elif (
-                ran
-                and reducing
-                and unsharded is not None
-                and grad is None
-                and fsdp_param.unsharded_accumulated_grad is None
-                and param_index not in self._got
-            ):
-                # Zeros, what this rank contributes: its reduce-scatter keeps the layout
-                # the other ranks give theirs.
-                unsharded.grad = torch.zeros_like(unsharded)
-
     def _final_callback_of(self, state: Any) -> Any:
         original = state._root_post_backward_final_callback
 
@@ -437,7 +310,7 @@ class FSDP2Adapter(AdapterBase):
                     self._start_flags()
                 original()
                 if self._held is not None:
-                    # Before the core ends the backward: the gradients are final then.
+                    # Before the runtime ends the backward: the gradients are final then.
                     with torch.no_grad():
                         self._held.run()
             finally:
@@ -447,70 +320,63 @@ class FSDP2Adapter(AdapterBase):
         return final_callback
 
     def _end_backward(self) -> None:
-        core = self.core
+        runtime = self.runtime
         groups = [g for u in self.units for g in u.groups]
         synced = all(bool(g.reduce_grads) for g in groups) if groups else True
-        self._in_flight = False
-        self._backward_started = False
-        if core.phase.name != "COMPUTING":
+        self._iteration.move(Iteration.IDLE)
+        if runtime.phase is not Phase.COMPUTING:
             return
-        self._window_used |= core.plain_used()
-        missing: list[int] = []
+        lacked: list[int] = []
         if synced:
-            missing, unused = self._exchange_missing()
+            lacked, unused = self._exchange_flags()
             for index in unused:
-                # No rank gave it a gradient: as with plain FSDP2, it keeps none.
-                core.tensor(index).grad = None
+                # No rank gave it a gradient: as with FSDP2 alone, it keeps none.
+                runtime.tensor(index).grad = None
             self._reset_round()
         else:
-            self._versions = {}
-            for entries in self._params_of:
-                for fsdp_param, position in entries:
-                    grad = getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None)
-                    if position is not None and grad is not None:
-                        self._versions[position] = (id(grad), grad._version)
-        core.end_backward(synced=synced)
-        if missing:
-            names = ", ".join(repr(core.name(i)) for i in missing[:8])
-            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            raise UndeclaredUnusedError(
-                f"parameter(s) {names}{more} received no gradient on some rank in this "
-                "backward pass, but are not declared skipped: FSDP2 would leave them out "
-                "of that rank's reduce-scatter. Pass what a step does not use to "
-                "FlatView.step(skip=...)."
+            self._contributions.accumulated(self._params_of)
+        runtime.end_backward(synced=synced)
+        if lacked:
+            raise undeclared_unused(
+                "parameter(s)",
+                [runtime.name(i) for i in lacked],
+                "some rank",
+                ": FSDP2 would leave them out of that rank's reduce-scatter",
             )
 
     def _start_flags(self) -> None:
         """Start the flags' all-reduce of a synchronising backward (every rank's last
         post_backward starts it, so all pair up)."""
-        core = self.core
-        due = core.phase.name == "COMPUTING" and self.wrapper_reduces and self._flags is None
+        runtime = self.runtime
+        due = runtime.phase is Phase.COMPUTING and self.wrapper_reduces and self._flags is None
         if not due or not all(bool(g.reduce_grads) for u in self.units for g in u.groups):
             return
-        missing = sorted((self._window_used | core.plain_used()) - self._got)
-        group, count = self.agreement_group, len(self._names) + 1
-        self._flags = FlagExchange(missing, self._got, count, group, core.ledger, self.device)
+        gave = self._contributions.gave
+        lacking = sorted(runtime.plain_used_so_far() - gave)
+        count = len(self.model.names) + 1
+        self._flags = UsageFlags.exchanged(
+            gave, lacking, count, self.agreement_group, runtime.ledger, self.device
+        )
 
-    def _exchange_missing(self) -> tuple[list[int], list[int]]:
+    def _exchange_flags(self) -> tuple[list[int], list[int]]:
+        """(parameters some rank gave no gradient although not skipped, those no rank
+        gave one)."""
         self._start_flags()
         flags, self._flags = self._flags, None
         if flags is None:
-            missing = sorted(self._window_used - self._got)
-            return missing, missing
-        return flags.result()
+            lacking = sorted(self.runtime.plain_used_so_far() - self._contributions.gave)
+            return lacking, lacking
+        return flags.lacked(), flags.unused()
 
     def _drop_held(self) -> None:
         if self._held is not None:
             clear_dropped(self._held.drop())
 
     def _reset_round(self) -> None:
+        """The window is over: reduced by a synchronising backward, or dropped with an
+        aborted one."""
         # Flags an aborted backward started: their all-reduce completes by itself.
         self._flags = None
         self._drop_held()
-        self._got.clear()
-        self._window_used = set()
-        self._versions = {}
-
-
-def _in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
+        self._contributions.reset()
+        self.runtime.forget_plain_window()

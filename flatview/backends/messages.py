@@ -1,21 +1,40 @@
-"""Error texts more than one adapter raises, written once: a unit that took no part in
-a backward without being declared skipped, and an optimizer that holds a flat parameter
-together with views inside it."""
+"""Error texts more than one adapter raises, written once: a model wrapped between a
+forward and its backward, and an optimizer that holds a flat parameter together with
+views inside it. (Parameters that got no gradient without being declared skipped:
+:func:`flatview.comm.unused.undeclared_unused`.)"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from flatview.errors import DoubleCountError, UndeclaredUnusedError
+from flatview.errors import DoubleCountError, WrapError
 
 
-def undeclared_units(names: Iterable[str]) -> UndeclaredUnusedError:
-    """FSDP units (``names``, ``"<root>"`` for the root) that took no part in a backward
-    although their parameters are not all declared skipped."""
-    return UndeclaredUnusedError(
-        f"FSDP unit(s) {', '.join(repr(n) for n in names)} took no part in this backward "
-        "pass, but their parameters are not all declared skipped. Pass the layers a step "
-        "does not use to FlatView.step(skip=...)."
+def check_no_pending_backward(
+    units: Iterable[tuple[str, Any]],
+    awaiting: Callable[[str, Any], str | None],
+    advice: str = "",
+) -> None:
+    """Refuse to wrap between a forward and its backward: that backward would run into
+    flatview's hooks (or past them) without the forward flatview binds a step to, and the
+    views would never learn its gradients. ``awaiting(name, unit)`` says what shows that
+    a unit waits for a backward (``None``: nothing); ``advice``: what else to drop. Every
+    rank ran the same forward, so every rank raises, before anything collective."""
+    for name, unit in units:
+        evidence = awaiting(name, unit)
+        if evidence is not None:
+            raise wrapped_mid_iteration(evidence, advice)
+
+
+def wrapped_mid_iteration(evidence: str, advice: str = "") -> WrapError:
+    """``flatview.wrap`` was called between a forward and its backward, as ``evidence``
+    (what the wrapper shows of it) says: that backward would run into flatview's hooks
+    without the forward flatview binds a step to. ``advice``: what else to drop."""
+    return WrapError(
+        f"flatview.wrap was called between a forward and its backward ({evidence}); wrap "
+        "the model between iterations: after the backward, or before the forward (run "
+        f"evaluation passes under torch.no_grad(){advice})"
     )
 
 

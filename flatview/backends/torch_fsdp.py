@@ -18,12 +18,8 @@ torch, which is why :class:`TorchFSDPAdapter` refuses untested versions):
 * A unit's ``forward`` unshards, then sets plain tensor views of the unsharded flat on
   the submodules (deleting whatever is registered under the original names), then calls
   ``unit._fsdp_wrapped_module``, so a forward pre-hook there sees the compute tensors.
-* Gradient reduction: the public ``register_comm_hook`` replaces the reduce-scatter
-  (``hook(state, padded_unsharded_grad, sharded_out)``, which must fill ``sharded_out``
-  before returning) and the ``NO_SHARD`` all-reduce (``hook(state, grad)``, in place)
-  of every unit. torch passes each unit's own ``unit._comm_hook_state``, which this
-  adapter sets per unit so that the hook knows whose gradient it reduces (also
-  under hybrid sharding: :mod:`~flatview.backends.torch_hybrid`).
+* Gradient reduction: the public ``register_comm_hook`` replaces torch's reduction of
+  every unit (:mod:`~flatview.backends.torch_fsdp_reduce`).
 * After a backward the root's final callback waits for the reductions, calls
   ``next_iter()`` on the execution-order record ``unit._exec_order_data`` (one object
   shared by every unit), and only then finalises each unit (the sharded gradient moves
@@ -31,12 +27,16 @@ torch, which is why :class:`TorchFSDPAdapter` refuses untested versions):
   object gives the point "every backward hook ran, nothing finalised yet", like
   fairscale's ``_wait_for_post_backward``. A unit that took no part in the backward
   still has ``handle._training_state`` other than ``BACKWARD_POST`` there.
-* The rest of the adapter lives beside this module: what is refused at wrap time,
-  torch internals included (:mod:`~flatview.backends.torch_fsdp_checks`), how flat
-  parameters become specs (:mod:`~flatview.backends.torch_fsdp_describe`), where torch
-  assumes that every unit takes part in every step (prefetching, units without a
-  backward, ``use_orig_params`` gradients: :mod:`~flatview.backends.torch_fsdp_skips`)
-  and the summoning brackets (:mod:`~flatview.backends.torch_summon`).
+* The adapter is assembled from components beside this module: what is refused at wrap
+  time, torch internals included (:mod:`~flatview.backends.torch_fsdp_checks`), how
+  flat parameters become specs (:mod:`~flatview.backends.torch_fsdp_describe`), the
+  reduction (:mod:`~flatview.backends.torch_fsdp_reduce`), and where torch assumes that
+  every unit takes part in every step: prefetching
+  (:mod:`~flatview.backends.torch_fsdp_prefetch`), units without a backward
+  (:mod:`~flatview.backends.torch_fsdp_settle`), ``use_orig_params`` gradients
+  (:mod:`~flatview.backends.torch_orig_grads`); the summoning brackets
+  (:mod:`~flatview.backends.torch_summon`). Hybrid sharding:
+  :mod:`~flatview.backends.torch_hybrid`.
 
 Everything this adapter changes is an instance attribute, a hook or a unit's
 communication hook, removed by :meth:`TorchFSDPAdapter.uninstall`.
@@ -45,254 +45,125 @@ communication hook, removed by :meth:`TorchFSDPAdapter.uninstall`.
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from flatview.backends._common import nested_unit_message
-from flatview.backends.base import UnitSpec
-from flatview.backends.messages import undeclared_units
-from flatview.backends.torch_fsdp_checks import (
-    FSDP2_MESSAGE,
-    check_flat,
-    check_initialised,
-    check_no_pending_backward,
-    check_privates,
-    fsdp_class,
-    is_fsdp2,
-    is_torch_fsdp,
-    refuse_unit,
-    torch_version,
-)
+from flatview.autograd import at_end_of_backward, in_backward
+from flatview.backends.base import Adapter, UnitSpec, end_root_forward
+from flatview.backends.patches import Patches
+from flatview.backends.torch_fsdp_checks import TorchFSDPModel
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
-from flatview.backends.torch_fsdp_skips import TorchSkipping
-from flatview.backends.torch_hybrid import hybrid_groups, replica_of, set_comm_hook
-from flatview.backends.torch_summon import SummonLending, summonable
-from flatview.checkpoint_guard import guard_torch_checkpoint
+from flatview.backends.torch_fsdp_prefetch import PrefetchSteering
+from flatview.backends.torch_fsdp_reduce import NO_BUCKETING, TorchFSDPReduction
+from flatview.backends.torch_fsdp_settle import UnitSettling
+from flatview.backends.torch_orig_grads import OrigParamGrads
+from flatview.backends.torch_summon import SummonLending, summonable, summoning
+from flatview.backends.unit_tree import lending_methods, settle_units, undeclared_units
 from flatview.comm.options import ReduceOptions
-from flatview.comm.packing import plan_index
-from flatview.comm.replicated import ReplicatedReduction
-from flatview.comm.sharded import ShardedReduction
-from flatview.errors import StateError, WrapError
-from flatview.layout import MaskPlan
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
 
-__all__ = [
-    "FSDP2_MESSAGE",
-    "TorchFSDPAdapter",
-    "clean_name",
-    "is_fsdp2",
-    "is_torch_fsdp",
-    "torch_version",
-]
 
-TESTED_TORCH = ((2, 13),)
-"""``(major, minor)`` versions of torch whose FSDP1 internals this adapter was checked
-against."""
-
-UNTESTED_TORCH_ENV = "FLATVIEW_ALLOW_UNTESTED_TORCH"
-"""Set to ``1`` to wrap torch FSDP1 models on a torch outside :data:`TESTED_TORCH` (with a
-warning): the internals read are checked attribute by attribute at wrap time, so a torch
-that moved them still fails there, but one that changed their meaning would not."""
-
-
-def check_torch_version(relies: str) -> str:
-    """Refuse a torch outside :data:`TESTED_TORCH` (unless :data:`UNTESTED_TORCH_ENV` is
-    set: then warn) for the adapter whose ``relies`` (e.g. ``"FSDP2 backend relies on
-    fully_shard"``) names what it depends on; return the "checked against ... found ..."
-    phrase the internals checks quote."""
-    tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
-    found = f"torch {tested}; found torch {torch.__version__}"
-    if torch_version() not in TESTED_TORCH:
-        message = f"flatview's {relies} internals checked against {found}"
-        if os.environ.get(UNTESTED_TORCH_ENV) != "1":
-            raise WrapError(f"{message} (set {UNTESTED_TORCH_ENV}=1 to try it anyway)")
-        # Points at the user's flatview.wrap call: this function, the adapter's __init__,
-        # backends._choose, backends.detect, flatview.wrap, the caller.
-        warnings.warn(f"{message}; going ahead ({UNTESTED_TORCH_ENV}=1)", stacklevel=6)
-    return found
-
-
-# The hook reduces at once, so nothing waits in the reductions' buckets between units (see
-# TorchFSDPAdapter.reduce); the bucket size only has to exceed any one gradient.
-_NO_BUCKETING = 2**62
-
-
-class _UnitHookState:
-    """The communication-hook state torch hands back for one unit."""
-
-    def __init__(self, adapter: TorchFSDPAdapter, unit: Any) -> None:
-        self.adapter = adapter
-        self.unit = unit
-
-
-def _reduce_hook(
-    state: _UnitHookState, grad: torch.Tensor, output: torch.Tensor | None = None
-) -> None:
-    """The communication hook registered on every unit (both of torch's signatures)."""
-    state.adapter.reduce(state.unit, grad, output)
-
-
-class TorchFSDPAdapter(TorchSkipping):
-    """Maps the flatview core onto one torch FSDP1 model (root and nested units)."""
+class TorchFSDPAdapter(Adapter):
+    """Maps the flatview runtime onto one torch FSDP1 model (root and nested units),
+    driving torch's own unit runtime."""
 
     backend = "torch"
     clean_name = staticmethod(clean_name)
-    _sharded: ShardedReduction
-    _replicated: ReplicatedReduction
-    """The reductions of sharded and of ``NO_SHARD`` units' gradients, made at
-    :meth:`install` with the runtime's ledger."""
+    flattens = True
 
-    def __init__(self, model: nn.Module, options: ReduceOptions | None = None) -> None:
-        super().__init__()
-        self.options = options if options is not None else ReduceOptions()
-        found = check_torch_version("torch FSDP backend relies on FSDP1")
-        fsdp = fsdp_class()
-        assert fsdp is not None
-        # torch's FSDP internals are untyped: they are reached through ``Any``.
-        root: Any = model
-        self.root = root
-        units: list[tuple[str, Any]] = [
-            (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
-        ]
-        check_privates(root, units, found)
-        from torch.distributed.fsdp import ShardingStrategy
-        from torch.distributed.fsdp import _runtime_utils as runtime
+    def __init__(self, model: TorchFSDPModel, options: ReduceOptions) -> None:
+        from torch.distributed.fsdp import _runtime_utils
         from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
 
-        self._runtime = runtime
-        self._init_skipping()
-        self._idle = TrainingState.IDLE
-        self._handle_idle = HandleTrainingState.IDLE
-        self._summoning_state = HandleTrainingState.SUMMON_FULL_PARAMS
-        self._summoning_unit = TrainingState.SUMMON_FULL_PARAMS
-        # Before lazy initialisation every unit has `_is_root` None; a unit constructed
-        # before another FSDP around it is marked by that one's constructor (for Dynamo;
-        # in the unit's own __dict__: FSDP forwards missing attributes to the wrapped
-        # module, which its own constructor marks). A unit that an auto-wrap policy
-        # created is not marked (see docs/limitations.md).
-        if root._is_root is False or vars(root).get("_is_fsdp_managed_module", False):
-            raise WrapError(nested_unit_message(root, fsdp, clean_name))
-        self.units = units
-        self._check_units(TrainingState.IDLE, then=refuse_unit)
-        self.hybrid = hybrid_groups(root, units, found)  # collective: before any other
-        self.replicas = 1 if self.hybrid is None else self.hybrid.replica_size
-        # Lazy initialisation creates the local shards the views alias and the shared
-        # execution-order record; torch would run it at the first forward anyway.
-        root.check_is_root()
-        check_initialised(root, units, found)
-        check_no_pending_backward(units)
-        for name, unit in self.units:
-            if unit._handle is not None:
-                check_flat(name, unit._handle)
-        self.group: dist.ProcessGroup | None = root.process_group
-        self.rank: int = root.rank
-        self.world_size: int = root.world_size
-        self.device = torch.device(root.compute_device)
-        self.bucket_numel = _NO_BUCKETING
+        self.model = model
+        self.options = options
+        self.root: Any = model.root
+        self.units = model.units
+        self.group = model.group
+        self.rank = model.rank
+        self.world_size = model.world_size
+        self.device = model.device
+        self.replicas = model.replicas
+        self.bucket_numel = NO_BUCKETING
         # NO_SHARD everywhere: forward and backward gather nothing, and the only
         # gradient collectives are flatview's (reduce, next_iter), which settle the
         # skip-set check first; so it can run alongside the forward.
-        self.overlaps_agreement = all(
-            unit.sharding_strategy is ShardingStrategy.NO_SHARD for _, unit in self.units
-        )
-        self._unit_index: dict[int, int] = {id(unit): i for i, (_, unit) in enumerate(self.units)}
+        self.overlaps_agreement = model.replicates
+        self._fsdp_runtime = _runtime_utils
+        self._idle = TrainingState.IDLE
+        self._handle_idle = HandleTrainingState.IDLE
         self._handle_unit: dict[int, int] = {
             id(unit._handle): i for i, (_, unit) in enumerate(self.units) if unit._handle
         }
-        self._summon = SummonLending(self._summoning_state, self._lend)
+        self._patches = Patches()
+        self._summon = SummonLending(self._lend)
         self._grads_at_forward: list[tuple[Any, torch.Tensor | None]] = []
-        # Whether a no_sync() window is open (the last backward did not synchronise).
-        self._accumulating = False
-        # Flat parameters whose gradient hook waits for an in-place reduction in flight.
-        self._in_place_guarded: set[int] = set()
-
-    # ------------------------------------------------------------ summoning
-
-    def summon_lending(self, lend: Callable[[], AbstractContextManager[None]]) -> SummonLending:
-        """Brackets for this model's summonings (``summon_full_params``, full and sharded
-        ``state_dict``) that lend through ``lend``: ``patch`` each handle with it."""
-        return SummonLending(self._summoning_state, lend)
-
-    def summoning(self, unit: Any) -> bool:
-        """Whether ``unit`` is inside ``summon_full_params`` (its submodules hold the
-        full parameters)."""
-        return bool(unit.training_state is self._summoning_unit)
-
-    # --------------------------------------------------------------- describe
+        # Units that took no part in the backward, undeclared: raised at its end.
+        self._undeclared: list[str] = []
 
     def describe(self) -> list[UnitSpec]:
         return describe_units(self.units, self.root, self.rank, self.world_size)
 
+    def _lend(self) -> Any:
+        return self.runtime.lend()
+
     # ---------------------------------------------------------------- install
 
-    def install(self, core: Runtime) -> None:
-        self._core = core
-        # NO_SHARD units' gradients go to the replicated reduction, the others' to the
-        # sharded one; a model may mix both.
-        reduction = (self.group, self.rank, self.world_size, core.ledger, self.options)
-        # torch reduce-scatters each unit on its own.
-        self._sharded = ShardedReduction(
-            *reduction, self.bucket_numel, replica_of(self.hybrid), wrapper_buckets=False
-        )
-        self._replicated = ReplicatedReduction(*reduction, self.bucket_numel)
-        set_comm_hook(self.root, self.units, _reduce_hook, self.hybrid)
+    def install(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        patches = self._patches
+        self._reduction = TorchFSDPReduction(self.model, self.options, runtime, patches)
+        self._settling = UnitSettling(runtime)
+        self._orig_grads = OrigParamGrads(self.units, runtime)
         for index, (_, unit) in enumerate(self.units):
-            # register_comm_hook gives every unit the same state; each gets its own so
-            # that the hook knows whose gradient it is given.
-            unit._comm_hook_state = _UnitHookState(self, unit)
-            self._hook(unit.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
-            self._hook(
+            patches.hook(
+                unit.register_forward_pre_hook(functools.partial(self._pre_forward, index))
+            )
+            patches.hook(
                 unit._fsdp_wrapped_module.register_forward_pre_hook(
                     functools.partial(self._guard_skipped, index)
                 )
             )
             device = self.device if unit is self.root else None
-            self.patch(unit, "forward", summonable(unit, unit.forward, self.summoning, device))
-            self._patch_lending(unit, self._lending_methods(unit))
+            patches.patch(unit, "forward", summonable(unit, unit.forward, device))
+            patches.lending(unit, lending_methods(unit, self.root), self._lend)
             handle = unit._handle
             if handle is not None:
-                self._summon.patch(handle, self.patch)
+                self._summon.patch(handle, patches)
                 if handle._use_orig_params:
                     prepare = handle.prepare_gradient_for_backward
-                    self.patch(handle, "prepare_gradient_for_backward", self._noting_none(prepare))
-        self._hook(self.root.register_forward_hook(self._post_forward))
+                    noting = self._orig_grads.noting_none(prepare)
+                    patches.patch(handle, "prepare_gradient_for_backward", noting)
+        patches.hook(self.root.register_forward_hook(self._post_forward))
         order = self.root._exec_order_data
-        self.patch(order, "next_iter", self._finishing(order.next_iter))
-        self.patch(order, "get_handle_to_forward_prefetch", self._forward_prefetch_target)
-        self.patch(order, "get_handle_to_backward_prefetch", self._backward_prefetch_target)
-        guard_torch_checkpoint(self)
+        prefetch = PrefetchSteering(self.root, self._handle_unit, runtime)
+        patches.patch(order, "next_iter", self._finishing(order.next_iter))
+        patches.patch(order, "get_handle_to_forward_prefetch", prefetch.forward_target)
+        patches.patch(order, "get_handle_to_backward_prefetch", prefetch.backward_target)
 
     def uninstall(self) -> None:
-        super().uninstall()
-        for _, unit in self.units:
-            unit._comm_hook = None
-            unit._comm_hook_state = None
+        self._patches.remove()
+        self._reduction.uninstall()
         self._summon.close()
-        self._in_place_guarded.clear()
 
     # -------------------------------------------------------------- lifecycle
 
     def _pre_forward(self, unit_index: int, module: nn.Module, args: Any) -> None:
-        if self.units[unit_index][1].training_state is self._summoning_unit:
+        if summoning(self.units[unit_index][1]):
             return  # a forward inside summon_full_params: not an iteration
+        runtime = self.runtime
         outermost = module is self.root
         if outermost and self._backward_aborted():
             self._abandon_backward()
-        if outermost and not self._accumulating:
-            self._note_none_grads()
-            self._none_at_backward = True
-            self._forget_masks()
-        self.core.begin_compute(outermost=outermost)
-        if outermost and torch._C._current_graph_task_id() == -1:
+        if outermost and not runtime.accumulating:
+            self._orig_grads.window_opens()
+        runtime.begin_compute(outermost=outermost)
+        if outermost and not in_backward():
             # What the gradients were before this iteration's backward touches them: what
             # an aborted backward gives back (references only).
             self._grads_at_forward = [
@@ -300,13 +171,16 @@ class TorchFSDPAdapter(TorchSkipping):
                 for _, unit in self.units
                 if unit._handle is not None
             ]
-        self.core.check_unit_forward(unit_index)
+        runtime.check_unit_forward(unit_index)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        end_root_forward(self.runtime)
 
     def _backward_aborted(self) -> bool:
         """Whether the last backward raised before torch's final callback reset the
         units (an error of flatview's inside it): a unit is still in a backward state
         as a new iteration's root forward starts (not a recomputation inside one)."""
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return False
         return any(
             unit.training_state is not self._idle
@@ -323,8 +197,7 @@ class TorchFSDPAdapter(TorchSkipping):
         next iteration runs as if the aborted one had not. (A gradient tensor that the
         aborted backward accumulated into in place keeps what it added: zero the
         gradients after such an error, as after any failed step.)"""
-        self._replicated.abandon()
-        self._sharded.abandon()
+        self._reduction.abandon()
         self._undeclared = []
         before = {id(flat): grad for flat, grad in self._grads_at_forward}
         self._grads_at_forward = []
@@ -335,7 +208,7 @@ class TorchFSDPAdapter(TorchSkipping):
                 if hasattr(flat, "_saved_grad_shard"):
                     del flat._saved_grad_shard
                 flat._post_backward_called = False
-                self._runtime._catch_all_reshard(unit)
+                self._fsdp_runtime._catch_all_reshard(unit)
                 flat.grad = before.get(id(flat))
                 handle._ran_pre_backward_hook = False
                 handle._needs_pre_backward_unshard = False
@@ -352,140 +225,35 @@ class TorchFSDPAdapter(TorchSkipping):
         model that uses one anyway fails in backward."""
         handle = self.units[unit_index][1]._handle
         if handle is not None:
-            self.core.guard_skipped(handle.flat_param)
+            self.runtime.guard_skipped(handle.flat_param)
 
     def _finishing(self, original: Callable[[], None]) -> Callable[[], None]:
         def next_iter() -> None:
             # Every backward hook has run; torch finalises the gradients after this.
-            self.core.settle_agreement()
-            self.core.check_backward_binding()
-            self._settle_units_without_backward()
-            # The replicated buckets' collectives first, then the sharded ones.
-            self._replicated.finish()
-            self._sharded.finish()
+            runtime = self.runtime
+            runtime.settle_agreement()
+            runtime.check_backward_binding()
+            # Units that took no part in the backward, settled (those not declared
+            # skipped are raised once torch has finished the backward).
+            settling = self._settling
+            with torch.no_grad():
+                synced = bool(self.root._sync_gradients)
+                self._undeclared = settle_units(
+                    self.units, runtime, synced, settling.took_part, settling.settle
+                )
+            self._reduction.finish()
             original()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            at_end_of_backward(self._end_backward)
 
         return next_iter
 
     def _end_backward(self) -> None:
         synced = bool(self.root._sync_gradients)
         if synced:
-            self._restore_none_grads()
+            self._orig_grads.restore_none_grads()
         else:
-            self._unmark_accumulated_grads()
-        self.core.end_backward(synced=synced)
-        self._accumulating = not synced
+            self._orig_grads.unmark_accumulated_grads()
+        self.runtime.end_backward(synced=synced)
         undeclared, self._undeclared = self._undeclared, []
         if undeclared:
             raise undeclared_units(undeclared)
-
-    # -------------------------------------------------------------- reduction
-
-    @torch.no_grad()
-    def reduce(self, unit: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
-        """Queue one unit's gradient for masked reduction; the reductions' buckets are
-        reduced together, one collective per bucket instead of one per unit.
-
-        ``output is None``: ``NO_SHARD``, where ``grad`` is the flat gradient, reduced in
-        place. Otherwise ``grad`` is the padded unsharded gradient and ``output`` the
-        sharded gradient torch expects back: it is zero when the hook returns, torch
-        accumulates it into ``flat._saved_grad_shard``, and the reduced values are
-        added there when the bucket is flushed (at the latest in ``next_iter``, after
-        every backward hook and before torch finalises gradients). Both average over the
-        group as torch does (pre- and post-division).
-
-        A gradient a reduction takes whole (``reduces_in_place``: all
-        or nearly all used, large enough) skips the bucket where torch would not read it
-        before ``next_iter``: it is all-reduced in place (``NO_SHARD``) or reduce-scattered
-        straight into ``output`` by an asynchronous collective started now, which the
-        flush in ``next_iter`` waits for.
-        """
-        core = self.core
-        core.settle_agreement()
-        handle = unit._handle
-        plan: MaskPlan | None = None if handle is None else core.reduction_plan(handle.flat_param)
-        if plan is None:
-            raise StateError(
-                f"torch FSDP asked flatview to reduce a gradient of unit "
-                f"{type(unit).__name__} that flatview does not know"
-            )
-        flat = handle.flat_param
-        predivide = float(unit._gradient_predivide_factor)
-        postdivide = float(unit._gradient_postdivide_factor)
-        replicated, sharded = self._replicated, self._sharded
-        # Reduced without packing, the collective may still run when the hook returns,
-        # unless an optimizer steps in backward (it reads the gradient at once).
-        late_ok = not getattr(handle, "_has_optim_in_backward", False)
-        if (
-            late_ok
-            and output is None
-            and grad is flat.grad
-            # torch casts the gradient to the parameter dtype right after the hook
-            # returns, reading it: only without that cast may the reduction still run.
-            and (grad.dtype == flat.dtype or handle._keep_low_precision_grads)
-            and replicated.reduces_in_place(grad, plan)
-        ):
-            # All (or nearly all) of it is used: all-reduced whole and in place, while
-            # the backward goes on; the flush in next_iter waits for it. Should autograd
-            # accumulate into it again before then (reentrant checkpointing), a hook on
-            # the flat parameter waits for the reduction first.
-            if id(flat) not in self._in_place_guarded:
-                self._in_place_guarded.add(id(flat))
-
-                def settle_first(_: torch.Tensor) -> None:
-                    if replicated.in_flight(flat.grad):
-                        self._wait_in_flight()
-
-                self._hook(flat.register_hook(settle_first))
-            replicated.all_reduce_in_place(
-                grad, plan, predivide, postdivide if postdivide > 1 else 1.0
-            )
-            return
-        index = plan_index(plan, grad.device)
-        if output is None:
-
-            def place_replicated(values: torch.Tensor) -> None:
-                # Resolved now, not when queued: torch may have cast the gradient since.
-                # Divided on the way back: one pass, the values torch's div_ would give.
-                index.place(flat.grad, values, 0, postdivide if postdivide > 1 else 1.0)
-
-            replicated.add(grad, plan, place_replicated, predivide)
-            return
-        saved = getattr(flat, "_saved_grad_shard", None)
-        if sharded.in_flight(saved):
-            # A second reduction of this unit in one backward (reentrant checkpointing):
-            # torch is about to add to the shard the first one still writes.
-            self._wait_in_flight()
-        if predivide > 1 and not plan.none_used:
-            grad.div_(predivide)
-        if (
-            late_ok
-            and saved is None
-            # torch keeps `output` as the sharded gradient without reading it (nothing to
-            # accumulate into, no cast to the parameter dtype): it may still be written.
-            and output.dtype == flat.dtype
-            and sharded.reduces_in_place(grad, plan)
-        ):
-            sharded.reduce_scatter_in_place(
-                grad, output, plan, postdivide if postdivide > 1 else 1.0
-            )
-            return
-        output.zero_()
-        queued = True
-
-        def add_sharded(shard: torch.Tensor) -> None:
-            if postdivide > 1:
-                shard.div_(postdivide)
-            # A bucket that fills up flushes inside add(), before torch has taken
-            # `output`: then the result goes there; later it goes to the accumulator.
-            target = output if queued else flat._saved_grad_shard
-            target.add_(shard)
-
-        sharded.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded, whole=grad)
-        queued = False
-
-    def _wait_in_flight(self) -> None:
-        """Wait for every reduction started whole and still in flight, of both kinds."""
-        self._replicated.wait_in_flight()
-        self._sharded.wait_in_flight()

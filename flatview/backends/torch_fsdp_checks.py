@@ -1,10 +1,10 @@
-"""Which models flatview's torch FSDP1 adapter takes (FSDP1, not FSDP2), and what it
-refuses at wrap time: torch internals it touches that are missing (every attribute it
-reads, calls or replaces, checked before anything is patched, so that a torch that
-renamed one is refused with the attribute named instead of failing in the middle of a
-backward), units it cannot drive (CPU offload, a communication hook of someone
-else's), flat parameters whose layout views cannot follow, and a model caught between a
-forward and its backward. Hybrid sharding's own checks are in
+"""What flatview's torch FSDP1 adapter refuses at wrap time (which models it takes is
+:mod:`~flatview.backends.torch_versions`'s): torch internals it touches that are missing
+(every attribute it reads, calls or replaces, checked before anything is patched, so
+that a torch that renamed one is refused with the attribute named instead of failing in
+the middle of a backward), units it cannot drive (CPU offload, a communication hook of
+someone else's), flat parameters whose layout views cannot follow, and a model caught
+between a forward and its backward. Hybrid sharding's own checks are in
 :mod:`~flatview.backends.torch_hybrid`.
 
 Wrapping runs torch's lazy initialisation (it would otherwise run at the first forward).
@@ -16,6 +16,7 @@ torch would take it for the root (``docs/limitations.md``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,47 +24,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import utils as dist_utils
 
-from flatview.backends._common import optional_class, require_attrs, require_autograd_internals
+from flatview.backends.internals import require_attrs, require_autograd_internals
+from flatview.backends.messages import check_no_pending_backward
+from flatview.backends.names import nested_unit_message
+from flatview.backends.torch_fsdp_describe import clean_name
+from flatview.backends.torch_hybrid import hybrid_groups
+from flatview.backends.torch_versions import check_torch_version, fsdp_class
+from flatview.backends.unit_tree import check_units, label
+from flatview.comm.hybrid import HybridGroups
 from flatview.errors import WrapError
-from flatview.registry import check_not_wrapped
-
-FSDP2_MESSAGE = (
-    "flatview.wrap was given a model sharded with FSDP2 (torch.distributed.fsdp.fully_shard). "
-    "FSDP2 keeps every original parameter as its own sharded DTensor and has no flat "
-    "parameters, so there is nothing for flatview to give back: build optimizers from "
-    "submodule.parameters() directly. FSDP2 already reduce-scatters only the parameters "
-    "that received a gradient."
-)
-
-
-def fsdp_class() -> type[nn.Module] | None:
-    if not dist.is_available():
-        return None
-    return optional_class("torch.distributed.fsdp", "FullyShardedDataParallel")
-
-
-def is_torch_fsdp(model: object) -> bool:
-    """Whether ``model`` is a torch FSDP1 ``FullyShardedDataParallel`` module."""
-    cls = fsdp_class()
-    return cls is not None and isinstance(model, cls)
-
-
-def is_fsdp2(model: object) -> bool:
-    """Whether ``model`` or one of its submodules was sharded with FSDP2 ``fully_shard``."""
-    if not isinstance(model, nn.Module) or not dist.is_available():
-        return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def torch_version() -> tuple[int, int]:
-    """``(major, minor)`` of the running torch."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
+from flatview.wrapped_models import check_not_wrapped
 
 _UNIT_PRIVATES = (
     "_is_root",
@@ -179,53 +149,123 @@ def check_initialised(root: Any, units: list[tuple[str, Any]], tested: str) -> N
         require_attrs(handle.flat_param, FLAT_PRIVATES, f"the flat parameter of {what}", tested)
 
 
-def refuse_unit(label: str, unit: Any) -> None:
+def refuse_unit(where: str, unit: Any) -> None:
     """A unit that offloads parameters, that flatview wrapped already, or that has a
     communication hook of its own."""
     if unit.cpu_offload.offload_params:
         raise WrapError(
-            f"FSDP unit {label!r} offloads parameters to CPU (CPUOffload("
+            f"FSDP unit {where!r} offloads parameters to CPU (CPUOffload("
             "offload_params=True)); flatview's torch backend does not support that"
         )
     # flatview's own hook means flatview wrapped it already: say that instead.
     check_not_wrapped([unit])
     if unit._comm_hook is not None:
         raise WrapError(
-            f"FSDP unit {label!r} already has a communication hook; flatview reduces "
+            f"FSDP unit {where!r} already has a communication hook; flatview reduces "
             "gradients through its own hook and cannot combine with another"
         )
 
 
-def check_no_pending_backward(units: list[tuple[str, Any]]) -> None:
-    """Refuse to wrap between a forward and its backward: torch registered that
-    forward's backward hooks for a model without flatview (and without views),
-    whose gradients flatview would then never see. torch marks each unit whose
-    forward registered pre-backward hooks until its backward (or the end of the
-    backward) runs."""
-    for name, unit in units:
-        handle = unit._handle
-        if handle is not None and handle._needs_pre_backward_unshard:
-            raise WrapError(
-                f"flatview.wrap was called between a forward and its backward (FSDP unit "
-                f"{name or '<root>'!r} waits for the backward of a forward that ran with "
-                "autograd on); wrap the model between iterations: after the backward, or "
-                "before the forward (run evaluation passes under torch.no_grad())"
-            )
+def _awaiting_backward(name: str, unit: Any) -> str | None:
+    """What shows that ``unit`` waits for a backward: torch registered its forward's
+    backward hooks for a model without flatview (and without views), whose gradients
+    flatview would then never see. torch marks each unit whose forward registered
+    pre-backward hooks until its backward (or the end of the backward) runs."""
+    handle = unit._handle
+    if handle is not None and handle._needs_pre_backward_unshard:
+        return (
+            f"FSDP unit {label(name)!r} waits for the backward of a forward that ran "
+            "with autograd on"
+        )
+    return None
 
 
 def check_flat(unit_name: str, handle: Any) -> None:
     """Refuse a flat parameter whose layout the views cannot follow."""
     flat = handle.flat_param
-    label = unit_name or "<root>"
+    where = label(unit_name)
     if not handle._use_orig_params and not all(flat._contiguities):
         names = [fqn for fqn, c in zip(flat._fqns, flat._contiguities, strict=True) if not c]
         raise WrapError(
-            f"FSDP unit {label!r} flattened non-contiguous parameters ({', '.join(names)}); "
+            f"FSDP unit {where!r} flattened non-contiguous parameters ({', '.join(names)}); "
             "flatview's views assume a contiguous layout: make them contiguous before "
             "wrapping in FSDP"
         )
     if any(ext is not None for ext in flat._param_extensions):
         raise WrapError(
-            f"FSDP unit {label!r} uses FSDP extensions (tensor parallelism); flatview's "
+            f"FSDP unit {where!r} uses FSDP extensions (tensor parallelism); flatview's "
             "torch backend does not support them"
         )
+
+
+@dataclass(frozen=True)
+class TorchFSDPModel:
+    """A torch FSDP1 model that passed every check, as both torch FSDP1 adapters take it
+    (:func:`inspect`)."""
+
+    root: Any
+    units: list[tuple[str, Any]]
+    """``(original name, unit)`` per unit, root first, in module order."""
+    tested: str
+    """The "checked against ... found ..." phrase of the internals checks."""
+    hybrid: HybridGroups | None
+    """This rank's place in the grid of a hybrid model (``None``: not hybrid)."""
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def replicas(self) -> int:
+        return 1 if self.hybrid is None else self.hybrid.replica_size
+
+    @property
+    def replicates(self) -> bool:
+        """Every unit is ``NO_SHARD``: the forward and backward gather nothing."""
+        from torch.distributed.fsdp import ShardingStrategy
+
+        return all(unit.sharding_strategy is ShardingStrategy.NO_SHARD for _, unit in self.units)
+
+
+def inspect(model: nn.Module) -> TorchFSDPModel:
+    """Check ``model`` (the outermost torch FSDP1 unit) for everything either torch
+    FSDP1 adapter relies on, before anything is patched: the torch version, its
+    internals, every unit, hybrid sharding's grid (a collective, before any other), and
+    the lazy initialisation that creates the local shards the views alias (torch would
+    run it at the first forward anyway)."""
+    tested = check_torch_version("torch FSDP backend relies on FSDP1")
+    fsdp = fsdp_class()
+    assert fsdp is not None
+    # torch's FSDP internals are untyped: they are reached through ``Any``.
+    root: Any = model
+    units: list[tuple[str, Any]] = [
+        (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
+    ]
+    check_privates(root, units, tested)
+    from torch.distributed.fsdp._common_utils import TrainingState
+
+    # Before lazy initialisation every unit has `_is_root` None; a unit constructed
+    # before another FSDP around it is marked by that one's constructor (for Dynamo;
+    # in the unit's own __dict__: FSDP forwards missing attributes to the wrapped
+    # module, which its own constructor marks). A unit that an auto-wrap policy
+    # created is not marked (see docs/limitations.md).
+    if root._is_root is False or vars(root).get("_is_fsdp_managed_module", False):
+        raise WrapError(nested_unit_message(root, fsdp, clean_name))
+    check_units(units, root, TrainingState.IDLE, then=refuse_unit)
+    hybrid = hybrid_groups(root, units, tested)  # collective: before any other
+    root.check_is_root()
+    check_initialised(root, units, tested)
+    check_no_pending_backward(units, _awaiting_backward)
+    for name, unit in units:
+        if unit._handle is not None:
+            check_flat(name, unit._handle)
+    return TorchFSDPModel(
+        root,
+        units,
+        tested,
+        hybrid,
+        root.process_group,
+        root.rank,
+        root.world_size,
+        torch.device(root.compute_device),
+    )

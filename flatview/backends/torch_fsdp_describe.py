@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatview.backends._common import join, owners_and_names, without_segments
 from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
+from flatview.backends.names import join, owners_and_names, without_segments
 from flatview.errors import WrapError
 from flatview.layout import FlatLayout, Segment
 from flatview.views import Owner

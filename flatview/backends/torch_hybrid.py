@@ -36,7 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flatview.backends._common import require_attrs
+from flatview.backends.internals import require_attrs
+from flatview.comm.collectives import gather_objects
 from flatview.comm.hybrid import HybridGroups, check_grid
 from flatview.errors import WrapError
 
@@ -96,8 +97,7 @@ def hybrid_groups(root: Any, units: list[tuple[str, Any]], tested: str) -> Hybri
             "skip-set checks run over every process, so the grid must span the default "
             "process group"
         )
-    places: list[Any] = [None] * world
-    dist.all_gather_object(places, mine)
+    places = gather_objects(mine, None)
     try:
         check_grid(places)
     except ValueError as err:

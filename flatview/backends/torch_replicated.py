@@ -15,7 +15,8 @@ module directly. flatview's views, registered on the submodules as always, are t
 leaves the model computes with (with ``use_orig_params=True``, torch's own parameters,
 which alias the flat parameter too), so autograd gives each used one its own gradient
 and a skipped one none. flatview all-reduces the used gradients in buckets, as for DDP
-(:mod:`flatview.backends.replicated`). FSDP's own state stays ``IDLE`` throughout.
+(:class:`~flatview.backends.replicated.ReplicatedBackward`). FSDP's own state stays
+``IDLE`` throughout.
 
 What torch's runtime did and still happens:
 
@@ -47,12 +48,15 @@ import torch
 from torch import nn
 from torch.distributed.utils import _to_kwargs
 
-from flatview.backends._common import LENDING_METHODS, forward_in_summon
-from flatview.backends.base import PlainSpec, UnitSpec
+from flatview.autograd import in_backward
+from flatview.backends.base import Adapter, PlainSpec, UnitSpec
 from flatview.backends.messages import double_count
-from flatview.backends.replicated import ReplicatedAdapter, in_backward
-from flatview.backends.torch_fsdp import TorchFSDPAdapter, clean_name
-from flatview.checkpoint_guard import guard_torch_checkpoint
+from flatview.backends.patches import LENDING_METHODS, Patches
+from flatview.backends.replicated import ReplicatedBackward
+from flatview.backends.summoning import forward_in_summon
+from flatview.backends.torch_fsdp_checks import TorchFSDPModel
+from flatview.backends.torch_fsdp_describe import clean_name, describe_units
+from flatview.backends.torch_summon import SummonLending, summoning
 from flatview.comm.options import ReduceOptions
 from flatview.errors import OptimStateError
 from flatview.views import Owner, Shown, ViewSet
@@ -64,11 +68,11 @@ _DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's default ``bucket_cap_mb``: the bucket size of the all-reduces."""
 
 
-def ineligibility(fsdp: TorchFSDPAdapter) -> str | None:
+def ineligibility(model: TorchFSDPModel) -> str | None:
     """Why the model cannot compute on views (the first reason found), or ``None``."""
     from torch.distributed.fsdp import ShardingStrategy
 
-    for name, unit in fsdp.units:
+    for name, unit in model.units:
         label = name or "<root>"
         if unit.sharding_strategy is not ShardingStrategy.NO_SHARD:
             return f"FSDP unit {label!r} shards ({unit.sharding_strategy.name})"
@@ -84,23 +88,26 @@ def ineligibility(fsdp: TorchFSDPAdapter) -> str | None:
     return None
 
 
-class TorchReplicatedAdapter(ReplicatedAdapter):
-    """Maps the flatview core onto a torch FSDP1 model whose units all replicate,
+class TorchReplicatedAdapter(Adapter):
+    """Maps the flatview runtime onto a torch FSDP1 model whose units all replicate,
     bypassing torch's unit runtime (see the module docstring)."""
 
     backend = "torch"
     clean_name = staticmethod(clean_name)
+    flattens = True
+    # The forward communicates nothing the skip set decides (nothing at all).
+    overlaps_agreement = True
+    takes_overlap = True
 
-    def __init__(self, fsdp: TorchFSDPAdapter, options: ReduceOptions | None = None) -> None:
-        super().__init__()
-        reason = ineligibility(fsdp)
+    def __init__(self, model: TorchFSDPModel, options: ReduceOptions) -> None:
+        reason = ineligibility(model)
         assert reason is None, reason
-        self.root: Any = fsdp.root
-        self.units = fsdp.units
-        self.group = fsdp.group
-        self.rank = fsdp.rank
-        self.world_size = fsdp.world_size
-        self.device = fsdp.device
+        self.root: Any = model.root
+        self.units = model.units
+        self.group = model.group
+        self.rank = model.rank
+        self.world_size = model.world_size
+        self.device = model.device
         self._view_sets: list[ViewSet] = []
         self._view_names: list[list[str]] = []
         self._flat_names: dict[int, tuple[str, tuple[str, ...]]] = {}
@@ -113,7 +120,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         reduced: set[int] = set()
         self._view_owners: list[Owner] = []
         """Where flatview's views (or torch's own) are shown."""
-        for unit in fsdp.describe():
+        for unit in describe_units(self.units, self.root, self.rank, self.world_size):
             plain: list[PlainSpec] = []
             for spec in unit.flats:
                 self._view_owners.extend(o for owners in spec.owners for o in owners)
@@ -126,7 +133,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
                     # writes the local shard in place (summon_full_params copies it onto
                     # itself), which bumps the version counter of every tensor aliasing it
                     # as a view; `.data` is an alias with a counter of its own, so a write
-                    # autograd must not see stays unseen, as for plain FSDP's tensors.
+                    # autograd must not see stays unseen, as for bare FSDP's tensors.
                     shard = spec.local_shard().data
                     views = ViewSet(spec.flat, spec.flat_owner, spec.layout, 0, shard, spec.owners)
                     self._view_sets.append(views)
@@ -151,10 +158,10 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         first = params[0][1] if params else None
         element = first.element_size() if first is not None else 4
         self.bucket_numel = _DDP_BUCKET_BYTES // element
-        self._summon = fsdp.summon_lending(self._lend)
-        self._summoning = fsdp.summoning
-        self._init_reduction(params, reduced, _DDP_BUCKET_BYTES, options)
-        # Shown from the start: the core finds plain parameters where they are registered.
+        self._summon = SummonLending(self._lend)
+        self._backward = ReplicatedBackward(params, reduced, _DDP_BUCKET_BYTES, options, self)
+        self._patches = Patches()
+        # Shown from the start: the runtime finds plain parameters where they are registered.
         for views in self._view_sets:
             views.show()
 
@@ -166,24 +173,25 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
 
     # ---------------------------------------------------------------- install
 
-    def install(self, core: Runtime) -> None:
-        self._core = core
+    def install(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        patches = self._patches
         for index, (_, unit) in enumerate(self.units):
             forward = self._root_forward if unit is self.root else self._unit_forward(index)
-            self.patch(unit, "forward", forward)
-            self._patch_lending(unit, LENDING_METHODS)
+            patches.patch(unit, "forward", forward)
+            patches.lending(unit, LENDING_METHODS, self._lend)
             handle = unit._handle
             if handle is not None:
-                self._summon.patch(handle, self.patch)
-        self._install_reduction()
-        guard_torch_checkpoint(self)
+                self._summon.patch(handle, patches)
+        self._backward.install(runtime, patches)
 
     def uninstall(self) -> None:
-        super().uninstall()
+        self._patches.remove()
+        self._backward.uninstall()
         self._summon.close()
         self._write_back()
         for views in self._view_sets:
-            # Plain FSDP goes on from the flat parameters: they take the views' values
+            # Bare FSDP goes on from the flat parameters: they take the views' values
             # and gradients.
             views.push_grads()
             views.hide()
@@ -200,27 +208,27 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         wrapped = self.root._fsdp_wrapped_module
         if in_backward():
             return wrapped(*args, **kwargs)  # a recomputation (checkpointing)
-        if self._summoning(self.root):
+        if summoning(self.root):
             return forward_in_summon(wrapped, *args, **kwargs)
         self._write_back()
-        self._begin_forward(bool(self.root._sync_gradients))
+        self._backward.begin_forward(bool(self.root._sync_gradients))
         if self.device.type != "cpu":
             moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
             args = moved_args[0] if moved_args else ()
             kwargs = moved_kwargs[0] if moved_kwargs else {}
         output = wrapped(*args, **kwargs)
-        self._end_forward(output)
+        self._backward.end_forward(output)
         return output
 
     def _unit_forward(self, index: int) -> Callable[..., Any]:
         wrapped = self.units[index][1]._fsdp_wrapped_module
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._summoning(self.units[index][1]):
+            if summoning(self.units[index][1]):
                 return forward_in_summon(wrapped, *args, **kwargs)
-            self.core.check_not_lent()
+            self.runtime.check_not_lent()
             if not in_backward():
-                self.core.check_unit_forward(index)
+                self.runtime.check_unit_forward(index)
             return wrapped(*args, **kwargs)
 
         return forward
@@ -233,7 +241,7 @@ class TorchReplicatedAdapter(ReplicatedAdapter):
         operations, inside the runtime's lending. The views are this adapter's, not the
         runtime's: the outermost of nested calls (``state_dict`` recurses into the units)
         finds them shown, hides them and shows them again; inner ones find them hidden."""
-        with self.core.lend():
+        with self.runtime.lend():
             if not any(views.shown is Shown.VIEWS for views in self._view_sets):
                 yield
                 return

@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch.distributed import utils as dist_utils
 
-from flatview.backends._common import forward_in_summon
+from flatview.backends.patches import Lend, Patches
+from flatview.backends.summoning import forward_in_summon
 
 
 class SummonLending:
@@ -30,17 +30,17 @@ class SummonLending:
     registered again. The views step aside at the first unit's entry and come back at
     the last unit's exit, through ``lend``."""
 
-    def __init__(self, state: Any, lend: Callable[[], AbstractContextManager[None]]) -> None:
-        self._state = state
+    def __init__(self, lend: Lend) -> None:
+        self._state = _summoning_states()[1]
         self._lend = lend
         self._units: set[int] = set()
         self._lent = contextlib.ExitStack()
 
-    def patch(self, handle: Any, patch: Callable[[object, str, Callable[..., Any]], None]) -> None:
-        """Shadow ``handle``'s two methods with bracketing ones (through ``patch``, which
-        records them for removal)."""
-        patch(handle, "pre_unshard", self._entry(handle))
-        patch(handle, "post_reshard", self._exit(handle))
+    def patch(self, handle: Any, patches: Patches) -> None:
+        """Shadow ``handle``'s two methods with bracketing ones (through ``patches``,
+        which removes them with the rest)."""
+        patches.patch(handle, "pre_unshard", self._entry(handle))
+        patches.patch(handle, "post_reshard", self._exit(handle))
 
     def close(self) -> None:
         self._units.clear()
@@ -74,15 +74,26 @@ class SummonLending:
         return post_reshard
 
 
+@functools.cache
+def _summoning_states() -> tuple[Any, Any]:
+    """torch's states of a unit and of a handle inside a summoning."""
+    from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
+
+    return TrainingState.SUMMON_FULL_PARAMS, HandleTrainingState.SUMMON_FULL_PARAMS
+
+
+def summoning(unit: Any) -> bool:
+    """Whether ``unit`` is inside ``summon_full_params`` (its submodules hold the full
+    parameters)."""
+    return bool(unit.training_state is _summoning_states()[0])
+
+
 def summonable(
-    unit: Any,
-    original: Callable[..., Any],
-    summoning: Callable[[Any], bool],
-    device: torch.device | None,
+    unit: Any, original: Callable[..., Any], device: torch.device | None
 ) -> Callable[..., Any]:
     """``unit.forward`` (``original``), except inside ``summon_full_params`` of the unit
-    (``summoning(unit)``), where its submodules hold the full parameters and the wrapped
-    module runs on them directly (see :func:`~flatview.backends._common.forward_in_summon`);
+    (:func:`summoning`), where its submodules hold the full parameters and the wrapped
+    module runs on them directly (see :func:`~flatview.backends.summoning.forward_in_summon`);
     ``device``: the root's compute device, which inputs are moved to as torch's root
     pre-forward does (``None`` for other units)."""
 

@@ -2,7 +2,7 @@
 on its own (FSDP2), where on CPU a step's time goes more by the number of collectives
 than by their bytes.
 
-A held reduce-scatter is the wrapper's own: its input is the wrapper's whole padded
+A held reduce-scatter is the wrapper's own: its input is the wrapper's entire padded
 layout (``world_size`` equal chunks, chunk ``r`` for rank ``r``), its output the
 wrapper's buffer that this rank's sharded gradients are (views of) or are added from.
 :meth:`HeldReduceScatters.run` lays the held inputs side by side within each rank's
@@ -33,7 +33,7 @@ from flatview.comm.ledger import Ledger
 
 HELD_CAP_NUMEL = 2**23
 """Elements (32 MiB in float32) held at most before the held reduce-scatters run, which
-bounds the memory holding costs: plain FSDP2 frees a reduce-scatter's input once it ran,
+bounds the memory holding costs: bare FSDP2 frees a reduce-scatter's input once it ran,
 a held one lives until the run (and is copied once into the combined input). Not tuned:
 the benchmarks' held inputs stay far below it."""
 

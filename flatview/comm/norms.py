@@ -49,7 +49,7 @@ def request_code(description: str) -> int:
 
 
 @dataclass(frozen=True)
-class Agreement:
+class ArgumentReport:
     """What the reduced flags say about the ranks' arguments."""
 
     same_request: bool
@@ -132,10 +132,10 @@ class NormExchange:
         self.reduced_flags = reduced_host[_HEADER:].view(self.params, FLAGS)
         return shares.view(self.params, COLUMNS)
 
-    def agreement(self) -> Agreement:
+    def argument_report(self) -> ArgumentReport:
         """Read the reduced flags (after :meth:`all_reduce`); the same on every rank."""
         flags = self.reduced_flags
-        assert flags is not None, "agreement() before all_reduce()"
+        assert flags is not None, "argument_report() before all_reduce()"
         first, second = (float(v) for v in self._header[:2])
         c = float(self.code)
         if self.maximum:
@@ -145,7 +145,7 @@ class NormExchange:
         set_ = flags > 0.5
         disputed = (set_[:, _REQUESTED] & set_[:, _NOT_REQUESTED]).nonzero().flatten()
         bad = set_[:, _BAD].nonzero().flatten()
-        return Agreement(same, tuple(disputed.tolist()), tuple(bad.tolist()))
+        return ArgumentReport(same, tuple(disputed.tolist()), tuple(bad.tolist()))
 
     def present(self) -> list[list[bool]]:
         """Per parameter and column, whether any rank had the tensor (after

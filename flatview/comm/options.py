@@ -10,6 +10,7 @@ the measurements quoted below chose; tests and benchmarks change them to force o
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 
 
@@ -23,7 +24,7 @@ class Strategy(enum.Enum):
 
 IN_PLACE_TOLERANCE = 0.05
 """Default bytes overhead (unused elements over used ones) accepted for reducing a
-gradient whole, unpacked, instead of packing its used elements into a bucket; 0 allows
+gradient unpacked (all its elements), instead of packing its used elements into a bucket; 0 allows
 it only for gradients that are all used (:attr:`ReduceOptions.in_place_tolerance`)."""
 
 IN_PLACE_MIN_NUMEL = 2**20
@@ -43,7 +44,10 @@ copy. Larger buffers are made per reduction, so that memory a sharded model save
 held between steps."""
 
 
-@dataclass(frozen=True)
+_BUCKET_WHOLE = "ReduceOptions.bucket_whole is deprecated: it is called bucket_all_used now"
+
+
+@dataclass(frozen=True, init=False)
 class ReduceOptions:
     """How flatview reduces gradients; every field has the default of ``flatview.wrap``.
 
@@ -59,17 +63,17 @@ class ReduceOptions:
             ``None``: overlap unless the model is on CPU. ``wrap(overlap_reduction=)``
             sets it too; other wrappers refuse anything but ``None``.
         in_place_tolerance: a gradient all of whose elements cost at most this much more
-            bytes than its used ones (and that is large enough, below) is reduced whole
-            and unpacked, by a collective started at once, instead of packed into a
+            bytes than its used ones (and that is large enough, below) is reduced
+            unpacked, by a collective started at once, instead of packed into a
             bucket; ``None`` packs every gradient (see :data:`IN_PLACE_TOLERANCE`).
-        in_place_min_numel: the smallest gradient (elements) reduced whole and unpacked
+        in_place_min_numel: the smallest gradient (elements) reduced unpacked
             (see :data:`IN_PLACE_MIN_NUMEL`); 0 lets gradients of any size (FSDP2: the
             smallest reduce-scatter input run on its own, not held). Where
-            gradients used whole go alone (``bucket_whole``), those go unpacked at any
+            gradients all used go alone (``bucket_all_used``), those go unpacked at any
             size.
         keep_buffer_bytes: the largest bucket buffer kept from one reduction to the
             next (see :data:`KEEP_BUFFER_BYTES`); 0 keeps none.
-        bucket_whole: sharded wrappers only: whether small gradients used whole (nothing
+        bucket_all_used: sharded wrappers only: whether small gradients all used (nothing
             of theirs skipped) share buckets across units (``True``: fewer collectives),
             or each is reduce-scattered on its own, in the wrapper's own layout
             (``False``); ``None``: as the wrapper does (torch FSDP1: on its own;
@@ -81,18 +85,42 @@ class ReduceOptions:
             reduce-scatters of fewer than ``in_place_min_numel`` elements and runs them
             as one at the end of the backward (CPU only, not HSDP); ``None`` does so where
             it keeps FSDP2's numbers bit for bit, on CPU over a shard group of 2 ranks.
+            ``bucket_whole``, its name before, is a deprecated alias.
     """
 
-    strategy: Strategy = Strategy.AUTO
-    overlap: bool | None = None
-    in_place_tolerance: float | None = IN_PLACE_TOLERANCE
-    in_place_min_numel: int = IN_PLACE_MIN_NUMEL
-    keep_buffer_bytes: int = KEEP_BUFFER_BYTES
-    bucket_whole: bool | None = None
+    strategy: Strategy
+    overlap: bool | None
+    in_place_tolerance: float | None
+    in_place_min_numel: int
+    keep_buffer_bytes: int
+    bucket_all_used: bool | None
 
-    def __post_init__(self) -> None:
-        # Frozen: the one conversion goes through object.__setattr__.
-        object.__setattr__(self, "strategy", Strategy(self.strategy))
+    def __init__(
+        self,
+        strategy: Strategy | str = Strategy.AUTO,
+        overlap: bool | None = None,
+        in_place_tolerance: float | None = IN_PLACE_TOLERANCE,
+        in_place_min_numel: int = IN_PLACE_MIN_NUMEL,
+        keep_buffer_bytes: int = KEEP_BUFFER_BYTES,
+        bucket_all_used: bool | None = None,
+        *,
+        bucket_whole: bool | None = None,
+    ) -> None:
+        if bucket_whole is not None:
+            warnings.warn(_BUCKET_WHOLE, DeprecationWarning, stacklevel=2)
+            if bucket_all_used not in (None, bucket_whole):
+                raise ValueError(
+                    f"bucket_whole={bucket_whole!r} (the deprecated name of bucket_all_used) "
+                    f"contradicts bucket_all_used={bucket_all_used!r}; give one of them"
+                )
+            bucket_all_used = bucket_whole
+        # Frozen: every field is set through object.__setattr__.
+        object.__setattr__(self, "strategy", Strategy(strategy))
+        object.__setattr__(self, "overlap", overlap)
+        object.__setattr__(self, "in_place_tolerance", in_place_tolerance)
+        object.__setattr__(self, "in_place_min_numel", in_place_min_numel)
+        object.__setattr__(self, "keep_buffer_bytes", keep_buffer_bytes)
+        object.__setattr__(self, "bucket_all_used", bucket_all_used)
         if self.in_place_tolerance is not None and self.in_place_tolerance < 0:
             raise ValueError(
                 f"in_place_tolerance must be >= 0 or None, got {self.in_place_tolerance}"
@@ -102,3 +130,9 @@ class ReduceOptions:
                 f"in_place_min_numel and keep_buffer_bytes must be >= 0, got "
                 f"{self.in_place_min_numel} and {self.keep_buffer_bytes}"
             )
+
+    @property
+    def bucket_whole(self) -> bool | None:
+        """Deprecated: :attr:`bucket_all_used`."""
+        warnings.warn(_BUCKET_WHOLE, DeprecationWarning, stacklevel=2)
+        return self.bucket_all_used

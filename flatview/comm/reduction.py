@@ -1,5 +1,5 @@
 """What the sharded and the replicated gradient reduction share: buffers kept between
-steps, the bucket being filled, reductions started whole and unpacked, and how a
+steps, the bucket being filled, reductions started at once and unpacked, and how a
 backward's reductions end.
 
 A reduction object (:class:`~flatview.comm.sharded.ShardedReduction`,
@@ -12,8 +12,8 @@ two paths:
 * **packed**: its used elements are copied into a bucket (``add``), reduced with one
   collective per bucket when the bucket fills
   (:class:`~flatview.comm.bucketing.BucketFill`) or at :meth:`Reduction.finish`;
-* **whole**: a gradient that is all used (or all but ``in_place_tolerance`` of its bytes)
-  and large enough (``in_place_min_numel``) is reduced whole, with no copy, by an
+* **unpacked**: a gradient that is all used (or all but ``in_place_tolerance`` of its
+  bytes) and large enough (``in_place_min_numel``) is reduced as it is, with no copy, by an
   asynchronous collective started at once (:meth:`Reduction.reduces_in_place` says which
   path; the subclass starts it). Packing costs a copy in and a copy out of every used
   element, and a bucket reduced at the end of the backward overlaps nothing; this path
@@ -23,8 +23,8 @@ two paths:
 
 How a backward's reductions end, two names for two different waits:
 
-* :meth:`Reduction.wait_in_flight`: wait for the collectives *already started* (whole
-  gradients, and whole buckets of the replicated reduction) and finish them
+* :meth:`Reduction.wait_in_flight`: wait for the collectives *already started* (unpacked
+  gradients, and the tensor buckets of the replicated reduction) and finish them
   (post-division, unused elements restored or zeroed, results copied back). Nothing
   queued is reduced. For a tensor about to be written again (:meth:`Reduction.in_flight`)
   or for reductions to be redone (``discard=True``).
@@ -51,7 +51,7 @@ from flatview.layout import MaskPlan
 
 @dataclass
 class InPlace:
-    """A gradient reduced whole, without packing, by a collective still in flight."""
+    """A gradient reduced unpacked, by a collective still in flight."""
 
     target: torch.Tensor
     """What the collective writes: the replicated gradient itself, or this rank's shard."""
@@ -70,7 +70,7 @@ class InPlace:
 
 class Reduction:
     """The part of a gradient reduction both kinds share (see the module docstring);
-    subclasses queue, reduce buckets and start whole reductions."""
+    subclasses queue, reduce buckets and start unpacked reductions."""
 
     def __init__(
         self,
@@ -103,12 +103,12 @@ class Reduction:
         raise NotImplementedError
 
     def reduces_in_place(self, grad: torch.Tensor, plan: MaskPlan) -> bool:
-        """Whether ``grad`` should be reduced whole and unpacked (started at once)
+        """Whether ``grad`` should be reduced unpacked (started at once)
         rather than queued in a bucket: the in-place rule of the module docstring."""
         raise NotImplementedError
 
     def _wait_buckets(self, discard: bool) -> None:
-        """Wait for whole buckets in flight (replicated only) and copy their results back
+        """Wait for tensor buckets in flight (replicated only) and copy their results back
         unless ``discard``."""
 
     def _queued(self, numel: int) -> None:
@@ -142,8 +142,8 @@ class Reduction:
             if buffer.numel() * buffer.element_size() > self.options.keep_buffer_bytes:
                 del self._buffers[key]
 
-    def _reduces_whole(self, grad: torch.Tensor, used: int, size: int) -> bool:
-        """The in-place rule, given ``grad``'s used elements and the size a whole
+    def _reduces_unpacked(self, grad: torch.Tensor, used: int, size: int) -> bool:
+        """The in-place rule, given ``grad``'s used elements and the size the entire
         gradient has (see :meth:`reduces_in_place`)."""
         tolerance = self.options.in_place_tolerance
         if tolerance is None or grad.numel() < self.options.in_place_min_numel:
@@ -158,13 +158,13 @@ class Reduction:
     # ------------------------------------------------------------------ public
 
     def in_flight(self, tensor: torch.Tensor | None) -> bool:
-        """Whether a whole reduction still in flight writes ``tensor``."""
+        """Whether an unpacked reduction still in flight writes ``tensor``."""
         return tensor is not None and any(op.target is tensor for op in self._in_place)
 
     @torch.no_grad()
     def wait_in_flight(self, discard: bool = False) -> None:
-        """Wait for every collective already started and finish it: whole gradients
-        (post-division, unused elements restored or zeroed) and whole buckets, whose
+        """Wait for every collective already started and finish it: unpacked gradients
+        (post-division, unused elements restored or zeroed) and tensor buckets, whose
         results are copied back unless ``discard`` (the caller reduces those tensors
         again). What is queued stays queued (:meth:`finish` reduces it)."""
         try:

@@ -1,4 +1,4 @@
-"""The replicated reduction: every rank holds the whole gradient, and flatview
+"""The replicated reduction: every rank holds the entire gradient, and flatview
 all-reduces what a step used.
 
 Three ways in, one result (the average or sum every rank gets back):
@@ -7,10 +7,10 @@ Three ways in, one result (the average or sum every rank gets back):
   bucket buffer (one per dtype and device, kept between steps) and all-reduced with the
   rest of the bucket (torch FSDP1 ``NO_SHARD`` through torch's runtime);
 * :meth:`ReplicatedReduction.all_reduce_in_place`: a gradient the in-place rule takes
-  (:mod:`flatview.comm.reduction`), all-reduced whole, asynchronously; its unused
+  (:mod:`flatview.comm.reduction`), all-reduced unpacked, asynchronously; its unused
   elements travel too and get their values back afterwards;
-* :meth:`ReplicatedReduction.start_all_reduce_whole`: one bucket of whole plain
-  gradients cut in advance (:func:`flatview.comm.bucketing.plan_buckets`), concatenated
+* :meth:`ReplicatedReduction.start_all_reduce_tensors`: one bucket of plain gradients,
+  each entire, cut in advance (:func:`flatview.comm.bucketing.plan_buckets`), concatenated
   into a buffer and all-reduced asynchronously (DDP, torch FSDP1 computed on views).
 """
 
@@ -39,8 +39,8 @@ class _Bucket:
 
 
 @dataclass
-class _Whole:
-    """A bucket of whole tensors whose all-reduce is still in flight."""
+class _TensorBucket:
+    """A bucket of tensors, each entire, whose all-reduce is still in flight."""
 
     targets: list[torch.Tensor]
     buffer: torch.Tensor
@@ -49,8 +49,8 @@ class _Whole:
 
 
 class ReplicatedReduction(Reduction):
-    """All-reduces replicated gradients: packed used elements in buckets, whole
-    gradients in place, or whole buckets of plain gradients."""
+    """All-reduces replicated gradients: packed used elements in buckets, unpacked
+    gradients in place, or buckets of entire plain gradients."""
 
     def __init__(
         self,
@@ -63,7 +63,7 @@ class ReplicatedReduction(Reduction):
     ) -> None:
         super().__init__(group, rank, world_size, ledger, options, bucket_numel)
         self._buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
-        self._whole: list[_Whole] = []
+        self._tensor_buckets: list[_TensorBucket] = []
         self._native_average: bool | None = None
 
     @torch.no_grad()
@@ -102,11 +102,11 @@ class ReplicatedReduction(Reduction):
         self._queued(count)
 
     def reduces_in_place(self, grad: torch.Tensor, plan: MaskPlan) -> bool:
-        """Whether the replicated ``grad`` should be all-reduced whole
+        """Whether the replicated ``grad`` should be all-reduced unpacked
         (:meth:`all_reduce_in_place`) rather than queued: it is contiguous, holds at
         least ``in_place_min_numel`` elements, and all of them cost at most
         ``in_place_tolerance`` more bytes than its used ones."""
-        return self._reduces_whole(grad, plan.counts[0], plan.layout.shard_numel)
+        return self._reduces_unpacked(grad, plan.counts[0], plan.layout.shard_numel)
 
     @torch.no_grad()
     def all_reduce_in_place(
@@ -116,7 +116,7 @@ class ReplicatedReduction(Reduction):
         predivide: float = 1.0,
         postdivide: float = 1.0,
     ) -> None:
-        """Start an all-reduce of the whole replicated ``grad``, in place;
+        """Start an all-reduce of the entire replicated ``grad``, in place;
         :meth:`~flatview.comm.reduction.Reduction.wait_in_flight` (or ``finish``) waits
         for it.
 
@@ -127,7 +127,7 @@ class ReplicatedReduction(Reduction):
         except after ``wait_in_flight`` (a gradient about to be accumulated into).
         """
         if plan.layout.world_size != 1 or grad.numel() != plan.layout.shard_numel:
-            raise ValueError(f"all_reduce_in_place needs the whole gradient of {plan.layout}")
+            raise ValueError(f"all_reduce_in_place needs the entire gradient of {plan.layout}")
         index = plan_index(plan, grad.device)
         kept = [(start, grad[start:end].clone()) for start, end in index.unused(0)]
         if predivide != 1.0:
@@ -138,10 +138,10 @@ class ReplicatedReduction(Reduction):
         self._in_place.append(InPlace(grad, work, postdivide, kept))
 
     @torch.no_grad()
-    def start_all_reduce_whole(
+    def start_all_reduce_tensors(
         self, tensors: Sequence[torch.Tensor], predivide: float = 1.0, slot: int = 0
     ) -> None:
-        """Start the all-reduce of one bucket of whole tensors (one dtype and device),
+        """Start the all-reduce of one bucket of entire tensors (one dtype and device),
         each divided by ``predivide`` first; ``wait_in_flight`` waits for it and copies
         the results back into the tensors.
 
@@ -153,7 +153,7 @@ class ReplicatedReduction(Reduction):
         """
         first = tensors[0]
         numel = sum(t.numel() for t in tensors)
-        key = ("whole", slot, first.dtype, first.device)
+        key = ("tensors", slot, first.dtype, first.device)
         buffer = self._buffer(key, first, numel, 0)[:numel]
         torch.cat([t.reshape(-1) for t in tensors], out=buffer)
         op = dist.ReduceOp.SUM
@@ -164,7 +164,7 @@ class ReplicatedReduction(Reduction):
         self.ledger.record("all_reduce", buffer)
         work = dist.all_reduce(buffer, op=op, group=self.group, async_op=True)
         assert work is not None
-        self._whole.append(_Whole(list(tensors), buffer, work))
+        self._tensor_buckets.append(_TensorBucket(list(tensors), buffer, work))
 
     def _averages_natively(self) -> bool:
         """Whether the group's backend has ``ReduceOp.AVG`` (NCCL; gloo has not)."""
@@ -188,8 +188,8 @@ class ReplicatedReduction(Reduction):
                 on_done(used[offset : offset + count])
 
     def _wait_buckets(self, discard: bool) -> None:
-        whole, self._whole = self._whole, []
-        for bucket in whole:
+        buckets, self._tensor_buckets = self._tensor_buckets, []
+        for bucket in buckets:
             bucket.work.wait()
             if discard:
                 continue

@@ -16,8 +16,8 @@ reduced with one collective per bucket. Two collectives can do it:
 and its padding would cost more than :data:`PAD_TOLERANCE` over the exact size. A bucket
 with nothing masked always takes the wrapper's own collective: the all-to-all's local sum
 adds the ``world_size`` parts in another order than the reduce-scatter (and, in fp16,
-another precision), so on 3 or more ranks it rounds differently from plain FSDP, and what
-a step that skips nothing computes must be plain FSDP's, bit for bit. The result handed
+another precision), so on 3 or more ranks it rounds differently from bare FSDP, and what
+a step that skips nothing computes must be bare FSDP's, bit for bit. The result handed
 back is a sharded gradient with zeros wherever nothing was used.
 
 A padded unsharded gradient that the in-place rule takes (:mod:`flatview.comm.reduction`)
@@ -27,7 +27,7 @@ as from a bucket.
 
 Hybrid sharding (:mod:`flatview.comm.hybrid`) gives the reduction a *replica group* too:
 what a bucket's collective brought this rank (the used elements of its shard) is then
-all-reduced across the replica group before it is placed, and a gradient reduced whole
+all-reduced across the replica group before it is placed, and a gradient reduced unpacked
 has its shard all-reduced there once its reduce-scatter is done; the ledger records those
 bytes under :data:`~flatview.comm.hybrid.REPLICA_ALL_REDUCE`. A rank whose shard holds
 no used element skips that all-reduce, and so do its replica peers (they hold the same
@@ -74,7 +74,7 @@ class _Entry:
     parts: list[torch.Tensor]
     """Per destination rank, the used elements it gets (views when all are used)."""
     on_done: Callable[[torch.Tensor], None]
-    whole: torch.Tensor | None = None
+    padded: torch.Tensor | None = None
     """The caller's padded gradient as one contiguous tensor, when all of it is used:
     a bucket holding only this entry reduce-scatters it directly, without a copy."""
 
@@ -102,11 +102,11 @@ class ShardedReduction(Reduction):
     ) -> None:
         """``wrapper_buckets``: whether the wrapper's own reduction shares buckets across
         units (fairscale's bucketer) or reduces each unit on its own (torch FSDP1): what
-        a gradient used whole does unless ``options.bucket_whole`` says otherwise."""
+        a gradient all used does unless ``options.bucket_all_used`` says otherwise."""
         super().__init__(group, rank, world_size, ledger, options, bucket_numel)
         self._entries: list[_Entry] = []
-        chosen = options.bucket_whole
-        self._bucket_whole = wrapper_buckets if chosen is None else chosen
+        chosen = options.bucket_all_used
+        self._bucket_all_used = wrapper_buckets if chosen is None else chosen
         self._replica = replica if replica is not None and replica[1] > 1 else None
 
     @torch.no_grad()
@@ -115,11 +115,11 @@ class ShardedReduction(Reduction):
         rows: Sequence[torch.Tensor],
         plan: MaskPlan,
         on_done: Callable[[torch.Tensor], None],
-        whole: torch.Tensor | None = None,
+        padded: torch.Tensor | None = None,
     ) -> None:
         """Queue one flat parameter's unsharded gradient, given as ``world_size`` rows of
         ``shard_numel`` elements (row ``r`` is what rank ``r`` owns, padding included);
-        ``on_done`` later receives this rank's sharded gradient. ``whole`` may give the
+        ``on_done`` later receives this rank's sharded gradient. ``padded`` may give the
         same gradient as one contiguous padded tensor (the rows are then its views)."""
         if len(rows) != self.world_size or plan.layout.world_size != self.world_size:
             raise ValueError(
@@ -137,43 +137,43 @@ class ShardedReduction(Reduction):
             # Pack now, so that the (larger) unsharded gradient can be freed at once.
             packed = torch.cat([index.pick(row, rank) for rank, row in enumerate(rows)])
             parts = list(packed.split(list(plan.counts)))
-            whole = None
-        entry = _Entry(plan, index, parts, on_done, whole)
-        if plan.all_used and not self._bucket_whole:
+            padded = None
+        entry = _Entry(plan, index, parts, on_done, padded)
+        if plan.all_used and not self._bucket_all_used:
             named = self.options.strategy is Strategy.ALL_TO_ALL and self.world_size > 1
-            if whole is not None and not named:
-                self._reduce_whole_now(whole, plan, on_done)
+            if padded is not None and not named:
+                self._reduce_unpacked_now(padded, plan, on_done)
             else:
                 self._reduce_entries([entry])
             return
         self._entries.append(entry)
         self._queued(entry.numel)
 
-    def _reduce_whole_now(
-        self, whole: torch.Tensor, plan: MaskPlan, on_done: Callable[[torch.Tensor], None]
+    def _reduce_unpacked_now(
+        self, padded: torch.Tensor, plan: MaskPlan, on_done: Callable[[torch.Tensor], None]
     ) -> None:
-        """Reduce-scatter one padded gradient used whole, now, in the wrapper's layout:
+        """Reduce-scatter one padded gradient all used, now, in the wrapper's layout:
         the very collective :meth:`reduce_scatter_in_place` starts. A caller may choose
         between the two on facts of its own rank only (torch: whether a shard from an
         earlier backward waits to be accumulated), so both must move the same tensors
         in the same order on every rank."""
-        shard = whole.new_empty(plan.layout.shard_numel)
-        self.ledger.record("reduce_scatter", whole)
-        reduce_scatter_single(shard, whole, group=self.group)
+        shard = padded.new_empty(plan.layout.shard_numel)
+        self.ledger.record("reduce_scatter", padded)
+        reduce_scatter_single(shard, padded, group=self.group)
         self._across(shard)
         on_done(shard)
 
     def reduces_in_place(self, grad: torch.Tensor, plan: MaskPlan) -> bool:
-        """Whether the padded unsharded ``grad`` should be reduce-scattered whole
+        """Whether the padded unsharded ``grad`` should be reduce-scattered unpacked
         (:meth:`reduce_scatter_in_place`) rather than queued: it is contiguous, holds at
         least ``in_place_min_numel`` elements, and all of them (padding included) cost at
         most ``in_place_tolerance`` more bytes than its used ones; or, where gradients
-        used whole go alone (``bucket_whole`` off), it is one of them, of any size. Never
+        all used go alone (``bucket_all_used`` off), it is one of them, of any size. Never
         when the all-to-all was asked for by name: the bucket path honours it."""
         # (At world size 1 there is nothing to choose between.)
         if plan.layout.world_size != 1 and self.options.strategy is Strategy.ALL_TO_ALL:
             return False
-        if plan.all_used and not self._bucket_whole:
+        if plan.all_used and not self._bucket_all_used:
             # Reduced on its own whatever its size: started at once, it costs no more.
             return (
                 self.options.in_place_tolerance is not None
@@ -181,41 +181,41 @@ class ShardedReduction(Reduction):
                 and grad.numel() == plan.layout.padded_numel
                 and grad.is_contiguous()
             )
-        return self._reduces_whole(grad, plan.total, plan.layout.padded_numel)
+        return self._reduces_unpacked(grad, plan.total, plan.layout.padded_numel)
 
     @torch.no_grad()
     def reduce_scatter_in_place(
         self,
-        whole: torch.Tensor,
+        padded: torch.Tensor,
         output: torch.Tensor,
         plan: MaskPlan,
         postdivide: float = 1.0,
     ) -> None:
-        """Start a reduce-scatter of one padded unsharded gradient ``whole`` (divided
+        """Start a reduce-scatter of one padded unsharded gradient ``padded`` (divided
         already, if at all) straight into ``output``, this rank's shard;
         :meth:`~flatview.comm.reduction.Reduction.wait_in_flight` (or ``finish``) waits
         for it, divides by ``postdivide`` and zeroes the elements ``plan`` does not use.
-        The caller guarantees that nothing reads or writes ``whole`` or ``output`` until
+        The caller guarantees that nothing reads or writes ``padded`` or ``output`` until
         then."""
         layout = plan.layout
-        if whole.numel() != layout.padded_numel or output.numel() != layout.shard_numel:
+        if padded.numel() != layout.padded_numel or output.numel() != layout.shard_numel:
             raise ValueError(
                 f"reduce_scatter_in_place needs a padded gradient and a shard of {layout}"
             )
-        index = plan_index(plan, whole.device)
-        self.ledger.record("reduce_scatter", whole)
-        work = reduce_scatter_single(output, whole, group=self.group, async_op=True)
+        index = plan_index(plan, padded.device)
+        self.ledger.record("reduce_scatter", padded)
+        work = reduce_scatter_single(output, padded, group=self.group, async_op=True)
         assert work is not None
         then = None if self._replica is None else functools.partial(self._across, output)
         self._in_place.append(
-            InPlace(output, work, postdivide, [], index.unused(self.rank), whole, then)
+            InPlace(output, work, postdivide, [], index.unused(self.rank), padded, then)
         )
 
     def _across(self, mine: torch.Tensor) -> None:
         """All-reduce ``mine`` (this rank's part of its shard) across the replica group,
-        after those of the whole reductions still in flight: the replica group then sees
+        after those of the unpacked reductions still in flight: the replica group then sees
         its all-reduces in the order of the reductions on every rank, whichever of them
-        a rank started whole and which it reduced at once."""
+        a rank started unpacked and which it reduced at once."""
         if self._replica is not None and self._in_place:
             self.wait_in_flight()
         if self._replica is not None and mine.numel():
@@ -255,7 +255,7 @@ class ShardedReduction(Reduction):
             received = mine[offset : offset + count]
             offset += count
             if entry.index.runs[self.rank] == ((0, entry.plan.layout.shard_numel),):
-                # This rank's whole shard was used: what arrived is the shard.
+                # All of this rank's shard was used: what arrived is the shard.
                 entry.on_done(received)
                 continue
             shard = received.new_zeros(entry.plan.layout.shard_numel)
@@ -268,18 +268,18 @@ class ShardedReduction(Reduction):
 
     def _reduce_scatter(self, entries: list[_Entry], counts: list[int]) -> torch.Tensor:
         width = max(counts)
-        whole = entries[0].whole
+        padded = entries[0].padded
         if (
             len(entries) == 1
-            and whole is not None
-            and whole.numel() == width * self.world_size
+            and padded is not None
+            and padded.numel() == width * self.world_size
             # Gaps between segments (torch's alignment padding) would move used elements
             # off the places the packed layout gives them: only rows whose used elements
             # come first (a tail of padding at most) can be sent as they are.
             and all(entries[0].index.used_is_prefix(rank) for rank in range(self.world_size))
         ):
             # One fully used gradient, already laid out as the collective wants it.
-            send = whole.view(self.world_size, width)
+            send = padded.view(self.world_size, width)
         else:
             like = entries[0].parts[0]
             flat_send = self._buffer(

@@ -5,7 +5,7 @@ finds one), and its communication backend builds a C++ shared-memory all-reduce 
 (``ShareMemCommBuilder``) the first time it is set up on CPU. On a busy 2-core machine
 that build did not finish in 240 s, and a build killed half way leaves a lock under
 ``~/.cache/torch_extensions/*/deepspeed_shm_comm`` on which every later run waits
-forever. :func:`deepspeed_on_cpu` sets DeepSpeed up on the CPU accelerator with plain
+forever. :func:`deepspeed_on_cpu` sets DeepSpeed up on the CPU accelerator with
 gloo collectives and no op ever built, for as long as the context is open, and puts
 everything back on exit.
 
@@ -42,7 +42,7 @@ _undo: list[Any] = []
 
 
 def _no_shm_op() -> None:
-    """Stands in for ``deepspeed.comm.torch.build_shm_op``: no op, plain gloo."""
+    """Stands in for ``deepspeed.comm.torch.build_shm_op``: no op, gloo's own collectives."""
     return None
 
 
@@ -206,7 +206,7 @@ def deepspeed_on_cpu() -> Iterator[ModuleType]:
     * ``LOCAL_RANK`` set to this process's rank when no launcher set it (the engine
       asserts it);
     * ``deepspeed.comm.torch.build_shm_op`` returns ``None``: DeepSpeed's backend uses
-      plain gloo collectives instead of compiling its shared-memory all-reduce;
+      gloo's own collectives instead of compiling its shared-memory all-reduce;
     * ``OpBuilder.jit_load`` raises instead of compiling any op, so no build (and no
       build lock under ``~/.cache/torch_extensions``) can start.
 

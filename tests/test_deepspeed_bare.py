@@ -1,4 +1,4 @@
-"""Plain DeepSpeed (no flatview) against the single-process reference: what "the training
+"""Bare DeepSpeed (no flatview) against the single-process reference: what "the training
 you had" is on DeepSpeed, settled before flatview is compared with it.
 
 Finding (DeepSpeed 0.19.8): its config's ``gradient_clipping`` defaults to 1.0, not 0, so
@@ -45,11 +45,11 @@ def _stage_sizes() -> list[object]:
 
 
 @pytest.mark.parametrize(("stage", "world"), _stage_sizes())
-def test_plain_zero_matches_the_reference_without_clipping(
+def test_bare_zero_matches_the_reference_without_clipping(
     dist_pool: PoolFactory, stage: int, world: int
 ) -> None:
     results = dist_pool(world).run(
-        w.plain_deepspeed_mlp, stage, STEPS, NO_CLIPPING, timeout=TIMEOUT
+        w.bare_deepspeed_mlp, stage, STEPS, NO_CLIPPING, timeout=TIMEOUT
     )
     reference = w.reference_mlp(STEPS, world, clip=None)
     for result in results:
@@ -58,9 +58,9 @@ def test_plain_zero_matches_the_reference_without_clipping(
         compare(result["params"], reference["params"])
 
 
-def test_plain_zero_clips_at_one_by_default(dist_pool: PoolFactory) -> None:
+def test_bare_zero_clips_at_one_by_default(dist_pool: PoolFactory) -> None:
     """The cause of the probe's drift: DeepSpeed's default config clips."""
-    results = dist_pool(2).run(w.plain_deepspeed_mlp, 1, STEPS, {}, timeout=TIMEOUT)
+    results = dist_pool(2).run(w.bare_deepspeed_mlp, 1, STEPS, {}, timeout=TIMEOUT)
     clipped = w.reference_mlp(STEPS, 2, clip=1.0)
     unclipped = w.reference_mlp(STEPS, 2, clip=None)
     # The gradients are large enough for clipping to act in these steps.
@@ -76,18 +76,18 @@ def test_plain_zero_clips_at_one_by_default(dist_pool: PoolFactory) -> None:
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))
-def test_plain_zero_steps_parameters_a_step_skipped(dist_pool: PoolFactory, stage: int) -> None:
-    """What flatview corrects: plain DeepSpeed gives a parameter its forward did not use a
+def test_bare_zero_steps_parameters_a_step_skipped(dist_pool: PoolFactory, stage: int) -> None:
+    """What flatview corrects: bare DeepSpeed gives a parameter its forward did not use a
     zero gradient (``ignore_unused_parameters``), and AdamW then decays it and moves it by
     its momentum, where the unwrapped model's AdamW leaves it alone. (It does leave such
     gradients out of its reduction: the bytes equal flatview's, see
     test_deepspeed_backend.py.)"""
     from tests.test_deepspeed_backend import SC
 
-    results = dist_pool(2).run(w.plain_scenario, SC, stage, timeout=TIMEOUT)
+    results = dist_pool(2).run(w.bare_scenario, SC, stage, timeout=TIMEOUT)
     reference = w.run_reference(SC, "one", 0.0).params
     assert reference is not None
     for params in results:
         drift = {k: float(np.abs(params[k] - reference[k]).max()) for k in reference}
-        # body.3 is skipped in the last step: plain DeepSpeed moved it anyway.
+        # body.3 is skipped in the last step: bare DeepSpeed moved it anyway.
         assert max(v for k, v in drift.items() if k.startswith("body.3.")) > 1e-3, drift

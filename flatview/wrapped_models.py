@@ -1,4 +1,4 @@
-"""What flatview keeps process-wide: wrapped modules, live models, stale views, and the
+"""The models flatview wraps, process-wide: wrapped modules, live models, stale views, and the
 one optimizer step pre-hook that checks optimizers against them.
 
 * Every FSDP unit of a wrapped model maps to its handle (:func:`check_not_wrapped`

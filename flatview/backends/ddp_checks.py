@@ -1,0 +1,101 @@
+"""Which models flatview's DDP adapter (:mod:`flatview.backends.ddp`) takes, and what it
+checks at wrap time (:func:`inspect`): the autograd internals and every attribute of the
+DDP model the adapter reads or sets (a torch that renamed one is refused with it named),
+then the configurations flatview cannot drive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
+from flatview.backends.torch_versions import tested_torch
+from flatview.errors import WrapError
+
+_PRIVATES = (
+    "module",
+    "process_group",
+    "bucket_bytes_cap",
+    "parameters_to_ignore",
+    "require_backward_grad_sync",
+    "require_forward_param_sync",
+    "will_sync_module_buffers",
+    "static_graph",
+    "mixed_precision",
+    "_comm_hooks",
+    "_use_python_reducer",
+    "_delay_all_reduce_params",
+)
+"""What the adapter reads or sets of a DDP model, checked at wrap time: the refusals
+below would pass silently on a torch that renamed what they read."""
+
+
+def _ddp_class() -> type[nn.Module] | None:
+    return optional_class("torch.nn.parallel", "DistributedDataParallel")
+
+
+def is_ddp(model: object) -> bool:
+    """Whether ``model`` is a ``DistributedDataParallel`` module."""
+    ddp = _ddp_class()
+    return ddp is not None and isinstance(model, ddp)
+
+
+def _check_supported(ddp: Any) -> None:
+    found = f"{tested_torch()}; found torch {torch.__version__}"
+    require_autograd_internals(found)
+    require_attrs(ddp, _PRIVATES, "the DistributedDataParallel model", found)
+    if ddp.static_graph:
+        raise WrapError(
+            "DDP was built with static_graph=True, which promises the same used "
+            "parameters every step; skip sets break that promise. Build DDP without "
+            "static_graph (flatview reduces the gradients itself)"
+        )
+    if ddp._comm_hooks:
+        raise WrapError(
+            "DDP has a communication hook (register_comm_hook); flatview all-reduces "
+            "the gradients itself and would bypass it"
+        )
+    if ddp.mixed_precision is not None:
+        raise WrapError(
+            "DDP's mixed_precision is not supported by flatview; use torch.autocast "
+            "or cast the model instead"
+        )
+    if ddp._use_python_reducer:
+        raise WrapError(
+            "DDP uses its Python reducer (compiled autograd); flatview drives DDP's "
+            "C++ reducer only"
+        )
+    if ddp._delay_all_reduce_params:
+        raise WrapError(
+            "DDP delays the all-reduce of some parameters to the end of the backward "
+            "(device mesh / delay_all_reduce_named_params); flatview does not support that"
+        )
+    for name, module in ddp.module.named_modules():
+        if getattr(module, "sparse", False) is True:
+            raise WrapError(
+                f"module {name!r} produces sparse gradients (sparse=True); flatview "
+                "all-reduces dense gradients only"
+            )
+
+
+@dataclass(frozen=True)
+class DDPModel:
+    """A DDP model that passed every check (:func:`inspect`)."""
+
+    root: Any
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+
+
+def inspect(model: nn.Module) -> DDPModel:
+    """Check ``model`` (a ``DistributedDataParallel`` module) for everything the adapter
+    relies on, before anything is patched."""
+    ddp: Any = model
+    _check_supported(ddp)
+    group: dist.ProcessGroup | None = ddp.process_group
+    return DDPModel(ddp, group, dist.get_rank(group), dist.get_world_size(group))

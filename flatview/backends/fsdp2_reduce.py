@@ -1,0 +1,320 @@
+"""The FSDP2 adapter's side of FSDP2's reduction: what this rank contributes to each
+reduce-scatter (:class:`Contributions`: zeros for a used parameter its backward did not
+reach, an error for a skipped one it did), each parameter group's all-gather and
+reduce-scatter objects wrapped to count bytes at the collective, and small
+reduce-scatters held and run as one at the end of the backward (:mod:`flatview.comm.held`)
+where nothing reads their output before (:func:`hold_plan`).
+
+torch privates touched: the ``allocate`` / ``__call__`` protocol of FSDP2's ``AllGather``
+and ``ReduceScatter`` objects (``torch.distributed.fsdp._fully_shard._fsdp_api``, which
+``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` accept); for held
+reduce-scatters ``_fsdp_collectives.DefaultReduceScatter``,
+``FSDPParamGroup._all_reduce_hook``, ``FSDPParam._orig_size`` and
+``unsharded_accumulated_grad``, and the sharded parameters'
+``_post_accumulate_grad_hooks``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flatview.backends.base import Runtime
+from flatview.backends.fsdp2_checks import shard_layout
+from flatview.comm.held import Accumulate, Held, HeldReduceScatters
+from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
+from flatview.comm.options import ReduceOptions
+from flatview.errors import WrapError
+from flatview.local_tensors import local_tensor
+from flatview.skip import skipped_used
+
+
+def decide_bucketing(
+    options: ReduceOptions, device: torch.device, hybrid: bool, world_size: int
+) -> type | None:
+    """Whether to hold small reduce-scatters and run them as one (:mod:`flatview.comm.held`):
+    FSDP2's default reduce-scatter class (only its calls are held), else ``None``.
+
+    ``bucket_all_used=None`` holds them where that gives FSDP2's numbers bit for bit and
+    saves time: on CPU (where a step goes by its number of collectives) over a shard
+    group of 2 ranks (beyond 2, gloo's summation order follows the position in the
+    buffer). ``True`` holds them at any size of group; never on an accelerator, whose
+    reduce-scatters FSDP2 runs asynchronously on their own stream, nor with HSDP, whose
+    all-reduce reads each reduce-scatter's output at once."""
+    wanted = options.bucket_all_used
+    if wanted is None:
+        bucketing = device.type == "cpu" and not hybrid and world_size == 2
+    elif wanted and (device.type != "cpu" or hybrid):
+        raise WrapError(
+            "ReduceOptions(bucket_all_used=True) cannot bucket FSDP2's reduce-scatters "
+            + ("with HSDP (its all-reduce reads each output at once)" if hybrid else "")
+            + (" and " if hybrid and device.type != "cpu" else "")
+            + (
+                f"on {device.type} (FSDP2 overlaps them on their own stream)"
+                if device.type != "cpu"
+                else ""
+            )
+            + "; leave bucket_all_used at None or False"
+        )
+    else:
+        bucketing = wanted
+    if not bucketing and options.in_place_min_numel != ReduceOptions().in_place_min_numel:
+        raise WrapError(
+            "ReduceOptions(in_place_min_numel=...) only sets which FSDP2 reduce-scatters "
+            "are held and run as one, and this wrap holds none (bucket_all_used="
+            f"{wanted!r}, {device.type}, shard group of {world_size}"
+            + (", HSDP" if hybrid else "")
+            + "): it would be ignored; leave it at its default"
+        )
+    if not bucketing:
+        return None
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    except ImportError:
+        if wanted:
+            raise WrapError(
+                "ReduceOptions(bucket_all_used=True): this torch's FSDP2 has no "
+                f"DefaultReduceScatter, which flatview holds calls of (torch {torch.__version__})"
+            ) from None
+        return None
+    return DefaultReduceScatter
+
+
+class CountingAllGather:
+    """Delegates to FSDP2's all-gather object, counting its input in the ledger."""
+
+    def __init__(self, inner: Any, ledger: Ledger) -> None:
+        self.inner = inner
+        self.ledger = ledger
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor: torch.Tensor = self.inner.allocate(*args, **kwargs)
+        return tensor
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        source = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+        if isinstance(source, torch.Tensor):
+            self.ledger.record("all_gather", source)
+        return self.inner(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldPlan:
+    """How one parameter group's coming reduce-scatter may be held: FSDP2 then only views
+    its output (``numel`` elements of ``dtype``), as the new gradients of ``fresh``, and
+    adds pieces of it to the gradients that exist already (``accumulate``)."""
+
+    numel: int
+    dtype: torch.dtype
+    accumulate: tuple[Accumulate, ...]
+    fresh: tuple[torch.Tensor, ...]
+    small_numel: int
+    """Inputs of this many elements or more go at once, on their own."""
+
+    def accepts(self, output: torch.Tensor, source: torch.Tensor, op: Any) -> bool:
+        """Whether the call FSDP2 makes is the one planned, and small."""
+        return (
+            op == dist.ReduceOp.AVG  # no division of the output afterwards
+            and output.dtype == self.dtype  # no cast of the output afterwards
+            and output.numel() == self.numel
+            and source.numel() < self.small_numel
+        )
+
+
+def hold_plan(
+    group: Any, inner: Any, world_size: int, small_numel: int, default: type
+) -> HoldPlan | None:
+    """The plan for ``group``'s reduce-scatter, computed just before its ``post_backward``
+    (which picks the same parameters: those with an unsharded or accumulated gradient),
+    or ``None`` where something would read its output before the held run: an
+    all-reduce hook, a post-accumulate-grad hook, a custom reduce-scatter (the user's own
+    collective, which must not be bypassed) or sharded gradients of another dtype.
+    ``inner`` is the reduce-scatter object the counting one delegates to, ``default``
+    FSDP2's own class (:func:`decide_bucketing`)."""
+    if type(inner) is not default or group._all_reduce_hook is not None:
+        return None
+    accumulate: list[Accumulate] = []
+    fresh: list[torch.Tensor] = []
+    dtypes: set[torch.dtype] = set()
+    start = 0
+    for fsdp_param in group.fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is None or (
+            fsdp_param.unsharded_accumulated_grad is None and unsharded.grad is None
+        ):
+            continue
+        sharded = fsdp_param.sharded_param
+        if getattr(sharded, "_post_accumulate_grad_hooks", None):
+            return None
+        dtypes.add(sharded.dtype)
+        if sharded.grad is not None:
+            accumulate.append(Accumulate(local_tensor(sharded.grad), start))
+        else:
+            fresh.append(sharded)
+        start += shard_layout(tuple(int(d) for d in fsdp_param._orig_size), world_size).shard_numel
+    if len(dtypes) != 1:
+        return None
+    return HoldPlan(start, dtypes.pop(), tuple(accumulate), tuple(fresh), small_numel)
+
+
+def clear_dropped(held: Sequence[Held]) -> None:
+    """Clear the gradients that are views of dropped held outputs (never reduced)."""
+    for h in held:
+        storage = h.output.untyped_storage().data_ptr()
+        for param in h.fresh:
+            grad = param.grad
+            if grad is not None and local_tensor(grad).untyped_storage().data_ptr() == storage:
+                param.grad = None
+
+
+class CountingReduceScatter:
+    """Delegates to FSDP2's reduce-scatter object, counting its input in the ledger; with
+    ``group`` (HSDP) also the all-reduce FSDP2 runs next over the replicate dimension,
+    whose input is this reduce-scatter's output. With ``held``, a call that meets the
+    ``plan`` set for it is held instead (counted when the held ones run)."""
+
+    def __init__(
+        self, inner: Any, ledger: Ledger, group: Any | None, held: HeldReduceScatters | None
+    ) -> None:
+        self.inner = inner
+        self.ledger = ledger
+        self.group = group
+        self.held = held
+        self.plan: HoldPlan | None = None
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor: torch.Tensor = self.inner.allocate(*args, **kwargs)
+        return tensor
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = kwargs.get("output_tensor", args[0] if args else None)
+        source = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+        plan, self.plan = self.plan, None
+        group: Any = kwargs.get("group")
+        op = kwargs.get("op")
+        if (
+            self.held is not None
+            and plan is not None
+            and isinstance(output, torch.Tensor)
+            and isinstance(source, torch.Tensor)
+            and plan.accepts(output, source, op)
+        ):
+            # FSDP2 makes this call synchronously and drops what it returns.
+            self.held.hold(output, source, group, op, plan.accumulate, plan.fresh)
+            return None
+        if isinstance(source, torch.Tensor):
+            self.ledger.record("reduce_scatter", source)
+        if self.group is not None and self.group.all_reduce_grads and output is not None:
+            self.ledger.record(REPLICA_ALL_REDUCE, output)
+        return self.inner(*args, **kwargs)
+
+
+def drop_unreduced_grads(fsdp_params: Iterable[Any]) -> None:
+    """Drop the gradients an aborted backward left on unsharded parameters.
+
+    reset_iter_state discards FSDP's reduction state but not these: the next backward
+    would take them as its own (a skipped parameter's as "used") and reduce them."""
+    for fsdp_param in fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+        fsdp_param.unsharded_accumulated_grad = None
+
+
+def count_collectives(
+    units: Sequence[Any], ledger: Ledger, hybrid: bool, held: HeldReduceScatters | None
+) -> None:
+    """Wrap every group's all-gather and reduce-scatter (again, if the user set a custom
+    one since) so that the ledger counts them; ``held``: where small reduce-scatters are
+    held, if they are."""
+    for unit in units:
+        for group in unit.groups:
+            if not isinstance(group._all_gather_comm, CountingAllGather):
+                group._all_gather_comm = CountingAllGather(group._all_gather_comm, ledger)
+            if not isinstance(group._reduce_scatter_comm, CountingReduceScatter):
+                group._reduce_scatter_comm = CountingReduceScatter(
+                    group._reduce_scatter_comm, ledger, group if hybrid else None, held
+                )
+
+
+def stop_counting(units: Sequence[Any]) -> None:
+    """Give every group back the all-gather and reduce-scatter objects counted."""
+    for unit in units:
+        for group in unit.groups:
+            for attr in ("_all_gather_comm", "_reduce_scatter_comm"):
+                comm = getattr(group, attr)
+                if isinstance(comm, (CountingAllGather, CountingReduceScatter)):
+                    setattr(group, attr, comm.inner)
+
+
+class Contributions:
+    """What this rank's backward contributes to each used parameter's reduce-scatter,
+    decided just before each group's ``post_backward`` packs it: a skipped parameter
+    that received a gradient is an error, a used one without a gradient on this rank
+    gets zeros (so that every rank's reduce-scatter has the same layout), and the
+    parameters this rank gave a gradient since the last synchronising backward are
+    noted for the flags (:class:`~flatview.comm.unused.UsageFlags`)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.gave: set[int] = set()
+        """Runtime indices of the parameters this rank's backwards gave a gradient since
+        the last synchronising one."""
+        self._versions: dict[int, tuple[int, int]] = {}
+        """Per parameter, its unsharded gradient (identity and version) at the end of
+        the last backward under ``no_sync()``."""
+
+    def before_reduce(self, group: Any, ran: bool) -> None:
+        """Settle ``group``'s gradients before its ``post_backward`` (``ran``: its unit's
+        forward ran in this iteration)."""
+        runtime = self.runtime
+        used = runtime.plain_used()
+        reducing = bool(group.reduce_grads)
+        for fsdp_param in group.fsdp_params:
+            param_index = runtime.index_of(fsdp_param.sharded_param)
+            if param_index is None or not fsdp_param.sharded_param.requires_grad:
+                continue
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            grad = unsharded.grad if unsharded is not None else None
+            # Without mixed precision earlier micro-batches accumulate in the same
+            # tensor: only one that changed since the last backward is this one's.
+            fresh = grad is not None and self._versions.get(param_index) != (
+                id(grad),
+                grad._version,
+            )
+            if param_index not in used:
+                if fresh:
+                    raise skipped_used(runtime.name(param_index))
+                continue
+            if fresh:
+                self.gave.add(param_index)
+            elif (
+                ran
+                and reducing
+                and unsharded is not None
+                and grad is None
+                and fsdp_param.unsharded_accumulated_grad is None
+                and param_index not in self.gave
+            ):
+                # Zeros, what this rank contributes: its reduce-scatter keeps the layout
+                # the other ranks give theirs.
+                unsharded.grad = torch.zeros_like(unsharded)
+
+    def accumulated(self, params_of: Sequence[Sequence[tuple[Any, int | None]]]) -> None:
+        """A backward under ``no_sync()`` ended: note each unsharded gradient as it is,
+        so that the next backward tells its own from what is accumulated."""
+        self._versions = {}
+        for entries in params_of:
+            for fsdp_param, position in entries:
+                grad = getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None)
+                if position is not None and grad is not None:
+                    self._versions[position] = (id(grad), grad._version)
+
+    def reset(self) -> None:
+        """The window is over (reduced, or dropped by an aborted backward)."""
+        self.gave.clear()
+        self._versions = {}

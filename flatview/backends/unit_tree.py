@@ -1,0 +1,88 @@
+"""A tree of FSDP units on one process group, as the two flat-parameter wrappers
+(fairscale's FSDP and torch's FSDP1) have it: the wrap-time checks of every unit, the
+methods of a unit that lend the views, and bringing units that took no part in a backward
+to the state the wrapper's final callback expects. Functions of the units; what a unit's
+state means and what settling one does stay with each wrapper's adapter, passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flatview.backends.base import Runtime
+from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS
+from flatview.comm.unused import undeclared_unused
+from flatview.errors import StateError, UndeclaredUnusedError, WrapError
+
+Units = Sequence[tuple[str, Any]]
+"""``(original name, unit)`` per unit, root first, in module order."""
+
+UnitCheck = Callable[[str, Any], None]
+"""A wrapper's own refusal of one unit, given its label (``"<root>"`` for the root)."""
+
+
+def _no_check(label: str, unit: Any) -> None:
+    pass
+
+
+def label(name: str) -> str:
+    """How messages name a unit (``"<root>"`` for the root)."""
+    return name or "<root>"
+
+
+def check_units(
+    units: Units, root: Any, idle: object, first: UnitCheck = _no_check, then: UnitCheck = _no_check
+) -> None:
+    """Refuse a unit that is not ``idle`` (mid-iteration) or that has a process group
+    of its own; ``first`` runs the wrapper's refusals that come before the group's,
+    ``then`` those after it."""
+    for name, unit in units:
+        where = label(name)
+        if unit.training_state is not idle:
+            raise StateError(
+                f"FSDP unit {where!r} is in state {unit.training_state.name}; wrap the "
+                "model between iterations"
+            )
+        first(where, unit)
+        if unit.process_group is not root.process_group:
+            raise WrapError(
+                f"FSDP unit {where!r} uses its own process group; flatview needs all "
+                "units on the root's group"
+            )
+        then(where, unit)
+
+
+def lending_methods(unit: Any, root: Any) -> tuple[str, ...]:
+    """The methods of ``unit`` that lend the views."""
+    return LENDING_METHODS + (ROOT_LENDING_METHODS if unit is root else ())
+
+
+def settle_units(
+    units: Units,
+    runtime: Runtime,
+    synced: bool,
+    took_part: Callable[[Any, bool], bool],
+    settle: Callable[[Any, bool], None],
+) -> list[str]:
+    """Settle every unit that took no part in this backward (``synced``: a synchronising
+    one): ``took_part(unit, synced)`` says whether it ran its post-backward (or has
+    nothing to train; the wrapper may tidy up every unit there, in unit order),
+    ``settle(unit, synced)`` does what that post-backward would have done. Returns the
+    names of the units among them that the step does not declare skipped, for the caller
+    to raise once the wrapper has finished the backward."""
+    undeclared: list[str] = []
+    for index, (name, unit) in enumerate(units):
+        if took_part(unit, synced):
+            continue
+        if not runtime.unit_skipped(index):
+            undeclared.append(label(name))
+        settle(unit, synced)
+    return undeclared
+
+
+def undeclared_units(names: Sequence[str]) -> UndeclaredUnusedError:
+    """FSDP units (``names``, ``"<root>"`` for the root) that took no part in a backward
+    although their parameters are not all declared skipped."""
+    return undeclared_unused(
+        "the parameters of FSDP unit(s)", names, "this rank", ": the units took no part in it"
+    )

@@ -1,0 +1,18 @@
+"""Where users train: Lightning (the Trainer and Fabric) and Hugging Face accelerate.
+
+* :func:`find_wrapper` (:mod:`flatview.integrations.frameworks`): the DDP or FSDP module
+  inside a framework's object; ``flatview.wrap`` calls it first, so it accepts what
+  ``fabric.setup`` returns, a Trainer, its strategy or an attached LightningModule.
+* :mod:`flatview.integrations.lightning`: ``FlatViewCallback`` for the Trainer, the
+  strategies it needs, and Fabric's optimizers over views.
+* :mod:`flatview.integrations.accelerate`: ``prepare``, the order accelerate needs
+  (model, ``flatview.wrap``, optimizers from views, optimizers) in one call.
+
+This package sits above the handle: nothing else in flatview imports it but
+``flatview.wrap``. It and :mod:`~flatview.integrations.frameworks` import no framework;
+the two framework modules import theirs when they are imported.
+"""
+
+from flatview.integrations.frameworks import find_wrapper
+
+__all__ = ["find_wrapper"]

@@ -1,0 +1,135 @@
+"""flatview with Hugging Face accelerate: one call where the order matters.
+
+accelerate wraps the model in ``prepare`` (DDP, FSDP1 or FSDP2 per its plugin), and
+flatview can only give views of what is wrapped, so the order that works is: prepare the
+model, ``flatview.wrap`` it, build the optimizers from the model's submodules (views
+now), prepare the optimizers. :func:`prepare` is that order::
+
+    model, fv, (opt_body, opt_head) = flatview.integrations.accelerate.prepare(
+        accelerator, model,
+        lambda m: [AdamW(m.body.parameters()), SGD(m.head.parameters())],
+    )
+    for x, y in loader:
+        with accelerator.accumulate(model), fv.step(skip=skipped_blocks()):
+            accelerator.backward(loss_fn(model(x), y))
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt_body.step(); opt_head.step(); opt_body.zero_grad(); opt_head.zero_grad()
+
+Under FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``) accelerate prepares an
+optimizer only together with its model (it swaps the optimizer's parameters for the
+sharded ones); FSDP2 keeps the original parameters, so there the optimizers are built
+first and prepared with the model, then the model is wrapped. The caller sees no
+difference.
+
+``accelerator.clip_grad_norm_`` is exact afterwards: where accelerate would take the
+norm of this rank's pieces of views (any parameter list but ``model.parameters()`` under
+FSDP1, and every list under FSDP1 with views of flat parameters), the norm of the whole
+gradients is taken instead (:mod:`flatview.integrations.clipping`); everything else is
+accelerate's own.
+
+Refused (:class:`~flatview.errors.WrapError`, before anything is prepared): an
+``Accelerator`` given an FSDP plugin that runs as something else (on CPU accelerate
+silently trains with DDP instead), or one that is not distributed at all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+import flatview
+from flatview.errors import WrapError
+from flatview.handle import FlatView
+from flatview.integrations.clipping import clip_whole, clips_locally
+from flatview.integrations.patching import InstancePatches
+
+OptimizerFactory = Callable[[nn.Module], "torch.optim.Optimizer | Iterable[torch.optim.Optimizer]"]
+"""Builds the optimizers from the user's model (``model.body.parameters()``: views)."""
+
+
+class Prepared(NamedTuple):
+    """What :func:`prepare` returns."""
+
+    model: nn.Module
+    """What ``accelerator.prepare`` made of the model: train through it."""
+    fv: FlatView
+    """The handle: ``fv.step(skip=...)``, views, norms, optimizer state."""
+    optimizers: list[Any]
+    """accelerate's prepared optimizers, in the order the factory built them."""
+
+
+def prepare(
+    accelerator: Any, model: nn.Module, optimizers: OptimizerFactory, **wrap_options: Any
+) -> Prepared:
+    """Prepare ``model``, wrap it with flatview, build the optimizers from views with
+    ``optimizers(model)`` and prepare them; route ``accelerator.clip_grad_norm_``.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` (DDP, FSDP1 or FSDP2).
+        model: the user's model, not prepared yet.
+        optimizers: ``model -> optimizer or optimizers``, built from ``model``'s
+            submodules (their ``parameters()`` are views when it is called).
+        **wrap_options: keyword arguments of :func:`flatview.wrap`.
+
+    Raises:
+        flatview.WrapError: the accelerator runs in one process, or was given an FSDP
+            plugin but runs as something else (accelerate on CPU turns FSDP into DDP);
+            or :func:`flatview.wrap` refuses the prepared model.
+    """
+    _check_distributed(accelerator)
+    if getattr(accelerator, "is_fsdp2", False):
+        built = _built(optimizers, model)
+        prepared_model, *prepared = accelerator.prepare(model, *built)
+        fv = flatview.wrap(prepared_model, **wrap_options)
+    else:
+        prepared_model = accelerator.prepare(model)
+        fv = flatview.wrap(prepared_model, **wrap_options)
+        built = _built(optimizers, model)
+        result = accelerator.prepare(*built) if built else ()
+        prepared = list(result) if isinstance(result, tuple) else [result]
+    _route_clipping(accelerator, fv)
+    return Prepared(prepared_model, fv, prepared)
+
+
+def _check_distributed(accelerator: Any) -> None:
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    plugin_given = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if plugin_given and kind != "FSDP":
+        raise WrapError(
+            f"the Accelerator was given an FSDP plugin but runs as {kind}: accelerate trains "
+            "with DDP instead of FSDP here (on CPU it always does). flatview refuses to "
+            "stand in silently: drop the FSDP plugin to train with DDP, or run on GPUs"
+        )
+    if kind == "NO":
+        raise WrapError(
+            "the Accelerator runs in one process without a distributed wrapper: flatview "
+            "needs DDP or FSDP (launch with torchrun or accelerate launch)"
+        )
+
+
+def _built(optimizers: OptimizerFactory, model: nn.Module) -> list[torch.optim.Optimizer]:
+    made = optimizers(model)
+    if isinstance(made, torch.optim.Optimizer):
+        return [made]
+    return list(made)
+
+
+def _route_clipping(accelerator: Any, fv: FlatView) -> None:
+    accelerates = accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(
+        parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
+        params = list(parameters)
+        if clips_locally(fv, params):
+            accelerator.unscale_gradients()
+            return clip_whole(fv, params, max_norm, norm_type)
+        return accelerates(params, max_norm, norm_type)
+
+    # For the accelerator's lifetime: it may clip any time it trains this model.
+    InstancePatches().set(accelerator, "clip_grad_norm_", clip_grad_norm_)

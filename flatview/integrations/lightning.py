@@ -1,0 +1,292 @@
+"""flatview where Lightning users train: the Trainer (one callback) and Fabric.
+
+**Trainer.** One line::
+
+    trainer = Trainer(strategy="ddp", callbacks=[FlatViewCallback(skip=Lit.skipped)])
+
+:class:`FlatViewCallback` wraps the model the strategy built (``flatview.wrap`` at
+``on_fit_start``), enters one ``fv.step(skip=...)`` per batch (each micro-batch under
+gradient accumulation) and leaves it after the batch, or on an exception; skip sets name
+things relative to the LightningModule. It works with automatic and manual
+optimization, and makes Lightning's own gradient clipping by norm exact over views
+(:mod:`flatview.integrations.trainer_patches` says what changes, and why).
+
+Which strategies: DDP (``"ddp"``, :class:`~lightning.pytorch.strategies.DDPStrategy`
+with ``find_unused_parameters=False``: skip sets replace it), FSDP2
+(``ModelParallelStrategy``, sharding in ``configure_model``), both with
+``configure_optimizers`` over ``self.<sub>.parameters()`` as usual (neither replaces
+parameters), and torch FSDP1 through :class:`FlatViewFSDPStrategy`, which wraps between
+FSDP's wrapping and ``configure_optimizers`` so that ``self.<sub>.parameters()`` are
+views there (with ``use_orig_params=False``; Lightning's default ``True`` keeps torch's
+own). Lightning's ``FSDPStrategy`` needs a GPU.
+
+**Fabric.** ``fv = flatview.wrap(fabric_module)`` takes what ``fabric.setup`` returns
+(DDP, ``FSDPStrategy``, ``ModelParallelStrategy``). Optimizers built after that from
+``model.<sub>.parameters()`` go through ``fabric.setup_optimizers`` as usual, except
+under ``FSDPStrategy(use_orig_params=False)``, whose check for flat parameters refuses
+views: :func:`setup_optimizers` is the same call without that check.
+
+This module imports Lightning (``lightning.pytorch``, or ``pytorch_lightning`` when only
+that is installed): install ``flatview[integrations]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+
+import flatview
+from flatview.errors import OptimStateError, WrapError
+from flatview.handle import FlatView
+from flatview.integrations.batch_steps import BatchSteps, scope_of
+from flatview.integrations.patching import InstancePatches
+from flatview.integrations.trainer_patches import TrainerPatches
+from flatview.phase import Phase
+from flatview.skip import SkipSet
+
+
+def _lightning() -> ModuleType:
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(
+        "flatview.integrations.lightning needs Lightning: pip install 'flatview[integrations]' "
+        "(or lightning)"
+    )
+
+
+_pl = _lightning()
+_Callback: Any = _pl.Callback
+_FSDPStrategy: Any = _pl.strategies.FSDPStrategy
+_Strategy: Any = _pl.strategies.Strategy
+
+SkipFn: TypeAlias = Callable[[Any, Any, int], SkipSet]
+"""``skip(pl_module, batch, batch_idx)``: the skip set of one batch (an unbound method of
+the LightningModule fits), the same on every rank."""
+
+
+class FlatViewCallback(_Callback):
+    """flatview for the Lightning Trainer: wrap at ``on_fit_start``, one
+    ``fv.step(skip=...)`` per batch.
+
+    Args:
+        skip: the skip set of every batch, or a function ``skip(pl_module, batch,
+            batch_idx)`` giving it (``pl_module.global_step`` is the optimizer step);
+            names are relative to the LightningModule (``"blocks.3"``). It must be the
+            same on every rank (checked, see ``flatview.wrap``) and match what the
+            forward leaves out: call the same function from ``training_step``.
+        enter_steps: ``False`` enters no step: ``training_step`` enters its own
+            (``with flatview_of(self.trainer).step(skip=...)``, manual optimization).
+        **wrap_options: keyword arguments of :func:`flatview.wrap` (not with
+            :class:`FlatViewFSDPStrategy`, which wraps itself: give them to it).
+
+    After ``on_fit_start``, :attr:`fv` is the :class:`~flatview.FlatView`.
+
+    Raises (from the hooks, on every rank alike):
+        flatview.WrapError: the strategy built nothing flatview can wrap (one device,
+            ``find_unused_parameters=True`` is fine but pointless, a DDP communication
+            hook, ...), named.
+        flatview.StateError: a backward whose forward did not go through the wrapped
+            model (``training_step`` calling submodules instead of ``self(...)``).
+    """
+
+    def __init__(
+        self, skip: SkipSet | SkipFn = None, *, enter_steps: bool = True, **wrap_options: Any
+    ) -> None:
+        super().__init__()
+        self.skip = skip
+        self.enter_steps = enter_steps
+        self.wrap_options = wrap_options
+        self.fv: FlatView | None = None
+        self._steps: BatchSteps | None = None
+        self._patches: TrainerPatches | None = None
+
+    # ------------------------------------------------------------------ fitting
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Wrap the strategy's model (or take the strategy's own :class:`FlatView`)."""
+        fv = getattr(trainer.strategy, "flatview", None)
+        if fv is None:
+            fv = flatview.wrap(trainer.strategy, **self.wrap_options)
+        elif self.wrap_options:
+            raise WrapError(
+                f"{type(trainer.strategy).__name__} wraps the model itself: give "
+                f"{sorted(self.wrap_options)} to it, not to FlatViewCallback"
+            )
+        self.fv = fv
+        self._steps = BatchSteps(fv, scope_of(fv, pl_module))
+        self._patches = TrainerPatches(trainer, fv)
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Enter the batch's step."""
+        steps = self._require_steps()
+        steps.begin_batch()
+        if self.enter_steps:
+            steps.enter(self._skip_of(pl_module, batch, batch_idx))
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        """Check that flatview reduced the backward that just ran."""
+        self._require_steps().after_backward()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Leave the batch's step (after the optimizer step, if the batch had one)."""
+        self._require_steps().leave()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Leave the step as its body raising ``exception`` does, and undo the patches."""
+        if self._steps is not None:
+            self._steps.leave(exception)
+        self._finish(trainer)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """Undo the patches; unwrap if the strategy dropped its wrapper (DDP does)."""
+        self._finish(trainer)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """As :meth:`on_fit_end` (idempotent)."""
+        self._finish(trainer)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _skip_of(self, pl_module: Any, batch: Any, batch_idx: int) -> SkipSet:
+        skip = self.skip
+        if callable(skip) and not isinstance(skip, (nn.Module, torch.Tensor)):
+            return skip(pl_module, batch, batch_idx)
+        return skip
+
+    def _require_steps(self) -> BatchSteps:
+        if self._steps is None:
+            raise WrapError(
+                "FlatViewCallback: the model was not wrapped (on_fit_start did not run)"
+            )
+        return self._steps
+
+    def _finish(self, trainer: Any) -> None:
+        if self._steps is not None:
+            self._steps.remove()
+            self._steps = None
+        if self._patches is not None:
+            self._patches.remove()
+            self._patches = None
+        fv = self.fv
+        dropped = fv is not None and getattr(trainer.strategy, "model", None) is not fv.model
+        if fv is not None and dropped and fv.phase is Phase.IDLE:
+            fv.unwrap()  # Lightning unwrapped DDP at teardown: nothing computes through it
+
+
+def flatview_of(trainer: Any) -> FlatView:
+    """The :class:`~flatview.FlatView` of a Trainer's fit: the one its
+    :class:`FlatViewCallback` or :class:`FlatViewFSDPStrategy` made."""
+    fv = getattr(trainer.strategy, "flatview", None)
+    for callback in trainer.callbacks:
+        if fv is None and isinstance(callback, FlatViewCallback):
+            fv = callback.fv
+    if fv is None:
+        raise WrapError(
+            "this Trainer has no FlatView: add FlatViewCallback to its callbacks (the model "
+            "is wrapped at on_fit_start)"
+        )
+    return fv
+
+
+class FlatViewFSDPStrategy(_FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (torch FSDP1) with flatview wrapped between FSDP's
+    wrapping and ``configure_optimizers``, so that ``self.<sub>.parameters()`` there are
+    views (and optimizers over them are accepted: Lightning's check for flat parameters
+    is left out). Use it with :class:`FlatViewCallback` for skip sets; its
+    :attr:`flatview` is the handle.
+
+    Args:
+        flatview_options: keyword arguments of :func:`flatview.wrap`; every other
+            argument is ``FSDPStrategy``'s.
+
+    Needs a GPU: on CPU Lightning gives torch FSDP no device, which torch refuses; the
+    strategy says so before wrapping (use ``ModelParallelStrategy`` or DDP there).
+    With ``use_orig_params=False`` Lightning's checkpoints cannot hold the optimizers
+    (:meth:`optimizer_state` refuses, naming what to use instead).
+    """
+
+    def __init__(
+        self, *args: Any, flatview_options: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.flatview: FlatView | None = None
+        self.flatview_options = dict(flatview_options or {})
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        if self.root_device.type == "cpu":
+            raise WrapError(
+                "FlatViewFSDPStrategy (Lightning's FSDPStrategy, torch FSDP1) needs a GPU: "
+                "Lightning builds FSDP without a device on CPU, which torch refuses. On CPU "
+                "use ModelParallelStrategy (FSDP2) or strategy='ddp'"
+            )
+        wrapped: nn.Module = super()._setup_model(model)
+        return wrapped
+
+    def optimizer_state(self, optimizer: Any) -> Any:
+        """Lightning saves an FSDP model's optimizers with ``FSDP.optim_state_dict``,
+        which knows torch's parameters, not flatview's views (with flat parameters it
+        fails in a collective, or pairs different sizes across ranks): refused on every
+        rank before it runs. ``use_orig_params=True`` keeps torch's parameters and
+        Lightning's checkpointing."""
+        if not self.kwargs.get("use_orig_params", True):
+            raise OptimStateError(
+                "FlatViewFSDPStrategy(use_orig_params=False) cannot save optimizers through "
+                "Lightning's checkpoint: FSDP.optim_state_dict does not know flatview's views. "
+                "Save them with fv.optim_state_dict(optimizer) or flatview.checkpoint, or "
+                "train with use_orig_params=True, ModelParallelStrategy or DDP"
+            )
+        return super().optimizer_state(optimizer)
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Wrap the FSDP model, then let ``configure_optimizers`` build optimizers over
+        its views."""
+        if self.flatview is None or self.flatview.model is not self.model:
+            self.flatview = flatview.wrap(self.model, **self.flatview_options)
+        # What FSDPStrategy does first (a second fit discards the old optimizers); then
+        # the base strategy's optimizers, without FSDPStrategy's check that they hold
+        # flat parameters: they hold views of them.
+        self._reset_optimizers_and_schedulers()
+        _Strategy.setup_optimizers(self, trainer)
+
+
+def setup_optimizers(fabric: Any, fv: FlatView, *optimizers: torch.optim.Optimizer) -> Any:
+    """``fabric.setup_optimizers(*optimizers)`` for optimizers over ``fv``'s views.
+
+    Fabric's ``FSDPStrategy(use_orig_params=False)`` refuses optimizers that do not hold
+    FSDP's flat parameters, as optimizers over views do not; this checks instead that
+    each holds only ``fv``'s parameters, and leaves Fabric's check out. Under any other
+    strategy it is ``fabric.setup_optimizers`` after the same check.
+
+    Raises:
+        flatview.OptimStateError: an optimizer holds a tensor that is not one of
+            ``fv``'s parameters (a flat parameter, say), named.
+    """
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                fv.placement(param)  # raises, naming it, for anything else
+    patches = InstancePatches()
+    strategy = fabric.strategy
+    if any(cls.__name__ == "FSDPStrategy" for cls in type(strategy).__mro__):
+        # Fabric's FSDPStrategy.setup_optimizer only checks for flat parameters.
+        patches.set(strategy, "setup_optimizer", _as_given)
+    try:
+        return fabric.setup_optimizers(*optimizers)
+    finally:
+        patches.remove()
+
+
+def _as_given(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return optimizer

@@ -1,0 +1,85 @@
+"""Worker functions of ``test_integrations`` for Hugging Face accelerate (see
+:mod:`tests.integration_workers` for the environment and the reference). Called
+through :func:`tests.integration_workers.call`, so only the workers import accelerate.
+
+accelerate's state is a process-wide singleton: every function resets it on the way
+out, so that the next task in the same worker starts from a fresh one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import FullyShardedDataParallelPlugin
+
+import flatview
+from flatview.integrations.accelerate import prepare
+from tests.integration_workers import Run, framework_env, local_batches, make_optimizers, params_of
+from tests.scenarios import loss_of, make_net, skip_names
+
+
+@contextlib.contextmanager
+def _accelerator(**kwargs: Any) -> Iterator[Accelerator]:
+    with framework_env():
+        try:
+            yield Accelerator(cpu=True, **kwargs)
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+
+def train(run: Run, resume: bool = False) -> dict[str, np.ndarray] | None:
+    """Train ``run`` through :func:`prepare` with ``accelerator.accumulate`` and
+    ``accelerator.clip_grad_norm_``; rank 0's final parameters. ``resume``: save the
+    state (``accelerator.save_state``) after the first half, train on, then load it back
+    (``load_state``) and train the second half again: the end must not differ."""
+    with _accelerator(gradient_accumulation_steps=run.accumulate) as accelerator:
+        net = make_net(run.scenario)
+        model, fv, opts = prepare(accelerator, net, lambda m: make_optimizers(m, run))
+        batches = list(enumerate(local_batches(run)))
+        half = len(batches) // 2
+        _epoch(run, accelerator, model, fv, opts, batches[:half])
+        if resume:
+            accelerator.save_state("state")
+            _epoch(run, accelerator, model, fv, opts, batches[half:])
+            accelerator.load_state("state")
+        _epoch(run, accelerator, model, fv, opts, batches[half:])
+        params = params_of(net)
+    return params if dist.get_rank() == 0 else None
+
+
+def _epoch(
+    run: Run,
+    accelerator: Accelerator,
+    model: Any,
+    fv: flatview.FlatView,
+    opts: list[Any],
+    batches: list[Any],
+) -> None:
+    for micro, (x, y) in batches:
+        skip = skip_names(run.scenario, micro)
+        with accelerator.accumulate(model), fv.step(skip=skip):
+            accelerator.backward(loss_of(model(x, skip), y))
+            if accelerator.sync_gradients and run.clip is not None:
+                for opt in opts:
+                    params = [p for group in opt.param_groups for p in group["params"]]
+                    accelerator.clip_grad_norm_(params, run.clip)
+            for opt in opts:
+                opt.step()
+            for opt in opts:
+                opt.zero_grad()
+
+
+def refused_fsdp_on_cpu() -> str:
+    """What :func:`prepare` says of an FSDP plugin accelerate turned into DDP on CPU."""
+    with _accelerator(fsdp_plugin=FullyShardedDataParallelPlugin()) as accelerator:
+        try:
+            prepare(accelerator, make_net(Run().scenario), lambda m: make_optimizers(m, Run()))
+        except flatview.WrapError as error:
+            return f"{accelerator.distributed_type.value}: {error}"
+    return "nothing raised"

@@ -1,0 +1,321 @@
+"""Worker functions of ``test_integrations`` for the Lightning Trainer and Fabric (see
+:mod:`tests.integration_workers` for the environment and the reference). Called
+through :func:`tests.integration_workers.call`, so only the workers import Lightning."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+from torch import nn
+from torch.utils.data import DataLoader
+
+import flatview
+from flatview.integrations.lightning import FlatViewCallback, FlatViewFSDPStrategy, flatview_of
+from tests.integration_workers import (
+    Run,
+    framework_env,
+    local_batches,
+    make_optimizers,
+    names,
+    params_of,
+    without_prefix,
+)
+from tests.scenarios import Block, local_batch, loss_of, make_net, skip_names
+
+PREFIX = "net."
+"""Where the LightningModule keeps the scenario's net: skip names are relative to it."""
+
+
+class Lit(pl.LightningModule):
+    """The scenario's net as a LightningModule. Its data loader yields batch numbers
+    within the epoch; ``training_step`` trains on this rank's chunk of batch
+    ``epoch * per_epoch + batch_idx`` and skips what the scenario's batch skips.
+
+    ``user_steps``: manual optimization with ``with fv.step(...)`` written in
+    ``training_step`` around the forward and ``manual_backward``; ``fv`` comes from
+    ``flatview_of`` (``"callback"``) or from ``flatview.wrap(self)`` at ``on_fit_start``
+    (``"own_wrap"``, no callback)."""
+
+    def __init__(self, run: Run, user_steps: str = "") -> None:
+        super().__init__()
+        self.run = run
+        self.net = make_net(run.scenario)
+        self.automatic_optimization = not run.manual
+        self.user_steps = user_steps
+        self.fv: flatview.FlatView | None = None
+
+    def forward(self, x: torch.Tensor, skip: tuple[str, ...] = ()) -> torch.Tensor:
+        out: torch.Tensor = self.net(x, skip)
+        return out
+
+    def micro(self, batch_idx: int) -> int:
+        return self.current_epoch * self.run.per_epoch + batch_idx
+
+    def skipped(self, batch: Any, batch_idx: int) -> list[str]:
+        """The batch's skip set, relative to this module (what FlatViewCallback takes)."""
+        return names(skip_names(self.run.scenario, self.micro(batch_idx)), PREFIX)
+
+    def on_fit_start(self) -> None:
+        if self.user_steps == "own_wrap":
+            self.fv = flatview.wrap(self)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        micro = self.micro(batch_idx)
+        x, y = local_batch(self.run.scenario, micro)
+        skip = skip_names(self.run.scenario, micro)
+        if not self.run.manual:
+            return loss_of(self(x, skip), y)
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        for opt in opts:
+            opt.zero_grad()
+        if self.user_steps:
+            fv = self.fv if self.fv is not None else flatview_of(self.trainer)
+            with fv.step(skip=self.skipped(batch, batch_idx)):
+                self.manual_backward(loss_of(self(x, skip), y))
+        else:
+            self.manual_backward(loss_of(self(x, skip), y))
+        if self.run.clip is not None:
+            for opt in opts:
+                self.clip_gradients(opt, self.run.clip, gradient_clip_algorithm="norm")
+        for opt in opts:
+            opt.step()
+        return None
+
+    def configure_optimizers(self) -> Any:
+        return make_optimizers(self.net, self.run)
+
+
+class ShardedLit(Lit):
+    """:class:`Lit` for ``ModelParallelStrategy``: FSDP2 on every block and the net
+    (Lightning's idiom: the LightningModule itself stays unsharded)."""
+
+    def configure_model(self) -> None:
+        _fully_shard(self.net, self.device_mesh)
+
+
+class CPUFlatViewFSDP(FlatViewFSDPStrategy):
+    """FlatViewFSDPStrategy on CPU for tests: Lightning builds FSDP without a device
+    there, which torch refuses, so the test builds it with one (flat parameters, a
+    unit per block); the rest is the strategy under test."""
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP(
+            model,
+            device_id=torch.device("cpu"),
+            use_orig_params=self.kwargs["use_orig_params"],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+        )
+
+
+def _strategy(name: str) -> Any:
+    if name == "fsdp2":
+        return pl.strategies.ModelParallelStrategy(
+            data_parallel_size=dist.get_world_size(), tensor_parallel_size=1
+        )
+    if name == "fsdp1_cpu":
+        return CPUFlatViewFSDP(use_orig_params=False)
+    if name == "fsdp1_cpu_checkpoint":
+        # Lightning's full state dict offloads to CPU, which torch cannot do from CPU.
+        return CPUFlatViewFSDP(use_orig_params=False, state_dict_type="sharded")
+    if name == "fsdp1":
+        return FlatViewFSDPStrategy(use_orig_params=False)
+    return name
+
+
+def _trainer(run: Run, strategy: str, tmp: str, callbacks: list[Any], epochs: int) -> Any:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=_strategy(strategy),
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp,
+        callbacks=callbacks,
+        accumulate_grad_batches=run.accumulate,
+        gradient_clip_val=None if run.manual else run.clip,
+    )
+
+
+def _module(run: Run, strategy: str, user_steps: str) -> Lit:
+    return ShardedLit(run, user_steps) if strategy == "fsdp2" else Lit(run, user_steps)
+
+
+def _loader(run: Run) -> DataLoader[int]:
+    return DataLoader(list(range(run.per_epoch)), batch_size=None)
+
+
+def trainer(run: Run, strategy: str = "ddp", user_steps: str = "") -> dict[str, np.ndarray] | None:
+    """Fit ``run`` with the Trainer and FlatViewCallback; rank 0's final parameters.
+    With ``run.epochs == 2`` the first epoch ends in ``trainer.save_checkpoint`` and a
+    new Trainer, module and callback resume from it for the second."""
+    with framework_env() as tmp:
+        path = os.path.join(tmp, "resume.ckpt")
+        for epoch in range(run.epochs):
+            module = _module(run, strategy, user_steps)
+            callbacks = []
+            if user_steps != "own_wrap":
+                skip = None if user_steps else Lit.skipped
+                callbacks.append(FlatViewCallback(skip=skip, enter_steps=not user_steps))
+            fit = _trainer(run, strategy, tmp, callbacks, epochs=epoch + 1)
+            fit.fit(module, _loader(run), ckpt_path=path if epoch else None)
+            if epoch + 1 < run.epochs:
+                fit.save_checkpoint(path)
+        params = without_prefix(params_of(fit.strategy.model), PREFIX)
+    return params if dist.get_rank() == 0 else None
+
+
+def refused_fsdp1_on_cpu() -> str:
+    """What FlatViewFSDPStrategy says on CPU."""
+    with framework_env() as tmp:
+        run = Run()
+        fit = _trainer(run, "fsdp1", tmp, [FlatViewCallback(skip=Lit.skipped)], epochs=1)
+        try:
+            fit.fit(Lit(run), _loader(run))
+        except flatview.WrapError as error:
+            return str(error)
+    return "nothing raised"
+
+
+def fabric(run: Run, strategy: str) -> dict[str, np.ndarray] | None:
+    """Train ``run`` with Fabric: ``flatview.wrap(fabric.setup_module(model))``,
+    optimizers from views through ``fabric.setup_optimizers``, ``with fv.step(...)``
+    around each batch."""
+    with framework_env():
+        net = make_net(run.scenario)
+        if strategy == "fsdp2":
+            chosen: Any = FabricModelParallel(
+                parallelize_fn=_fully_shard,
+                data_parallel_size=dist.get_world_size(),
+                tensor_parallel_size=1,
+            )
+        else:
+            chosen = strategy
+        fab = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=chosen)
+        fab.launch()
+        model = fab.setup_module(net)
+        fv = flatview.wrap(model)
+        made = fab.setup_optimizers(*make_optimizers(net, run))
+        opts = made if isinstance(made, tuple) else (made,)
+        for micro, (x, y) in enumerate(local_batches(run)):
+            skip = skip_names(run.scenario, micro)
+            last = (micro + 1) % run.accumulate == 0
+            if micro % run.accumulate == 0:
+                for opt in opts:
+                    opt.zero_grad()
+            sync = fab.no_backward_sync(model, enabled=not last)
+            with sync, fv.step(skip=skip):
+                fab.backward(loss_of(model(x, skip), y) / run.accumulate)
+            if last:
+                if run.clip is not None:
+                    for opt in opts:
+                        fab.clip_gradients(model, opt, max_norm=run.clip)
+                for opt in opts:
+                    opt.step()
+        params = params_of(net)
+    return params if dist.get_rank() == 0 else None
+
+
+def _fully_shard(module: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = mesh["data_parallel"]
+    for block in module.body:
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+class _Failing(Lit):
+    """Raises before the second batch's backward, after its forward (flatview's
+    iteration is then in flight: only leaving the step with the error ends it)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.batch_now = batch_idx
+        return super().training_step(batch, batch_idx)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        if self.batch_now == 1:
+            raise RuntimeError("boom before the backward")
+
+
+def exception_leaves_the_step() -> dict[str, Any]:
+    """A batch that raises: the step is left (the next one can be entered), the
+    patches are gone, and the error is the user's."""
+    with framework_env() as tmp:
+        run = Run()
+        callback = FlatViewCallback(skip=Lit.skipped)
+        fit = _trainer(run, "ddp", tmp, [callback], epochs=1)
+        try:
+            fit.fit(_Failing(run), _loader(run))
+            raised = "nothing"
+        except RuntimeError as error:
+            raised = str(error)
+        fv = callback.fv
+        assert fv is not None
+        phase = fv.phase.name
+        with fv.step(skip=["net.body.1"]):
+            pass  # would raise "cannot be nested" if the failed batch's step were open
+        patched = "training_step" in vars(fit.strategy) or "clip_grad_by_norm" in vars(
+            fit.precision_plugin
+        )
+    return {"raised": raised, "phase": phase, "patched": patched}
+
+
+class _FakeFabric:
+    """What :func:`flatview.integrations.lightning.setup_optimizers` uses of Fabric, with
+    Fabric's real FSDPStrategy (Fabric itself refuses FSDP on CPU)."""
+
+    def __init__(self) -> None:
+        from lightning.fabric.strategies import FSDPStrategy
+
+        self.strategy = FSDPStrategy(use_orig_params=False)
+
+    def setup_optimizers(self, *optimizers: Any) -> Any:
+        made = tuple(self.strategy.setup_optimizer(o) for o in optimizers)
+        return made if len(made) > 1 else made[0]
+
+
+def fabric_optimizers_over_views() -> dict[str, str]:
+    """Fabric's FSDPStrategy refuses optimizers over views; setup_optimizers takes them,
+    and refuses one over a flat parameter, naming it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from flatview.integrations.lightning import setup_optimizers
+
+    net = make_net(Run().scenario)
+    model = FSDP(net, device_id=torch.device("cpu"), use_orig_params=False)
+    flat = list(model.parameters())
+    fv = flatview.wrap(model)
+    fabric = _FakeFabric()
+    out = {}
+    over_views = torch.optim.SGD(net.head.parameters(), lr=0.1)
+    try:
+        fabric.setup_optimizers(over_views)
+        out["fabric"] = "accepted"
+    except ValueError as error:
+        out["fabric"] = str(error)
+    out["helper"] = "same" if setup_optimizers(fabric, fv, over_views) is over_views else "other"
+    try:
+        setup_optimizers(fabric, fv, torch.optim.SGD(flat, lr=0.1))
+        out["flat"] = "accepted"
+    except flatview.FlatViewError as error:
+        out["flat"] = f"{type(error).__name__}: {error}"
+    out["restored"] = str("setup_optimizer" not in vars(fabric.strategy))
+    fv.unwrap()
+    return out

@@ -1,0 +1,226 @@
+"""flatview where users train: the Lightning Trainer (FlatViewCallback), Fabric and
+accelerate, against the real packages (the ``integrations`` extra), each run compared
+with a single-process reference of the same semantics (:mod:`tests.integration_workers`).
+
+The frameworks join the suite's worker pools instead of starting processes of their own;
+every run is a few batches of the stochastic-depth scenario ``GATED``, whose skip sets
+cover whole blocks, gates inside blocks and a top-level layer. Only the workers import
+the frameworks (through :func:`tests.integration_workers.call`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from tests import integration_workers as iw
+from tests.dist_pool import WorkerError
+from tests.scenarios import compare
+
+if TYPE_CHECKING:
+    from tests.conftest import PoolFactory
+
+LIGHTNING = "tests.lightning_workers"
+ACCELERATE = "tests.accelerate_workers"
+# The first task in a pool imports the framework (seconds to tens of seconds on a busy
+# 2-core machine).
+TIMEOUT = 240.0
+
+needs_lightning = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="lightning is not installed"
+)
+needs_accelerate = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed"
+)
+
+
+def _run(pool: Any, module: str, name: str, *args: Any, **kwargs: Any) -> list[Any]:
+    results: list[Any] = pool.run(iw.call, module, name, *args, timeout=TIMEOUT, **kwargs)
+    return results
+
+
+def _check(results: list[Any], run: iw.Run) -> None:
+    compare(results[0], iw.reference(run))
+
+
+# ------------------------------------------------------------------------ Trainer
+
+
+@needs_lightning
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(iw.Run(), id="automatic"),
+        pytest.param(iw.Run(clip=0.05), id="gradient_clip_val"),
+        pytest.param(iw.Run(iw.EVEN, accumulate=2), id="accumulate_grad_batches=2"),
+        pytest.param(iw.Run(manual=True), id="manual"),
+    ],
+)
+def test_trainer_ddp_trains_like_the_reference(dist_pool: PoolFactory, run: iw.Run) -> None:
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run), run)
+
+
+@needs_lightning
+def test_trainer_manual_with_steps_written_in_training_step(dist_pool: PoolFactory) -> None:
+    # FlatViewCallback(enter_steps=False): training_step enters `with fv.step(...)` itself,
+    # around the forward and manual_backward.
+    run = iw.Run(manual=True)
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, user_steps="callback"), run)
+
+
+@needs_lightning
+@pytest.mark.xfail(strict=True, reason="needs the core fix on wt-silent")
+def test_trainer_manual_own_wrap_trains_exactly_or_raises_everywhere(
+    dist_pool: PoolFactory,
+) -> None:
+    # No callback: the LightningModule wraps itself at on_fit_start and writes
+    # `with fv.step(...)` in training_step. Lightning runs training_step inside DDP's
+    # forward, so that forward began before the step: it must train exactly, or raise a
+    # clear error on every rank (without the core fix each rank trains on its own
+    # gradients, silently).
+    run = iw.Run(manual=True)
+    try:
+        results = _run(dist_pool(2), LIGHTNING, "trainer", run, user_steps="own_wrap")
+    except WorkerError as error:
+        assert sorted(error.errors) == [0, 1] and not error.unfinished, error
+        assert all("StateError" in text for text in error.errors.values()), error
+        return
+    _check(results, run)
+
+
+@needs_lightning
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(iw.Run(clip=0.05), id="gradient_clip_val"),
+        pytest.param(iw.Run(manual=True), id="manual"),
+    ],
+)
+def test_trainer_fsdp2_trains_like_the_reference(dist_pool: PoolFactory, run: iw.Run) -> None:
+    # ModelParallelStrategy, sharding the LightningModule's net in configure_model.
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy="fsdp2"), run)
+
+
+@needs_lightning
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(iw.Run(clip=0.05), id="gradient_clip_val"),
+        pytest.param(iw.Run(manual=True, clip=0.05), id="manual"),
+    ],
+)
+def test_flatview_fsdp_strategy_gives_views_to_configure_optimizers(
+    dist_pool: PoolFactory, run: iw.Run
+) -> None:
+    # FlatViewFSDPStrategy (torch FSDP1, flat parameters) with FSDP built on CPU by the
+    # test: configure_optimizers builds over views, and Lightning's clipping (which its
+    # FSDP precision plugin refuses, and torch would take over this rank's pieces) is
+    # routed to the norm of the whole gradients.
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy="fsdp1_cpu"), run)
+
+
+@needs_lightning
+def test_flatview_fsdp_strategy_refuses_cpu(dist_pool: PoolFactory) -> None:
+    for message in _run(dist_pool(2), LIGHTNING, "refused_fsdp1_on_cpu"):
+        assert "FlatViewFSDPStrategy" in message and "needs a GPU" in message, message
+
+
+@needs_lightning
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_trainer_checkpoint_resumes_exactly(dist_pool: PoolFactory, strategy: str) -> None:
+    # trainer.save_checkpoint after the first epoch; a new Trainer, module and callback
+    # resume from it (Lightning's own checkpointing: torch's get_state_dict under FSDP2).
+    # Manual optimization: AdamW and SGD with momentum, state for every parameter.
+    run = iw.Run(iw.EVEN, manual=True, epochs=2)
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=strategy), run)
+
+
+@needs_lightning
+def test_flatview_fsdp_strategy_refuses_to_checkpoint_optimizers_over_views(
+    dist_pool: PoolFactory,
+) -> None:
+    # Lightning saves FSDP optimizers with FSDP.optim_state_dict, which does not know
+    # flatview's views (it fails in a mismatched collective): refused on every rank.
+    run = iw.Run(iw.EVEN, manual=True, epochs=2)
+    error = dist_pool(2).run_expecting_error(
+        iw.call,
+        LIGHTNING,
+        "trainer",
+        run,
+        strategy="fsdp1_cpu_checkpoint",
+        match="OptimStateError: FlatViewFSDPStrategy.use_orig_params=False. cannot save",
+        timeout=TIMEOUT,
+    )
+    assert not error.unfinished, error
+
+
+# ------------------------------------------------------------------------- Fabric
+
+
+@needs_lightning
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(iw.Run(manual=True, clip=0.05), id="clip"),
+        pytest.param(iw.Run(iw.EVEN, accumulate=2), id="accumulate"),
+    ],
+)
+def test_fabric_trains_like_the_reference(
+    dist_pool: PoolFactory, strategy: str, run: iw.Run
+) -> None:
+    _check(_run(dist_pool(2), LIGHTNING, "fabric", run, strategy), run)
+
+
+# --------------------------------------------------------------------- accelerate
+
+
+@needs_accelerate
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(iw.Run(iw.EVEN, accumulate=2, clip=0.05), id="accumulate_clip"),
+        pytest.param(iw.Run(manual=True, clip=0.05), id="two_optimizers"),
+    ],
+)
+def test_accelerate_ddp_trains_like_the_reference(dist_pool: PoolFactory, run: iw.Run) -> None:
+    # prepare(model) -> flatview.wrap -> optimizers from views -> prepare(optimizers).
+    _check(_run(dist_pool(2), ACCELERATE, "train", run), run)
+
+
+@needs_accelerate
+def test_accelerate_save_and_load_state_resume_exactly(dist_pool: PoolFactory) -> None:
+    run = iw.Run(iw.EVEN, manual=True)
+    _check(_run(dist_pool(2), ACCELERATE, "train", run, resume=True), run)
+
+
+@needs_accelerate
+def test_accelerate_fsdp_plugin_turned_ddp_is_refused(dist_pool: PoolFactory) -> None:
+    for message in _run(dist_pool(2), ACCELERATE, "refused_fsdp_on_cpu"):
+        assert message.startswith("MULTI_CPU: ") and "FSDP plugin" in message, message
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_accelerate_fsdp1_order_gives_views_and_whole_norm_clipping(
+    dist_pool: PoolFactory, clip: float | None
+) -> None:
+    # accelerate's FSDP1 runs only on GPUs: a stand-in Accelerator that wraps in torch
+    # FSDP1 on CPU (flat parameters) shows prepare's order and clip_grad_norm_'s routing.
+    run = iw.Run(manual=True, clip=clip)
+    _check(dist_pool(2).run(iw.accelerate_fsdp1_order, run, timeout=TIMEOUT), run)
+
+
+@needs_lightning
+def test_trainer_exception_leaves_the_step(dist_pool: PoolFactory) -> None:
+    for result in _run(dist_pool(2), LIGHTNING, "exception_leaves_the_step"):
+        assert result == {"raised": "boom before the backward", "phase": "IDLE", "patched": False}
+
+
+@needs_lightning
+def test_fabric_setup_optimizers_over_views(dist_pool: PoolFactory) -> None:
+    for result in _run(dist_pool(2), LIGHTNING, "fabric_optimizers_over_views"):
+        assert "does not seem to reference any FSDP parameters" in result["fabric"], result
+        assert result["helper"] == "same" and result["restored"] == "True", result
+        assert result["flat"].startswith("OptimStateError: "), result
