@@ -361,6 +361,55 @@ def recovery(scenario: Any, stage: int, kinds: tuple[str, ...]) -> dict[str, Any
     return {"errors": errors, "params": params, "phase": phase}
 
 
+def _error(call: Any, *args: Any) -> str:
+    try:
+        call(*args)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "nothing raised"
+
+
+def unseen_backwards(scenario: Any, stage: int) -> dict[str, Any]:
+    """Backwards of forwards flatview did not see begin, each caught on every rank and
+    the gradients dropped (``engine.zero_grad()``), then the scenario's training with
+    the engine's own AdamW: ``before wrap``, the backward of ``engine(...)`` run before
+    ``flatview.wrap``; ``module before wrap`` (ZeRO 1/2), that of ``engine.module(...)``
+    (no DeepSpeed hook on its outputs), then ``engine.step()``; ``second backward``, a
+    second ``engine.backward`` through a forward whose first one had ``retain_graph``."""
+    import flatview
+    from tests.scenarios import freeze, local_batch, loss_of, make_net
+
+    errors = {}
+    with deepspeed_on_cpu() as deepspeed:
+        net = make_net(scenario)
+        engine, _, _, _ = deepspeed.initialize(
+            model=net,
+            optimizer=one_optimizer(net.parameters()),
+            config=ds_config(scenario, stage, 0.0, None),
+        )
+        xs, ys = local_batch(scenario, 500)
+        early = loss_of(engine(xs), ys)
+        direct = loss_of(engine.module(xs), ys) if stage != 3 else None
+        fv = flatview.wrap(engine, check_skip_agreement=scenario.check)
+        freeze(fv.named_parameters(), scenario)
+        errors["before wrap"] = _error(engine.backward, early)
+        engine.zero_grad()
+        if direct is not None:
+            direct.backward()
+            errors["module before wrap"] = _error(engine.step)
+            engine.zero_grad()
+        loss = loss_of(engine(xs), ys)
+        engine.backward(loss, retain_graph=True)
+        errors["second backward"] = _error(engine.backward, loss)
+        engine.zero_grad()
+        del early, direct, loss
+        _train(engine, fv, scenario, range(len(scenario.skips)))
+        params = full_params(fv, engine)
+        phase = fv.phase.name
+        del engine, fv
+    return {"errors": errors, "params": params, "phase": phase}
+
+
 def gradient_bytes(scenario: Any, stage: int, strategy: str, bare: bool) -> dict[str, Any]:
     """Bytes of gradient-reducing collectives (counted at the calls) in the backward of
     each micro-batch of the scenario, with flatview (``bare=False``) or on the bare
@@ -596,6 +645,8 @@ def refused_while_wrapped(stage: int) -> dict[str, str]:
     """What flatview refuses on a wrapped engine (StateError messages by call)."""
     import tempfile
 
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     import flatview
     from tests.scenarios import Scenario, local_batch, loss_of, make_net
 
@@ -620,6 +671,8 @@ def refused_while_wrapped(stage: int) -> dict[str, str]:
             "load_checkpoint": (engine.load_checkpoint, directory),
             "no_sync": (engine.no_sync,),
             "optimizer.state_dict": (engine.optimizer.state_dict,),
+            # torch's own checkpoint functions would misread an optimizer over views.
+            "torch get_state_dict": (get_state_dict, engine, engine.optimizer.optimizer),
         }
         for name, (method, *args) in calls.items():
             try:

@@ -138,6 +138,27 @@ def test_errors_raise_on_every_rank_and_training_goes_on_exactly(
     compare(results[0]["params"], w.run_reference(SC).params)
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_backwards_of_unseen_forwards_raise_on_every_rank(
+    dist_pool: PoolFactory, stage: int
+) -> None:
+    """A backward through a forward run before flatview.wrap (which under ZeRO 1/2 lost
+    the step without a word, and crashed inside DeepSpeed's hooks under ZeRO 3), or a
+    second backward through one forward: a StateError on every rank, before anything is
+    reduced or stepped; after engine.zero_grad() the training is the reference's."""
+    results = dist_pool(2).run(w.unseen_backwards, SC, stage, timeout=TIMEOUT)
+    expected = ["before wrap", "second backward"] + (["module before wrap"] if stage != 3 else [])
+    for got in results:
+        assert sorted(got["errors"]) == sorted(expected), got["errors"]
+        for name, message in got["errors"].items():
+            assert message.startswith("StateError: "), (name, message)
+            assert "retain_graph=True" in message, (name, message)
+            if name != "second backward":
+                assert "the forward ran before flatview.wrap" in message, (name, message)
+        assert got["phase"] == "IDLE"
+        compare(got["params"], w.run_reference(SC, "one", 0.0).params)
+
+
 def _used_bytes(flats: list[tuple[object, tuple[bool, ...]]]) -> int:
     """4 bytes per element of every used segment (fp32), from the layouts alone."""
     return 4 * sum(
@@ -259,11 +280,15 @@ def test_deepspeed_operations_that_would_be_wrong_are_refused(
     """DeepSpeed's own checkpoints would save optimizer state kept per view as its flat
     partitions' (and load it so); no_sync accumulates in a way flatview does not drive;
     an optimizer built before wrapping over DeepSpeed's own parameters would train
-    copies the engine overwrites (refused at its first step)."""
+    copies the engine overwrites (refused at its first step); torch's get_state_dict
+    would take a view's optimizer state for a whole parameter's."""
     for got in dist_pool(2).run(w.refused_while_wrapped, stage, timeout=TIMEOUT):
         early = got.pop("early optimizer")
         assert early.startswith("StateError: "), early
         assert "holds DeepSpeed's own module parameters" in early, early
+        torch_own = got.pop("torch get_state_dict")
+        assert torch_own.startswith("FlatViewError: "), torch_own
+        assert "Use flatview.checkpoint.get_state_dict" in torch_own, torch_own
         for name, message in got.items():
             assert message.startswith("StateError: "), (name, message)
             assert "not supported while flatview wraps" in message, (name, message)

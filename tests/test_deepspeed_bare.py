@@ -48,9 +48,7 @@ def _stage_sizes() -> list[object]:
 def test_bare_zero_matches_the_reference_without_clipping(
     dist_pool: PoolFactory, stage: int, world: int
 ) -> None:
-    results = dist_pool(world).run(
-        w.bare_deepspeed_mlp, stage, STEPS, NO_CLIPPING, timeout=TIMEOUT
-    )
+    results = dist_pool(world).run(w.bare_deepspeed_mlp, stage, STEPS, NO_CLIPPING, timeout=TIMEOUT)
     reference = w.reference_mlp(STEPS, world, clip=None)
     for result in results:
         # DeepSpeed steps the client optimizer itself (no fused or CPU Adam swapped in).

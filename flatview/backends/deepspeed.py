@@ -71,7 +71,7 @@ from torch.utils._pytree import tree_leaves
 from flatview.autograd import at_end_of_backward, in_backward
 from flatview.backends.base import Adapter, UnitSpec
 from flatview.backends.deepspeed_checks import DeepSpeedModel
-from flatview.backends.deepspeed_step import ZeroStep
+from flatview.backends.deepspeed_step import ZeroStep, unseen_backward
 from flatview.backends.deepspeed_zero import (
     FlatGroups,
     ModuleOrder,
@@ -116,6 +116,13 @@ _REFUSED = (
 )
 """(object, method, what to do instead): DeepSpeed operations that would be wrong on a
 wrapped engine (its optimizer state is per view; its windows accumulate nothing)."""
+
+
+_SECOND_BACKWARD = (
+    "a second backward through a forward whose backward already ran (retain_graph=True), "
+    "or the backward of an earlier forward after a later forward's: flatview reduces once "
+    "per forward, for the last one"
+)
 
 
 def clean_name(name: str) -> str:
@@ -250,6 +257,8 @@ class DeepSpeedAdapter(Adapter):
             if hasattr(zero, name):
                 patches.patch(zero, name, _noop)
         patches.patch(zero, "should_refresh_expected_hook_count", _never)
+        # DeepSpeed's hook at the start of every backward through engine(...)'s outputs.
+        patches.patch(engine, "_backward_prologue", self._seen(engine._backward_prologue))
         # Runs after flatview's end of the backward (ZeRO 3 releases what its backward
         # left gathered, reading the submodules' parameters): with DeepSpeed's own.
         patches.lending(zero, ("backward_epilogue",), self._lent)
@@ -334,19 +343,34 @@ class DeepSpeedAdapter(Adapter):
     def _backward_starts(self, grad: torch.Tensor) -> None:
         if self._installed is None or self._backward.state is Backward.QUEUED:
             return
+        if self._installed.phase is not Phase.COMPUTING:
+            # Before DeepSpeed's own backward hooks (ZeRO 3's would gather the views).
+            raise StateError(_SECOND_BACKWARD)
         self._installed.check_backward_binding()
         self._backward.move(Backward.QUEUED)
         at_end_of_backward(self._end_backward)
+
+    def _seen(self, prologue: Callable[[], None]) -> Callable[[], None]:
+        """DeepSpeed's start of a backward, refused unless flatview saw its forward
+        begin: a forward that ran before ``flatview.wrap`` registered none of flatview's
+        hooks (its gradients would reach no view: a step lost without a word under ZeRO
+        1/2, a crash inside DeepSpeed's backward hooks under ZeRO 3), and a second
+        backward through one forward would reduce twice. Every rank ran the same
+        forward, so every rank raises, before any collective."""
+
+        @functools.wraps(prologue)
+        def checked() -> None:
+            if self.runtime.phase is not Phase.COMPUTING:
+                raise StateError(unseen_backward("DeepSpeed's hook at the start of the backward"))
+            prologue()
+
+        return checked
 
     def _end_backward(self) -> None:
         self._backward.move(Backward.NONE_QUEUED)
         runtime = self.runtime
         if runtime.phase is not Phase.COMPUTING:
-            raise StateError(
-                "a second backward through a forward whose backward already ran "
-                "(retain_graph=True), or the backward of an earlier forward after a later "
-                "forward's: flatview reduces once per forward, for the last one"
-            )
+            raise StateError(_SECOND_BACKWARD)
         try:
             self._reduce()
         finally:

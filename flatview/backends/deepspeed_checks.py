@@ -46,6 +46,7 @@ _ENGINE = (
     "zero_quantized_gradients",
     "zero_hpz_partition_size",
     "allreduce_gradients",
+    "_backward_prologue",
     "no_sync",
     "save_checkpoint",
     "load_checkpoint",

@@ -32,6 +32,17 @@ CLIP_KIND = "clip_norm"
 """The ledger kind of the all-reduce of the gradient-clipping norm (not a reduction)."""
 
 
+def unseen_backward(evidence: str) -> str:
+    """The message of a backward whose forward flatview did not see begin."""
+    return (
+        f"a backward ran through a forward flatview did not see begin ({evidence}): the "
+        "forward ran before flatview.wrap (wrap the engine between iterations), or its "
+        "backward had run already (retain_graph=True: flatview reduces once per forward). "
+        "No gradient reached the views; drop the gradients (engine.zero_grad()) and run "
+        "the forward again"
+    )
+
+
 class ZeroStep:
     """The step of one wrapped engine (see the module docstring). ``lent`` runs DeepSpeed's
     parts with its own parameters registered on the submodules (they walk them)."""
@@ -74,6 +85,12 @@ class ZeroStep:
             raise StateError(
                 f"engine.step() while the model is {runtime.phase.name}: step after the "
                 "backward has ended"
+            )
+        if any(param.grad is not None for param, _ in self.layout.compute_params()):
+            # flatview's end of the backward takes every gradient DeepSpeed's parameters
+            # get: these come from a backward it did not see.
+            raise StateError(
+                unseen_backward("engine.step() found gradients on DeepSpeed's parameters")
             )
         with self._lent():
             self.layout.prepare_step()
