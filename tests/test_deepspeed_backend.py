@@ -169,18 +169,21 @@ def _used_bytes(flats: list[tuple[object, tuple[bool, ...]]]) -> int:
     )
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_skipping_reduces_only_the_used_gradients(dist_pool: PoolFactory, stage: int) -> None:
+@pytest.mark.parametrize(("stage", "world"), _cases((2, 3)))
+def test_skipping_reduces_only_the_used_gradients(
+    dist_pool: PoolFactory, stage: int, world: int
+) -> None:
     """Bytes counted at the collective calls of each backward: with the exact exchange
     (reduce_strategy="all_to_all") exactly the used gradients; by default one collective
     per backward moving what bare DeepSpeed moves (ZeRO 1/2: the used gradients when
     something is skipped, the padded flat buffer when nothing is; ZeRO 3: each used
     parameter padded to a multiple of the world size, as DeepSpeed's reduce-scatter)."""
-    pool = dist_pool(2)
-    exact = pool.run(w.gradient_bytes, SC, stage, "all_to_all", False, timeout=TIMEOUT)
-    default = pool.run(w.gradient_bytes, SC, stage, "auto", False, timeout=TIMEOUT)
-    bare = pool.run(w.gradient_bytes, SC, stage, "auto", True, timeout=TIMEOUT)
-    for rank in range(2):
+    pool = dist_pool(world)
+    scenario = replace(SC, world_size=world)
+    exact = pool.run(w.gradient_bytes, scenario, stage, "all_to_all", False, timeout=TIMEOUT)
+    default = pool.run(w.gradient_bytes, scenario, stage, "auto", False, timeout=TIMEOUT)
+    bare = pool.run(w.gradient_bytes, scenario, stage, "auto", True, timeout=TIMEOUT)
+    for rank in range(world):
         rows = zip(exact[rank]["rows"], default[rank]["rows"], bare[rank]["rows"], strict=True)
         for micro, (e, d, p) in enumerate(rows):
             used = _used_bytes(e["flats"])
