@@ -641,6 +641,68 @@ def refusals(labels: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+@contextlib.contextmanager
+def _replaced(owner: Any, name: str, value: Any = None) -> Any:
+    """``owner.name`` gone (``value`` None) or set to ``value`` for the block; found on
+    the object itself or on the class that defines it."""
+    holder = (
+        owner if name in vars(owner) else next(k for k in type(owner).__mro__ if name in vars(k))
+    )
+    saved = vars(holder)[name]
+    if value is None:
+        delattr(holder, name)
+    else:
+        setattr(holder, name, value)
+    try:
+        yield
+    finally:
+        setattr(holder, name, saved)
+
+
+def internals_refused() -> dict[str, dict[str, Any]]:
+    """What wrapping says when an internal the adapter touches is gone (as a DeepSpeed
+    that renamed it would have it), or DeepSpeed's version is not the tested series:
+    the message, whether anything was patched, and whether the engine wraps once the
+    internal is back."""
+    import flatview
+    from flatview.errors import WrapError
+    from tests.scenarios import Scenario, make_net
+
+    scenario = Scenario(world_size=dist.get_world_size())
+    out = {}
+    with deepspeed_on_cpu() as deepspeed:
+        cases = (
+            ("_backward_prologue", 1, lambda e: (e, "_backward_prologue", None)),
+            ("partitions", 1, lambda e: (e.optimizer, "single_partition_of_fp32_groups", None)),
+            ("masters", 3, lambda e: (e.optimizer, "fp32_partitioned_groups_flat", None)),
+            ("version", 1, lambda e: (deepspeed, "__version__", "0.20.0")),
+        )
+        for label, stage, target in cases:
+            net = make_net(scenario)
+            engine, _, _, _ = deepspeed.initialize(
+                model=net,
+                optimizer=one_optimizer(net.parameters()),
+                config=ds_config(scenario, stage, 0.0, None),
+            )
+            owner, name, value = target(engine)
+            wrapped = None
+            with _replaced(owner, name, value):
+                try:
+                    wrapped = flatview.wrap(engine)
+                    message = "no error"
+                except WrapError as err:
+                    message = str(err)
+            patched = "step" in vars(engine.optimizer) or "allreduce_gradients" in vars(engine)
+            if wrapped is not None:
+                wrapped.unwrap()
+            fv = flatview.wrap(engine)
+            wraps = bool(dict(fv.named_parameters()))
+            fv.unwrap()
+            out[label] = {"name": name, "message": message, "patched": patched, "wraps": wraps}
+            del engine, fv
+    return out
+
+
 def refused_while_wrapped(stage: int) -> dict[str, str]:
     """What flatview refuses on a wrapped engine (StateError messages by call)."""
     import tempfile

@@ -276,6 +276,24 @@ def test_unsupported_configurations_are_refused_at_wrap(dist_pool: PoolFactory) 
             assert re.search(pattern, got[label]), (label, got[label])
 
 
+def test_internals_and_version_checked_at_wrap(dist_pool: PoolFactory) -> None:
+    """An engine or ZeRO internal the adapter touches taken away (as a DeepSpeed that
+    renamed it would), or a DeepSpeed outside the tested series: a WrapError naming it
+    and the versions, before anything is patched; the engine wraps once it is back."""
+    for got in dist_pool(2).run(w.internals_refused, timeout=TIMEOUT):
+        assert set(got) == {"_backward_prologue", "partitions", "masters", "version"}
+        for label, result in got.items():
+            message = result["message"]
+            assert message != "no error", label
+            if label == "version":
+                assert "tested with DeepSpeed 0.19.x (DeepSpeed 0.19.8), found 0.20.0" in message
+            else:
+                assert re.search(rf"\b{re.escape(result['name'])}\b", message), message
+                assert "checked against DeepSpeed 0.19.8; found DeepSpeed 0.19.8" in message
+            assert not result["patched"], label
+            assert result["wraps"], label
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_deepspeed_operations_that_would_be_wrong_are_refused(
     dist_pool: PoolFactory, stage: int

@@ -27,6 +27,9 @@ from flatview.deferred import Deferred
 from flatview.errors import WrapError
 
 TESTED = "DeepSpeed 0.19.8"
+_TESTED_SERIES = (0, 19)
+"""The DeepSpeed releases the adapter takes: its internals (and what they mean) change
+between minor releases more often than its names, which :func:`require_attrs` checks."""
 
 # Engine members the adapter reads, calls or replaces.
 _ENGINE = (
@@ -131,10 +134,26 @@ def inspect(model: Any) -> DeepSpeedModel:
     )
 
 
+def check_version() -> str:
+    """The running DeepSpeed's version (an engine exists, so it is imported), refused
+    unless of the tested series."""
+    version = str(getattr(sys.modules.get("deepspeed"), "__version__", "unknown"))
+    parts = version.split(".")[:2]
+    series = tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else ()
+    if series != _TESTED_SERIES:
+        raise WrapError(
+            f"flatview's DeepSpeed backend is tested with DeepSpeed "
+            f"{'.'.join(map(str, _TESTED_SERIES))}.x ({TESTED}), found {version}: the ZeRO "
+            "internals it drives change between releases"
+        )
+    return version
+
+
 def _check(engine: Any) -> int:
     """Every check of the module docstring, in order; the ZeRO stage."""
-    require_autograd_internals(TESTED)
-    require_attrs(engine, _ENGINE, "the DeepSpeed engine", TESTED)
+    found = f"{TESTED}; found DeepSpeed {check_version()}"
+    require_autograd_internals(found)
+    require_attrs(engine, _ENGINE, "the DeepSpeed engine", found)
     pipeline = optional_class("deepspeed.runtime.pipe.engine", "PipelineEngine")
     if pipeline is not None and isinstance(engine, pipeline):
         raise WrapError("flatview does not support DeepSpeed's pipeline engine")
@@ -150,8 +169,8 @@ def _check(engine: Any) -> int:
             "the DeepSpeed engine has no ZeRO optimizer: build it with an optimizer "
             "(deepspeed.initialize(model=..., optimizer=..., config=...))"
         )
-    require_attrs(zero, _ZERO_COMMON, f"DeepSpeed's {type(zero).__name__}", TESTED)
-    require_attrs(zero, _ZERO_3 if stage == 3 else _ZERO_12, type(zero).__name__, TESTED)
+    require_attrs(zero, _ZERO_COMMON, f"DeepSpeed's {type(zero).__name__}", found)
+    require_attrs(zero, _ZERO_3 if stage == 3 else _ZERO_12, type(zero).__name__, found)
     _check_precision(engine, zero)
     _check_config(engine)
     _check_parallelism(engine, zero, stage)
