@@ -42,7 +42,9 @@ communication after the step, its engine bookkeeping. What flatview does instead
 * **Refused** while wrapped (``StateError``): DeepSpeed's checkpoints
   (``save_checkpoint`` / ``load_checkpoint`` and the ZeRO optimizer's ``state_dict``:
   its optimizer state is per view now; use ``flatview.checkpoint`` or
-  ``FlatView.optim_state_dict``) and ``no_sync``. At wrap time, every configuration of
+  ``FlatView.optim_state_dict``) and ``no_sync``; a backward of a forward flatview did
+  not see begin (run before ``flatview.wrap``, or a second backward through one forward),
+  on every rank before anything is reduced. At wrap time, every configuration of
   :mod:`flatview.backends.deepspeed_checks`.
 
 Everything changed is an instance attribute or a hook on DeepSpeed's objects, kept in
