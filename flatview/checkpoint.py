@@ -49,24 +49,41 @@ parameter a ``ShardedTensor`` without local shards, which DCP's load planner lea
 of the keys it expects; next to an optimizer's ``param_groups`` that makes the load fail.
 flatview's blocks give such a rank an empty block.)
 
-Options flatview refuses (:class:`flatview.FlatViewError`, before any collective):
-``broadcast_from_rank0`` (load the same full dict on every rank, or use the sharded
-form) and ``flatten_optimizer_state_dict``.
+Parameters an optimizer holds without state (never had a gradient: skipped in every
+step so far) are saved as placeholders, every key ``None``, where torch's functions save
+nothing; :func:`set_state_dict` drops them (see :mod:`flatview.fresh_state`). So a run
+resumed from fresh optimizers, whose template has state for every parameter, loads and
+is exact.
+
+Options flatview refuses (:class:`flatview.FlatViewError`): ``broadcast_from_rank0``
+(load the same full dict on every rank, or use the sharded form) and
+``flatten_optimizer_state_dict``. Every refusal, even one rank's alone, is raised on
+every rank: each function exchanges one small object per rank (what it refused, the
+options that decide its collectives) before its first collective
+(:func:`flatview.comm.refusals.raise_everywhere`; the set functions after their local
+loading, before torch's model half).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from flatview import optim_state, state_gather
+from flatview import fresh_state, optim_state, wrapped_models
 from flatview.backends.base import is_rank0
+from flatview.checkpoint_model import (
+    IncompatibleKeys,
+    load_model_state_dict,
+    model_state_dict,
+    offload,
+    torch_loads_model,
+)
+from flatview.comm.refusals import raise_everywhere
 from flatview.errors import FlatViewError, OptimStateError
-from flatview.layout import Placement
-from flatview.sharded_tensors import as_full, is_sharded, sharded_value
+from flatview.sharded_tensors import sharded_value
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -81,11 +98,16 @@ __all__ = [
 ]
 
 
-class IncompatibleKeys(NamedTuple):
-    """What :func:`set_state_dict` did not match in the model state (as ``load_state_dict``)."""
+@runtime_checkable
+class ShardsItself(Protocol):
+    """An optimizer that builds both forms of its state itself
+    (:class:`flatview.optim.Whole`): never primed, its state is made eagerly."""
 
-    missing_keys: list[str]
-    unexpected_keys: list[str]
+    def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """The full form (what :meth:`flatview.FlatView.optim_state_dict` returns)."""
+
+    def sharded_state_dict(self, *, cpu_offload: bool = False) -> dict[str, Any]:
+        """The sharded form, ``ShardedTensor`` s over its own state tensors."""
 
 
 # ------------------------------------------------------------------------ public API
@@ -105,9 +127,12 @@ def get_state_dict(
     formats).
 
     A collective: every rank calls it with its counterparts of the same optimizers,
-    between iterations. An optimizer without state (freshly built, to load a checkpoint
-    into) is first given zero state by one step with zero gradients and learning rate 0,
-    as torch does, so that the returned dict can receive ``torch.distributed.checkpoint.load``.
+    between iterations. A fresh optimizer (no state, never stepped or loaded: built to
+    load a checkpoint into) is first given zero state by one step with zero gradients
+    and learning rate 0, as torch does, so that the returned dict can receive
+    ``torch.distributed.checkpoint.load``. A parameter an optimizer that has stepped
+    holds without state gets a placeholder entry (every key ``None``), which
+    :func:`set_state_dict` drops.
 
     Args:
         fv: the model's :class:`flatview.FlatView`.
@@ -117,13 +142,14 @@ def get_state_dict(
             choose the form, ``ignore_frozen_params`` and ``strict`` apply to the model.
 
     Raises:
-        flatview.FlatViewError: an option flatview does not support (before any
-            collective); :class:`flatview.OptimStateError` as
-            :meth:`flatview.FlatView.optim_state_dict` raises it.
+        flatview.FlatViewError: an option flatview does not support, a model that is not
+            ``fv.model``, or ranks passing different options; on every rank alike, before
+            any collective but one small exchange. :class:`flatview.OptimStateError` as
+            :meth:`flatview.FlatView.optim_state_dict` raises it (an optimizer over flat
+            parameters, also where only one rank's is).
     """
-    opts = _as_tuple(optimizers)
-    info = _options(fv, model, options)
-    model_sd = _model_state_dict(fv, model, info)
+    opts, info = _checked_call(fv, model, optimizers, options, "get_state_dict")
+    model_sd = model_state_dict(fv, model, info)
     return model_sd, _optim_state_dict(fv, opts, info)
 
 
@@ -135,8 +161,7 @@ def get_optimizer_state_dict(
     options: StateDictOptions | None = None,
 ) -> dict[str, Any]:
     """The optimizer half of :func:`get_state_dict`."""
-    opts = _as_tuple(optimizers)
-    info = _options(fv, model, options)
+    opts, info = _checked_call(fv, model, optimizers, options, "get_optimizer_state_dict")
     return _optim_state_dict(fv, opts, info)
 
 
@@ -157,15 +182,21 @@ def set_state_dict(
     ``ShardedTensor`` s of this model's own sharded :func:`get_state_dict`. Parameters are
     matched by name within each parameter group, hyperparameters come from the dict.
 
+    Placeholder entries (parameters saved without state) are dropped: those parameters
+    have no state afterwards, as in the run that saved them.
+
+    A collective on every backend: what loads locally (the optimizers, and the model
+    where flatview loads it) runs first, then one small exchange raises any rank's
+    refusal on every rank, then torch's model half where torch loads the model.
+
     Raises:
-        flatview.FlatViewError: an unsupported option (before any collective).
+        flatview.FlatViewError: an unsupported option, or ranks passing different ones.
         flatview.OptimStateError: the optimizer dict does not fit the optimizers.
+        Either on every rank alike, also where only one rank's arguments are wrong.
     """
-    opts = _as_tuple(optimizers)
-    info = _options(fv, model, options)
-    result = _load_model_state_dict(fv, model, model_state_dict, info)
-    _load_optim_state_dict(fv, opts, optim_state_dict)
-    return result
+    return _load(
+        fv, model, optimizers, model_state_dict, optim_state_dict, options, "set_state_dict"
+    )
 
 
 def set_optimizer_state_dict(
@@ -177,12 +208,42 @@ def set_optimizer_state_dict(
     options: StateDictOptions | None = None,
 ) -> None:
     """The optimizer half of :func:`set_state_dict`."""
-    opts = _as_tuple(optimizers)
-    _options(fv, model, options)
-    _load_optim_state_dict(fv, opts, optim_state_dict)
+    _load(fv, model, optimizers, None, optim_state_dict, options, "set_optimizer_state_dict")
 
 
 # -------------------------------------------------------------------------- options
+
+
+def _request(info: Any, count: int) -> tuple[Any, ...]:
+    """What every rank must pass alike: the options that decide the collectives."""
+    return (
+        bool(info.full_state_dict),
+        bool(info.cpu_offload),
+        bool(info.ignore_frozen_params),
+        count,
+    )
+
+
+def _checked_call(
+    fv: FlatView,
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    options: StateDictOptions | None,
+    call: str,
+) -> tuple[tuple[torch.optim.Optimizer, ...], Any]:
+    """The arguments of a call that reads state, checked on every rank at once: a rank
+    that refuses them raises on every rank, before the first collective."""
+    failure: BaseException | None = None
+    opts: tuple[torch.optim.Optimizer, ...] = ()
+    info: Any = None
+    try:
+        opts = _as_tuple(optimizers)
+        info = _options(fv, model, options)
+    except Exception as err:
+        failure = err
+    request = None if failure is not None else _request(info, len(opts))
+    raise_everywhere(failure, request, fv.adapter.agreement_group, f"flatview.checkpoint.{call}")
+    return opts, info
 
 
 def _as_tuple(
@@ -226,11 +287,17 @@ def _optim_state_dict(
 ) -> dict[str, Any]:
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for optimizer in optimizers:
-        _prime(optimizer)
-        if info.full_state_dict:
-            part = fv.optim_state_dict(optimizer, rank0_only=info.cpu_offload)
-        else:
-            part = _sharded_optim_state(fv, optimizer, info.cpu_offload)
+        if isinstance(optimizer, ShardsItself):
+            # flatview.optim.Whole: its state is made eagerly (priming it would run a
+            # step), and it lives on the owners, whole: it builds both forms itself.
+            if info.full_state_dict:
+                part = optimizer.consolidated_state_dict(rank0_only=info.cpu_offload)
+            else:
+                part = optimizer.sharded_state_dict(cpu_offload=info.cpu_offload)
+            merged["state"].update(part["state"])
+            merged["param_groups"].extend(part["param_groups"])
+            continue
+        part = _optimizer_part(fv, optimizer, info)
         merged["state"].update(part["state"])
         merged["param_groups"].extend(part["param_groups"])
     if info.full_state_dict and info.cpu_offload and not is_rank0(fv.adapter):
@@ -239,11 +306,45 @@ def _optim_state_dict(
     return merged
 
 
+def _optimizer_part(fv: FlatView, optimizer: torch.optim.Optimizer, info: Any) -> dict[str, Any]:
+    """One optimizer's state by name, with a placeholder for every parameter it holds
+    without state (see :mod:`flatview.fresh_state`). What this rank finds wrong before
+    the exchange of descriptions (a refused priming step, say) travels in it."""
+    failure: BaseException | None = None
+    keys: dict[int, tuple[Any, ...]] = {}
+    try:
+        _prime(optimizer)
+        lacking = fresh_state.stateless(optimizer)
+        found = fresh_state.fresh_keys(optimizer, lacking)
+        keys = {id(t): k for t, k in zip(lacking, found, strict=True) if k}
+    except Exception as err:
+        failure = err
+    if info.full_state_dict:
+        part = optim_state.consolidate(
+            fv.table, fv.adapter, optimizer, rank0_only=info.cpu_offload, failure=failure
+        )
+    else:
+        part = _sharded_optim_state(fv, optimizer, info.cpu_offload, failure)
+    if info.full_state_dict and info.cpu_offload and not is_rank0(fv.adapter):
+        return part
+    for group in optimizer.param_groups:
+        for tensor in group["params"]:
+            index = fv.table.index_of(tensor)
+            assert index is not None  # agreed_facts refused foreign tensors
+            name = fv.table.name(index)
+            if name not in part["state"] and id(tensor) in keys:
+                part["state"][name] = fresh_state.placeholder(keys[id(tensor)])
+    return part
+
+
 def _prime(optimizer: torch.optim.Optimizer) -> None:
-    """Give an optimizer without state its zero state (one step with zero gradients at
-    learning rate 0), so that a dict from :func:`get_state_dict` has every entry a
-    checkpoint fills. Like torch's own, left alone if it has state or any gradient."""
-    if optimizer.state:
+    """Give a fresh optimizer (no state, never stepped or loaded) its zero state (one
+    step with zero gradients at learning rate 0), so that a dict from
+    :func:`get_state_dict` has every entry a checkpoint fills. Like torch's own, left
+    alone if it has state or any gradient; unlike torch's, also if it has stepped before
+    (its parameters without state have never had a gradient: priming would give them
+    a ``step`` the uninterrupted run does not have)."""
+    if optimizer.state or wrapped_models.has_history(optimizer):
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(p.grad is not None for p in params):
@@ -267,14 +368,19 @@ def _prime(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _sharded_optim_state(
-    fv: FlatView, optimizer: torch.optim.Optimizer, cpu_offload: bool
+    fv: FlatView,
+    optimizer: torch.optim.Optimizer,
+    cpu_offload: bool,
+    failure: BaseException | None = None,
 ) -> dict[str, Any]:
     """The optimizer's state by name, per-element state of sharded parameters as
     ``ShardedTensor`` s over this rank's own state tensors: the ranks agree on what
     exists (one small exchange of descriptions, as consolidation does), no state moves."""
     adapter = fv.adapter
     homes = [param.placement for param in fv.table.params]
-    groups, saved, order, plan, _ = optim_state.agreed_facts(fv.table, adapter, optimizer)
+    groups, saved, order, plan, _ = optim_state.agreed_facts(
+        fv.table, adapter, optimizer, failure=failure, request={"sharded": True}
+    )
     states: dict[int, dict[Any, Any]] = saved["state"]
 
     out_state: dict[str, dict[Any, Any]] = {}
@@ -284,7 +390,7 @@ def _sharded_optim_state(
         if home.layout is None:
             if position in states:
                 out_state[home.name] = {
-                    key: _offload(
+                    key: offload(
                         value.reshape(home.shape)
                         if optim_state.kind_of(home, key, value)[0] == "elem"
                         else value,
@@ -311,12 +417,6 @@ def _sharded_optim_state(
     return {"state": out_state, "param_groups": out_groups}
 
 
-def _offload(value: Any, cpu_offload: bool) -> Any:
-    if cpu_offload and isinstance(value, torch.Tensor):
-        return value.detach().to("cpu")
-    return value
-
-
 def _load_optim_state_dict(
     fv: FlatView, optimizers: Sequence[torch.optim.Optimizer], state_dict: Mapping[str, Any]
 ) -> None:
@@ -336,11 +436,14 @@ def _load_optim_state_dict(
         mine = groups[taken : taken + count]
         taken += count
         names = {name for group in mine for name in group.get("params", ())}
+        # Placeholders stand for "no state yet": dropped, the parameter gets none.
+        state = fresh_state.without_placeholders(state_dict["state"])
         part = {
-            "state": {k: v for k, v in state_dict["state"].items() if k in names},
+            "state": {k: v for k, v in state.items() if k in names},
             "param_groups": mine,
         }
         fv.load_optim_state_dict(optimizer, part)
+        wrapped_models.record_history(optimizer)
     if taken != len(groups):
         raise OptimStateError(
             f"the optimizer state dict has {len(groups)} parameter group(s), the "
@@ -348,140 +451,37 @@ def _load_optim_state_dict(
         )
 
 
-# ------------------------------------------------------------------------------ model
-
-
-_TORCH_MODEL_STATE = ("ddp", "fsdp2")
-"""Backends whose model keeps its own parameters under their own names (DDP's plain
-tensors, FSDP2's ``DTensor`` s): torch's model state functions serve them as they are."""
-_VIEWS_MODEL_STATE = ("deepspeed",)
-"""Backends whose full model state flatview assembles from the views (DeepSpeed: the
-engine's own ``state_dict`` names everything ``module.*`` and, under ZeRO 3, holds empty
-parameters between passes), and loads into the views in either form."""
-
-
-def _model_state_dict(fv: FlatView, model: nn.Module, info: Any) -> dict[str, Any]:
-    if fv.adapter.backend in _TORCH_MODEL_STATE or (
-        info.full_state_dict and fv.adapter.backend == "torch"
-    ):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(model, options=info)
-    if info.full_state_dict and fv.adapter.backend in _VIEWS_MODEL_STATE:
-        return _gathered_model_state(fv, model, info)
-    if info.full_state_dict:
-        # fairscale's default state_dict() is its full one, by original name.
-        full = {k: v.detach() for k, v in model.state_dict().items()}
-        if info.ignore_frozen_params:
-            frozen = {name for name, p in fv.named_parameters() if not p.requires_grad}
-            full = {k: v for k, v in full.items() if k not in frozen}
-        if info.cpu_offload:
-            return {k: v.to("cpu") for k, v in full.items()} if fv.adapter.rank == 0 else {}
-        return full
-    out: dict[str, Any] = {}
-    for param in fv.table.params:
-        if info.ignore_frozen_params and not param.tensor.requires_grad:
-            continue
-        home = param.placement
-        value = param.tensor.detach()
-        if home.layout is None:
-            entry = _offload(value.reshape(home.shape), info.cpu_offload)
-        else:
-            entry = sharded_value(home, value, value.dtype, fv.adapter, info.cpu_offload)
-        # Under every name, as the unwrapped model's state_dict() lists tied parameters.
-        for name in param.names:
-            out[name] = entry
-    for name, buffer in _persistent_buffers(fv, model):
-        out[name] = _offload(buffer.detach(), info.cpu_offload)
-    return out
-
-
-def _gathered_model_state(fv: FlatView, model: nn.Module, info: Any) -> dict[str, Any]:
-    """Every parameter whole, assembled from the views (one gathering collective per
-    bucket of sharded ones, as the optimizer state), by original name, and the persistent
-    buffers; on rank 0 only with ``cpu_offload``."""
-    table = fv.table
-    chosen = [
-        p.index
-        for p in table.params
-        if not (info.ignore_frozen_params and not p.tensor.requires_grad)
-    ]
-    homes = [p.placement for p in table.params]
-    sharded = [i for i in chosen if homes[i].layout is not None]
-    position = {index: k for k, index in enumerate(sharded)}
-    plan = {k: {"value": ("elem", table.tensor(i).dtype)} for k, i in enumerate(sharded)}
-    states = {k: {"value": table.tensor(i).detach()} for k, i in enumerate(sharded)}
-    rank0_only = bool(info.cpu_offload)
-    gathered = state_gather.gather(plan, states, sharded, homes, fv.adapter, rank0_only)
-    if rank0_only and not is_rank0(fv.adapter):
-        return {}
-    out: dict[str, Any] = {}
-    for index in chosen:
-        param = table.params[index]
-        if homes[index].layout is None:
-            value = param.tensor.detach().reshape(homes[index].shape).clone()
-        else:
-            value = gathered[(position[index], "value")]
-        for name in param.names:
-            out[name] = _offload(value, info.cpu_offload)
-    for name, buffer in _persistent_buffers(fv, model):
-        out[name] = _offload(buffer.detach(), info.cpu_offload)
-    return out
-
-
-def _persistent_buffers(fv: FlatView, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    found = []
-    seen: set[int] = set()
-    for module_name, module in model.named_modules():
-        for attr, buffer in module._buffers.items():
-            if buffer is None or attr in module._non_persistent_buffers_set:
-                continue
-            if id(buffer) in seen:
-                continue
-            seen.add(id(buffer))
-            prefix = fv.adapter.clean_name(module_name)
-            found.append((f"{prefix}.{attr}" if prefix else attr, buffer))
-    return found
-
-
-def _load_model_state_dict(
-    fv: FlatView, model: nn.Module, state_dict: Mapping[str, Any], info: Any
+def _load(
+    fv: FlatView,
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    model_state_dict: Mapping[str, Any] | None,
+    optim_state_dict: Mapping[str, Any],
+    options: StateDictOptions | None,
+    call: str,
 ) -> IncompatibleKeys:
-    sharded = any(is_sharded(v) for v in state_dict.values())
-    if fv.adapter.backend in _TORCH_MODEL_STATE or (not sharded and fv.adapter.backend == "torch"):
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        result = set_model_state_dict(model, dict(state_dict), options=info)
-        return IncompatibleKeys(list(result.missing_keys), list(result.unexpected_keys))
-    if not sharded and fv.adapter.backend not in _VIEWS_MODEL_STATE:
-        result = model.load_state_dict(dict(state_dict), strict=info.strict)
-        return IncompatibleKeys(list(result.missing_keys), list(result.unexpected_keys))
-    expected: dict[str, torch.Tensor] = {}
-    homes: dict[str, Placement] = {}
-    for param in fv.table.params:
-        if info.ignore_frozen_params and not param.tensor.requires_grad:
-            continue
-        for name in param.names:
-            expected[name] = param.tensor
-            homes[name] = param.placement
-    for name, buffer in _persistent_buffers(fv, model):
-        expected[name] = buffer
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    if info.strict and (missing or unexpected):
-        raise FlatViewError(
-            f"the model state dict does not fit the model: missing {missing}, "
-            f"unexpected {unexpected}"
-        )
-    with torch.no_grad():
-        for name, target in expected.items():
-            if name not in state_dict:
-                continue
-            home = homes.get(name)
-            value = state_dict[name]
-            if home is None or home.layout is None:
-                source = as_full(value)
-                target.copy_(source.reshape(target.shape))
-            else:
-                target.copy_(optim_state.local_part(home, value, target).view(target.shape))
-    return IncompatibleKeys(missing, unexpected)
+    """:func:`set_state_dict` (without the model half when ``model_state_dict`` is
+    ``None``). Everything that loads locally runs first, and its refusals on any rank are
+    raised on every rank in one exchange, before torch's model half, which communicates
+    (a rank raising alone would leave the others waiting there or in the next step)."""
+    failure: BaseException | None = None
+    result = IncompatibleKeys([], [])
+    opts: tuple[torch.optim.Optimizer, ...] = ()
+    info: Any = None
+    torch_model = False
+    try:
+        opts = _as_tuple(optimizers)
+        info = _options(fv, model, options)
+        if model_state_dict is not None:
+            torch_model = torch_loads_model(fv, model_state_dict)
+            if not torch_model:
+                result = load_model_state_dict(fv, model, model_state_dict, info)
+        _load_optim_state_dict(fv, opts, optim_state_dict)
+    except Exception as err:
+        failure = err
+    request = None if failure is not None else _request(info, len(opts))
+    raise_everywhere(failure, request, fv.adapter.agreement_group, f"flatview.checkpoint.{call}")
+    if torch_model:
+        assert model_state_dict is not None
+        result = load_model_state_dict(fv, model, model_state_dict, info)
+    return result

@@ -16,7 +16,8 @@ pieces that do the work:
 
 Norms (:mod:`flatview.norms`) and optimizer state (:mod:`flatview.optim_state`) are
 plain functions over the table and the runtime: the handle calls them, they never
-import it.
+import it. The module is one concept past the line cap: the public API, most of its
+length the docstrings users read; each method only delegates.
 """
 
 from __future__ import annotations
@@ -462,8 +463,9 @@ class FlatView:
         A collective: every rank must call it, with its counterpart of the same
         optimizer, between iterations. It all-gathers a small description of each
         rank's state, then the per-element state of sharded parameters, packed, one
-        collective per bucket and dtype. Nothing is communicated when every rank holds
-        every parameter (torch ``NO_SHARD``, one rank).
+        collective per bucket and dtype. When every rank holds every parameter (torch
+        ``NO_SHARD``, DDP) only the descriptions are exchanged, so that a rank refusing
+        its optimizer raises on every rank; on one rank nothing is communicated.
 
         Args:
             optimizer: an optimizer over views and other parameters of this model
@@ -480,10 +482,10 @@ class FlatView:
             flatview.OptimStateError: the optimizer holds a tensor that is
                 not one of this model's parameters (a flat parameter, say), or state
                 that cannot be cut into pieces (neither per-element nor scalar), on any
-                rank; or ranks hold different parameters or state, or disagree on a
-                scalar such as ``step``. Raised on every rank alike (the message names
-                the rank), after the exchange of descriptions and before any state
-                tensor moves.
+                rank; or ranks hold different parameters or state, disagree on a
+                scalar such as ``step``, or pass different ``rank0_only``. Raised on
+                every rank alike (the message names the rank), after the exchange of
+                descriptions and before any state tensor moves.
         """
         if isinstance(optimizer, optim_state.ConsolidatesItself):
             # flatview.optim.Whole keeps whole tensors on owner ranks: it consolidates itself.

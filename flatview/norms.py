@@ -448,13 +448,15 @@ def clip_grad_norm(
     error_if_nonfinite: bool,
 ) -> torch.Tensor:
     """See :meth:`flatview.FlatView.clip_grad_norm_`."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-        raise NormError(f"max_norm must be a number, got {type(max_norm).__name__}")
-    if not max_norm >= 0:
-        # inf is fine (measure without clipping); nan would scale by nan.
-        raise NormError(f"max_norm must be non-negative, got {max_norm}")
-    p = check_norm_type(norm_type)
-    indices = select(rt.table, params)
+    # Refused on one rank, refused on every rank: the others are about to all-reduce.
+    with _refused_everywhere(rt):
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise NormError(f"max_norm must be a number, got {type(max_norm).__name__}")
+        if not max_norm >= 0:
+            # inf is fine (measure without clipping); nan would scale by nan.
+            raise NormError(f"max_norm must be non-negative, got {max_norm}")
+        p = check_norm_type(norm_type)
+        indices = select(rt.table, params)
     norms = [n for n in grad_norms(rt, params, p).values() if n is not None]
     if not norms:
         return torch.zeros((), device=rt.adapter.device)

@@ -37,19 +37,20 @@ Agreement and hangs
 -------------------
 Errors that the model and the optimizer alone decide (a parameter the model does not
 hold, a state tensor that cannot be consolidated on a replicated parameter) are found
-before any collective. Without a collective to follow (every rank holds everything)
-they are raised at once; otherwise the rank that found one sends it in place of its
-description, and every rank raises it, so that no rank is left waiting in a collective
-the others never join. Then that one small all-gather of descriptions (keys, kinds,
-dtypes and scalar values, no data) lets every rank check the same facts: that the
-optimizers on all ranks hold the same parameters, that every rank holding elements of a
-parameter has its state, and that those ranks agree on its keys, dtypes and scalars.
-Ranks holding none of a parameter are not asked: torch's ``use_orig_params`` views give
-them no gradient, so no state, or after a load state that no longer moves. A
-disagreement raises the same error on every rank before any state tensor moves. The
-state of parameters that every rank holds whole is this rank's, taken as it is and not
-compared (FSDP keeps it identical across ranks, except for parameters torch FSDP is told
-to ignore, which are each rank's own). Loading communicates nothing.
+before any collective; the rank that found one sends it in place of its description in
+the one small all-gather of descriptions that every rank of the run joins (even where
+every rank holds everything and nothing else is exchanged: a rank raising alone would
+leave the others waiting for it in their next collective), and every rank raises it.
+That exchange (keys, kinds, dtypes and scalar values, no data) lets
+every rank check the same facts: that the optimizers on all ranks hold the same
+parameters, that every rank holding elements of a parameter has its state, and that
+those ranks agree on its keys, dtypes and scalars. Ranks holding none of a parameter
+are not asked: torch's ``use_orig_params`` views give them no gradient, so no state, or
+after a load state that no longer moves. A disagreement raises the same error on every
+rank before any state tensor moves. The state of parameters that every rank holds whole
+is this rank's, taken as it is and not compared (FSDP keeps it identical across ranks,
+except for parameters torch FSDP is told to ignore, which are each rank's own).
+Loading communicates nothing.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from flatview import wrapped_models
 from flatview.backends.base import Adapter, is_rank0
 from flatview.comm.consolidate import exchange
 from flatview.errors import OptimStateError
@@ -67,7 +69,8 @@ from flatview.layout import Placement
 from flatview.local_tensors import like_param, local_tensor
 from flatview.sharded_tensors import is_sharded, local_of_sharded
 from flatview.state_gather import Kind, by_shard_group, gather, shard_groups
-from flatview.table import ParamRecord, ParamTable
+from flatview.state_merge import merge, not_consolidable, raise_reported, same_request
+from flatview.table import ParamTable
 
 _STEP = "step"
 
@@ -205,45 +208,57 @@ def local_facts(
             # Replicated state is the same on every rank: refused here, on every rank.
             for key, kind in kinds.items():
                 if kind[0] == "other":
-                    raise _not_consolidable(home, key, kind[1], None)
+                    raise not_consolidable(home, key, kind[1], None)
         else:
             described[position] = kinds
     return groups, saved, order, described
 
 
-def raise_reported(
-    descriptions: Sequence[Mapping[str, Any]], cause: BaseException | None = None
-) -> None:
-    """Raise, on every rank alike, the first error a rank reported in place of its
-    description."""
-    for rank, description in enumerate(descriptions):
-        if "error" in description:
-            raise OptimStateError(f"on rank {rank}: {description['error']}") from cause
-
-
 def agreed_facts(
-    table: ParamTable, adapter: Adapter, optimizer: torch.optim.Optimizer
+    table: ParamTable,
+    adapter: Adapter,
+    optimizer: torch.optim.Optimizer,
+    *,
+    failure: BaseException | None = None,
+    request: Any = None,
 ) -> tuple[list[list[int]], dict[str, Any], list[int], dict[int, dict[Any, Kind]], bool]:
     """:func:`local_facts` with the plan the ranks agreed on in one exchange (what state
-    each sharded parameter has), and whether there were ranks to agree with. A rank's
-    misuse raises on every rank of every replica: none waits in a later collective."""
+    each sharded parameter has), and whether there are sharded parameters to gather.
+
+    Every rank of the run takes part in the exchange, even where every rank holds every
+    parameter and nothing will be gathered (torch ``NO_SHARD``, DDP): a rank that refuses
+    its optimizer (or whose caller hands its own refusal over as ``failure``) would
+    otherwise raise alone while the others go on to their next collective and wait for
+    it there. So a misuse on one rank raises on every rank of every replica, as do ranks
+    whose optimizers hold different parameters, or whose ``request`` (the options of the
+    call, which decide the collectives that follow) differs."""
     params = table.params
     homes = [param.placement for param in params]
     sharing = adapter.world_size > 1 and any(home.layout is not None for home in homes)
+    exchanging = adapter.world_size * adapter.replicas > 1
     over, members = shard_groups(adapter)
     try:
+        if failure is not None:
+            raise failure
         groups, saved, order, described = local_facts(table, optimizer, homes)
-    except OptimStateError as err:
-        if not sharing:
+    except Exception as err:
+        if not exchanging:
             raise
         # The others are about to exchange descriptions: tell them, so that all raise.
-        raise_reported(exchange({"error": str(err)}, over), cause=err)
+        told = str(err) if isinstance(err, OptimStateError) else f"{type(err).__name__}: {err}"
+        raise_reported(exchange({"error": told}, over), cause=err)
         raise  # not reached: this rank's own report is among them
     plan: dict[int, dict[Any, Kind]] = {}
-    if sharing:
-        mine = {"params": tuple(order), "state": described, "members": members}
+    if exchanging:
+        mine = {
+            "params": tuple(order),
+            "state": described if sharing else {},
+            "members": members,
+            "request": request,
+        }
         everyone = exchange({**mine, "shard": adapter.rank}, over)
         raise_reported(everyone)
+        same_request(everyone)
         # Every shard group's merge on every rank: all raise the same first error.
         for descriptions in by_shard_group(everyone):
             try:
@@ -264,10 +279,14 @@ def consolidate(
     optimizer: torch.optim.Optimizer,
     *,
     rank0_only: bool = False,
+    failure: BaseException | None = None,
 ) -> dict[str, Any]:
-    """The consolidated state of ``optimizer`` (see :meth:`flatview.FlatView.optim_state_dict`)."""
+    """The consolidated state of ``optimizer`` (see :meth:`flatview.FlatView.optim_state_dict`);
+    ``failure``: what the caller found wrong on this rank, raised on every rank."""
     homes = [param.placement for param in table.params]
-    groups, saved, order, plan, gathering = agreed_facts(table, adapter, optimizer)
+    groups, saved, order, plan, gathering = agreed_facts(
+        table, adapter, optimizer, failure=failure, request={"rank0_only": rank0_only}
+    )
     states: dict[int, dict[Any, Any]] = saved["state"]
 
     receiving = not rank0_only or is_rank0(adapter)
@@ -309,117 +328,6 @@ def snapshot(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     return copy.deepcopy(value)
-
-
-def _not_consolidable(home: Placement, key: Any, shape: Any, rank: int | None) -> OptimStateError:
-    where = "" if rank is None else f" on rank {rank}"
-    return OptimStateError(
-        f"optimizer state {key!r} of parameter {home.name!r} is a tensor of shape "
-        f"{tuple(shape)}{where}: neither per-element (shaped like the parameter's local "
-        "elements) nor a scalar, so it cannot be consolidated by name"
-    )
-
-
-def merge(
-    descriptions: Sequence[Mapping[str, Any]],
-    order: Sequence[int],
-    homes: Sequence[Placement],
-    params: Sequence[ParamRecord],
-) -> dict[int, dict[Any, Kind]]:
-    """Every rank's description of its state merged into one plan (position -> key ->
-    kind), or :class:`OptimStateError` when ranks disagree. Every rank computes it from
-    the same descriptions, so all raise alike or none does."""
-    world = len(descriptions)
-    # Rank 0's list, not this rank's: every rank must word the error alike.
-    expected = tuple(descriptions[0]["params"])
-    for rank, description in enumerate(descriptions):
-        held = description["params"]
-        if held != expected:
-            mine = [params[i].name for i in expected]
-            theirs = [params[i].name for i in held]
-            first = next(
-                (k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
-                min(len(mine), len(theirs)),
-            )
-            raise OptimStateError(
-                f"the optimizers passed on different ranks hold different parameters: "
-                f"rank 0 holds {len(mine)}, rank {rank} holds {len(theirs)}; at position "
-                f"{first} rank 0 has {mine[first] if first < len(mine) else 'none'!r}, rank "
-                f"{rank} {theirs[first] if first < len(theirs) else 'none'!r}. Every rank "
-                "must pass its counterpart of the same optimizer."
-            )
-    plan: dict[int, dict[Any, Kind]] = {}
-    for position, index in enumerate(order):
-        home = homes[index]
-        if home.layout is None:
-            continue
-        having = [r for r in range(world) if position in descriptions[r]["state"]]
-        if not having:
-            continue
-        lacking = [r for r in range(world) if r not in having and home.piece(r).numel > 0]
-        if lacking:
-            raise OptimStateError(
-                f"optimizer state of parameter {home.name!r} exists on rank(s) {having} but "
-                f"not on rank(s) {lacking}, which hold elements of it: the ranks did not "
-                "step the same parameters (every rank must run the same optimizer steps)"
-            )
-        # Only ranks holding elements of the parameter speak for it. One holding none
-        # may have state that has fallen behind: torch's use_orig_params views give it
-        # no gradient, so after a load its `step` stays where the load put it.
-        speaking = [r for r in having if home.piece(r).numel > 0] or having
-        per_rank = {r: descriptions[r]["state"][position] for r in speaking}
-        first = per_rank[speaking[0]]
-        for rank in speaking[1:]:
-            if set(per_rank[rank]) != set(first):
-                raise OptimStateError(
-                    f"ranks disagree on the optimizer state of parameter {home.name!r}: rank "
-                    f"{speaking[0]} holds {sorted(map(str, first))}, rank {rank} holds "
-                    f"{sorted(map(str, per_rank[rank]))}"
-                )
-        merged: dict[Any, Kind] = {}
-        for key, kind in first.items():
-            for rank in speaking:
-                other = per_rank[rank][key]
-                if other[0] == "other":
-                    raise _not_consolidable(home, key, other[1], rank)
-            for rank in speaking[1:]:
-                other = per_rank[rank][key]
-                if other[0] != kind[0] or (kind[0] == "elem" and other[1] != kind[1]):
-                    raise OptimStateError(
-                        f"ranks disagree on optimizer state {key!r} of parameter "
-                        f"{home.name!r}: rank {speaking[0]} holds {_show(kind)}, rank {rank} "
-                        f"{_show(other)}"
-                    )
-                if kind[0] == "value" and not _same(kind[1], other[1]):
-                    raise OptimStateError(
-                        f"ranks disagree on optimizer state {key!r} of parameter "
-                        f"{home.name!r}: rank {speaking[0]} has {kind[1]!r}, rank {rank} has "
-                        f"{other[1]!r} (every rank must run the same optimizer steps)"
-                    )
-            merged[key] = kind
-        plan[position] = merged
-    return plan
-
-
-def _show(kind: Kind) -> str:
-    if kind[0] == "elem":
-        return f"a per-element {kind[1]} tensor"
-    return f"the scalar {kind[1]!r}"
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and bool(torch.equal(a, b))
-        )
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 # ---------------------------------------------------------------------------- load
@@ -518,3 +426,6 @@ def load(
                 local[key] = snapshot(value)
         internal_state[position_of[index]] = local
     optimizer.load_state_dict({"state": internal_state, "param_groups": internal_groups})
+    # Parameters it now holds without state never had a gradient: a checkpoint of it
+    # must not prime it as a fresh optimizer.
+    wrapped_models.record_history(optimizer)

@@ -1,82 +1,98 @@
-"""Whole-parameter optimizers over sharded views: :class:`Whole`.
+"""Whole-matrix optimizers over sharded views: :class:`Whole`.
 
 An elementwise optimizer (SGD, Adam) is exact on a piece of a parameter; an
 orthogonalising one is not. ``torch.optim.Muon`` runs a Newton-Schulz iteration on each
 weight matrix, Shampoo-style preconditioners factor it: they need the whole matrix,
 and a partial view holds a 1-D slice of one rank's shard. :class:`Whole` runs an
-unmodified torch optimizer on whole parameters over the shards:
+unmodified torch optimizer on whole matrices over the shards:
 
-* Every parameter has one *owner* rank. A parameter whose elements all live on one rank
-  (a FULL view, or a replicated one: DDP, ``NO_SHARD``) is stepped where it lives, on the
-  view itself: nothing is communicated. A parameter split over several ranks goes to
-  the rank with the least owned elements so far (largest parameters first), which keeps
-  a *whole copy* of it, and the inner optimizer's state for it: memory stays sharded,
-  each rank holding the state of about ``1/world`` of the elements.
-* A step sends each holder's piece of every split parameter's gradient to its owner
-  (one ``all_to_all_single`` per dtype for all of them), the owner steps the inner
-  optimizer on its whole copies, and sends every holder its piece of the updated values
-  (a second ``all_to_all_single``). The owner's own piece never travels, so each
-  gradient and update element crosses the network at most once each way. A tiny
-  all-reduce first tells every rank which split parameters have a gradient anywhere
-  (skipped and frozen ones have none: no communication, the inner optimizer leaves them
-  alone, as torch's would) and whether any holder's piece changed outside this
-  optimizer since its last step (a model ``load_state_dict``, a write through
-  ``.data``): the owner then refreshes its whole copy from the pieces in the same
-  exchange, instead of training on stale values.
+* Each parameter is stepped as one or more matrices (a 3-D expert tensor as one per
+  expert, attention projections per head with ``heads=``; see
+  :mod:`flatview.whole_members`). Every matrix has one *owner* rank, chosen by the cost
+  of its Newton-Schulz iteration (``m * n * min(m, n)``), largest first: the rank that
+  holds it (or most of it) while that rank's cost stays near the mean, the least loaded
+  rank otherwise. A matrix its owner holds wholly (a FULL view; every matrix on DDP,
+  ``NO_SHARD`` or one rank, where each rank steps its own copy) is stepped in place:
+  nothing is communicated. A matrix that *travels* (its owner lacks some of it) is
+  stepped on a *whole copy* the owner keeps with the inner optimizer's state: memory
+  stays sharded.
+* A step sends each holder's slices of the travelling matrices' gradients to their
+  owners and every holder its slices of the updated values back, by all-to-alls
+  (:mod:`flatview.whole_exchange`); an owner's own slice never travels, so each element
+  crosses the network at most once each way. With ``overlap`` (the default on
+  accelerators) the travelling matrices are cut into buckets: all inbound exchanges
+  start at once, matrices held wholly here are stepped while they travel, and while
+  the owner steps one bucket the next bucket's gradients and the last bucket's updates
+  travel. Without it (the default on CPUs, where measured it gained nothing: gloo's
+  threads and the owners' steps share the same cores) one exchange goes each way
+  around the whole step.
+* Owners step same-shape matrices together: with ``torch.optim.Muon`` through
+  :func:`flatview.whole_stacked.stacked_muon_step` (one batched Newton-Schulz per shape,
+  torch's arithmetic; ``stacked=False`` runs ``Muon.step`` itself).
+* A tiny all-reduce first tells every rank which parameters with travelling matrices have a
+  gradient anywhere (skipped and frozen ones have none: no communication, the inner
+  optimizer leaves them alone, as torch's would) and whether any holder's piece changed
+  outside this optimizer since its last step (a model ``load_state_dict``, a write
+  through ``.data``): the owners then refresh their whole copies first.
+* The inner optimizer's state is made eagerly (:mod:`flatview.whole_state`), so that
+  distributed checkpoints of it are valid whichever matrices had gradients.
 
 Tensor roles (beside those of :mod:`flatview.views`)
 ----------------------------------------------------
 whole copy
-    The owner's full-shape tensor of a split parameter: what the inner optimizer steps.
+    The owner's full-shape tensor of a travelling matrix: what the inner optimizer steps.
 whole gradient
-    Its gradient for one step, assembled from every holder's piece, freed after the step.
-piece
-    One rank's elements of the parameter, as its view (or torch's) holds them.
+    Its gradient for one step, assembled from every holder's slice, freed after the step.
+alias
+    A matrix-shaped leaf over this rank's own storage of a matrix it holds wholly.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from flatview.backends.base import is_rank0
-from flatview.comm.collectives import all_reduce_max, all_to_all, gather_objects
+from flatview.comm.collectives import all_reduce_max
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
-from flatview.layout import Interval
 from flatview.local_tensors import local_tensor
-from flatview.optim_state import snapshot
+from flatview.whole_exchange import Kind, Transfer, buckets, check_same_everywhere
 from flatview.whole_members import (
     EVERY_RANK,
+    Matrix,
     Member,
     assign_owners,
     checksum,
+    cut_all,
     probe,
     requires_closure,
-    whole_shaped,
 )
+from flatview.whole_stacked import stacked_muon_step
+from flatview.whole_state import consolidated, knows_fresh_state, load, make_eager
+from flatview.whole_state import sharded as sharded_state
 
 if TYPE_CHECKING:
     from flatview.handle import FlatView
 
 
 class Whole(torch.optim.Optimizer):
-    """A torch optimizer run on whole original parameters over flat shards.
+    """A torch optimizer run on whole matrices of original parameters over flat shards.
 
     ``Whole(torch.optim.Muon, fv, matrices, lr=0.02, momentum=0.95)`` behaves like
     ``torch.optim.Muon(matrices, lr=0.02, momentum=0.95)`` on the unwrapped model:
-    each parameter is stepped whole by one owner rank (see the module docstring), and
+    each matrix is stepped whole by one owner rank (see the module docstring), and
     every rank's view is updated in place. Any optimizer whose state is per parameter
     works (Muon, Adafactor, AdamW, SGD, ...); one that needs a closure (LBFGS) is
-    refused.
+    refused. A 3-D parameter ``(n, rows, cols)`` (experts stored as one tensor) is
+    stepped as ``n`` matrices, as ``torch.optim.Muon`` over each ``param[i]`` would.
 
     Construction, :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict` are
     collectives where the model is sharded: every rank calls them, with the same
-    parameters in the same groups. On DDP, ``NO_SHARD`` and one rank (every view
+    parameters, groups and options. On DDP, ``NO_SHARD`` and one rank (every view
     full) it is the inner optimizer itself, with no communication.
 
     Args:
@@ -84,14 +100,24 @@ class Whole(torch.optim.Optimizer):
         fv: the wrapped model the parameters belong to.
         params: views or parameters of ``fv`` (``fv.parameters()``,
             ``submodule.parameters()``), or parameter groups (dicts with ``"params"``).
+        heads: per parameter (a view or its original name), a number of heads: its
+            rows (of each expert, for a 3-D parameter) are cut into that many equal
+            blocks, each stepped as a matrix of its own (per-head Muon for query, key and
+            value projections, whose rows are heads times head size).
+        overlap: pipeline the exchanges with the owners' steps (see the module
+            docstring); by default on accelerators, not on CPUs.
+        stacked: orthogonalise same-shape matrices together
+            (:mod:`flatview.whole_stacked`); by default for ``torch.optim.Muon``
+            itself, which is the only optimizer it applies to.
         **optimizer_kwargs: the inner optimizer's arguments.
 
     Raises:
         flatview.OptimStateError: a tensor that is not an original parameter of ``fv``
             (a parameter of another model or FlatView, a flat parameter), a parameter
-            given twice, a parameter the inner optimizer refuses (Muon: not 2-D; named),
-            an optimizer that needs a closure, or ranks that passed different
-            parameters.
+            given twice, a parameter the inner optimizer refuses (Muon: not 2-D or 3-D;
+            named), ``heads`` that do not divide a parameter's rows or name no parameter
+            given, ``stacked=True`` for another optimizer, an optimizer that needs a
+            closure, or ranks that passed different parameters or options.
     """
 
     def __init__(
@@ -99,6 +125,10 @@ class Whole(torch.optim.Optimizer):
         optimizer_cls: type[torch.optim.Optimizer],
         fv: FlatView,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        *,
+        heads: Mapping[torch.Tensor | str, int] | None = None,
+        overlap: bool | None = None,
+        stacked: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if requires_closure(optimizer_cls):
@@ -107,8 +137,15 @@ class Whole(torch.optim.Optimizer):
                 "parameters; flatview.optim.Whole runs optimizers whose state is per "
                 "parameter"
             )
+        if stacked and optimizer_cls is not torch.optim.Muon:
+            raise OptimStateError(
+                f"stacked=True orthogonalises as torch.optim.Muon does; {optimizer_cls.__name__} "
+                "is stepped by its own step()"
+            )
         self.fv = fv
         self.optimizer_cls = optimizer_cls
+        self.overlap = fv.adapter.device.type != "cpu" if overlap is None else overlap
+        self.stacked = optimizer_cls is torch.optim.Muon if stacked is None else stacked
         self.ledger = Ledger()
         """Bytes and calls of the last :meth:`step`'s collectives."""
         adapter = fv.adapter
@@ -134,28 +171,37 @@ class Whole(torch.optim.Optimizer):
             )
         if not self._members:
             raise OptimStateError("flatview.optim.Whole got an empty parameter list")
+        self._heads = cut_all(self._members, heads or {}, self._world)
+        self._matrices = [m for member in self._members for m in member.matrices]
         by_group: list[list[tuple[str, torch.Size, torch.dtype]]] = [[] for _ in groups]
-        for m in self._members:
-            by_group[m.group].append((m.name, m.shape, m.tensor.dtype))
+        for m in self._matrices:
+            by_group[m.member.group].append((m.name, m.shape, m.member.tensor.dtype))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
         probe(optimizer_cls, by_group, hyper, optimizer_kwargs)
-        self._assign_owners()
-        self._split = [m for m in self._members if m.split]
-        for m in self._split:
+        self._owner_costs = assign_owners(self._matrices, self._world)
+        self._travelling = [m for m in self._matrices if m.travels]
+        self._travelling_members = [p for p in self._members if any(m.travels for m in p.matrices)]
+        for m in self._travelling:
             if m.owner == self._rank:
-                m.whole = nn.Parameter(
-                    torch.zeros(m.shape, dtype=m.tensor.dtype, device=m.tensor.device)
-                )
-        # The inner optimizer over what this rank steps: whole copies of the split
-        # parameters it owns, and the views of those wholly on this rank.
+                like = local_tensor(m.member.tensor)
+                m.whole = nn.Parameter(torch.zeros(m.shape, dtype=like.dtype, device=like.device))
+        self._buckets = (
+            buckets(self._travelling, self._world) if self.overlap else [self._travelling]
+        )
+        # The inner optimizer over what this rank steps: whole copies of the travelling
+        # matrices it owns, and aliases of those wholly here.
         inner_groups = [
-            {**h, "params": [t for m in self._members if m.group == i for t in self._run(m)]}
+            {
+                **h,
+                "params": [t for m in self._matrices if m.member.group == i for t in self._run(m)],
+            }
             for i, h in enumerate(hyper)
         ]
         failure: Exception | None = None
         try:
             self.inner = optimizer_cls(inner_groups, **optimizer_kwargs)
-            """The torch optimizer this rank steps (over whole copies and whole views)."""
+            """The torch optimizer this rank steps (over whole copies and aliases)."""
+            make_eager(self.inner)
         except Exception as err:  # raised below, on every rank
             failure = err
         # Sharded models exchange with every step; the same on every rank (the layouts
@@ -165,7 +211,13 @@ class Whole(torch.optim.Optimizer):
             fv.placement(p).sharded for _, p in fv.named_parameters()
         )
         if self._sharded:
-            self._check_same_everywhere(failure)
+            facts = (
+                [(m.name, tuple(m.shape), m.group, str(m.tensor.dtype)) for m in self._members],
+                sorted(self._heads.items()),
+                self.overlap,
+                self.stacked,
+            )
+            check_same_everywhere(repr(facts), failure, optimizer_cls.__name__, self._group)
         if failure is not None:
             raise OptimStateError(
                 f"{optimizer_cls.__name__} could not be built over this rank's part: {failure}"
@@ -173,8 +225,9 @@ class Whole(torch.optim.Optimizer):
         # param_groups over the views, with the inner optimizer's defaults filled in (LR
         # schedulers change them there; every step copies them to the inner groups).
         super().__init__(user_groups, self.inner.defaults)
-        if self._split:
-            self._exchange(resync=list(self._split), grads=[], update=False)
+        if self._travelling:
+            self._exchange(self._travelling, Kind.VALUE, async_op=False)
+            self._note_checksums()
 
     # ---------------------------------------------------------------- building
 
@@ -202,65 +255,34 @@ class Whole(torch.optim.Optimizer):
             pieces = tuple(placement.piece(r).param_interval for r in range(self._world))
         else:
             pieces = ((0, placement.numel),) * self._world
-        split = placement.sharded and sum(1 for s, e in pieces if e > s) > 1
         assert isinstance(tensor, nn.Parameter)
-        return Member(fv.table.name(index), tensor, placement, group, EVERY_RANK, pieces, split)
+        rank = self._rank if placement.sharded else 0
+        return Member(fv.table.name(index), tensor, placement, group, rank, pieces)
 
-    def _assign_owners(self) -> None:
-        """Owners for every member (see :func:`flatview.whole_members.assign_owners`)."""
-        assign_owners(self._members, self._world)
-
-    def _check_same_everywhere(self, failure: Exception | None) -> None:
-        description = repr(
-            [(m.name, tuple(m.shape), m.group, str(m.tensor.dtype)) for m in self._members]
-        )
-        digest = hashlib.blake2b(description.encode(), digest_size=8).hexdigest()
-        mine = (digest, None if failure is None else f"{type(failure).__name__}: {failure}")
-        everyone = gather_objects(mine, self._group)
-        failed = [(r, message) for r, (_, message) in enumerate(everyone) if message]
-        if failed:
-            rank, message = failed[0]
-            raise OptimStateError(
-                f"{self.optimizer_cls.__name__} could not be built on rank {rank}: {message}"
-            ) from failure
-        digests = [d for d, _ in everyone]
-        if len(set(digests)) > 1:
-            differ = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise OptimStateError(
-                f"ranks built flatview.optim.Whole over different parameters (rank(s) "
-                f"{differ} differ from rank 0); every rank must pass the same parameters "
-                "in the same groups"
-            )
-
-    def _run(self, m: Member) -> list[torch.Tensor]:
-        """What this rank's inner optimizer steps for ``m``."""
+    def _run(self, m: Matrix) -> list[torch.Tensor]:
+        """What this rank's inner optimizer steps for ``m`` (nothing or one tensor)."""
         if m.whole is not None:
             return [m.whole]
-        if m.owner not in (EVERY_RANK, self._rank) or m.split:
+        if m.owner not in (EVERY_RANK, self._rank) or m.travels:
             return []
-        local = local_tensor(m.tensor)
-        if local is m.tensor and m.tensor.shape == m.shape:
-            return [m.tensor]
-        # FSDP2's DTensor, though wholly here, would communicate in every operation
-        # the inner optimizer runs on it (on this rank only: a hang): its local tensor.
         if m.alias is None:
-            m.alias = local.detach().view(m.shape)
+            # Always an alias, also of a plain parameter of the matrix's shape: its
+            # gradient is bound only while this optimizer steps it (a bucketed step
+            # calls the inner optimizer several times).
+            local = m.local(m.member.tensor)
+            assert local is not None
+            m.alias = local.view(m.shape)
         return [m.alias]
 
-    def _bind_aliases(self) -> None:
-        """Point each alias at its view's current storage and gradient (the storage can
-        move, as on ``.to()``)."""
-        for m in self._members:
-            if m.alias is not None:
-                m.alias.data = local_tensor(m.tensor).detach().view(m.shape)
-                grad = m.tensor.grad
-                m.alias.grad = None if grad is None else local_tensor(grad).detach().view(m.shape)
+    def _stepped(self, m: Matrix) -> torch.Tensor | None:
+        run = self._run(m)
+        return run[0] if run else None
 
     # ---------------------------------------------------------------- stepping
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """One step of the inner optimizer on every whole parameter (a collective where
+        """One step of the inner optimizer on every whole matrix (a collective where
         the model is sharded)."""
         if closure is not None:
             raise OptimStateError("flatview.optim.Whole.step takes no closure")
@@ -269,210 +291,197 @@ class Whole(torch.optim.Optimizer):
             for key, value in group.items():
                 if key != "params":
                     inner[key] = value
-        grads: list[Member] = []
-        if self._split:
-            flags = torch.zeros(2 * len(self._split), dtype=torch.int32, device=self._device)
-            for position, m in enumerate(self._split):
-                flags[2 * position] = m.tensor.grad is not None
-                piece = m.local(m.tensor)
-                # A rank holding nothing of it has nothing that could have changed.
-                changed = piece is not None and piece.numel() > 0 and m.checksum != checksum(piece)
-                flags[2 * position + 1] = changed
-            self.ledger.record("all_reduce", flags)
-            all_reduce_max(flags, self._group)
-            found = flags.tolist()
-            grads = [m for i, m in enumerate(self._split) if found[2 * i]]
-            stale = [m for i, m in enumerate(self._split) if found[2 * i + 1]]
-            self._exchange(resync=stale, grads=grads, update=False)
-        self._bind_aliases()
-        self.inner.step()
-        if self._split:
-            self._exchange(resync=[], grads=grads, update=True)
-            for m in grads:
-                if m.whole is not None:
-                    m.whole.grad = None
-
-    def _exchange(self, resync: list[Member], grads: list[Member], update: bool) -> None:
-        """One ``all_to_all_single`` per dtype. Inbound (``update=False``): every holder
-        sends each owner its pieces of the values of ``resync`` and of the gradients of
-        ``grads``. Outbound: each owner sends every holder its piece of the updated
-        values of ``grads``. A rank's pieces of what it owns are copied, not sent."""
-        moves: list[tuple[Member, str]] = [(m, "value") for m in resync]
-        moves += [(m, "update" if update else "grad") for m in grads]
-        for dtype in sorted({str(m.tensor.dtype) for m, _ in moves}):
-            self._exchange_dtype([(m, k) for m, k in moves if str(m.tensor.dtype) == dtype])
-
-    def _exchange_dtype(self, moves: list[tuple[Member, str]]) -> None:
-        rank, world = self._rank, self._world
-        send: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        receive: list[list[tuple[Member, str, int, Interval]]] = [[] for _ in range(world)]
-        for m, kind in moves:
-            if kind == "update":
-                # Owner -> holders.
-                if m.owner == rank:
-                    assert m.whole is not None
-                    values = m.whole.detach().reshape(-1)
-                    for r, (start, end) in enumerate(m.pieces):
-                        if end > start and r != rank:
-                            send[r].append(values[start:end])
-                    self._write_own(m)
-                else:
-                    start, end = m.pieces[rank]
-                    if end > start:
-                        receive[m.owner].append((m, kind, end - start, (start, end)))
-                continue
-            # Holders -> owner.
-            start, end = m.pieces[rank]
-            if m.owner != rank:
-                if end > start:
-                    send[m.owner].append(self._outgoing(m, kind))
-                continue
-            for r, (lo, hi) in enumerate(m.pieces):
-                if hi > lo and r != rank:
-                    receive[r].append((m, kind, hi - lo, (lo, hi)))
-            if end > start:
-                self._place(m, kind, (start, end), self._outgoing(m, kind))
-        # The local tensor: slicing FSDP2's DTensor would communicate, on the ranks with
-        # nothing to send only (a hang).
-        template = local_tensor(moves[0][0].tensor)
-        in_splits = [sum(t.numel() for t in chunk) for chunk in send]
-        out_splits = [sum(n for _, _, n, _ in chunk) for chunk in receive]
-        # Every rank joins, also one with nothing to send or receive: which parameters
-        # move is the same everywhere, what each rank holds of them is not.
-        outgoing = torch.cat([t.reshape(-1) for chunk in send for t in chunk] or [template[:0]])
-        incoming = outgoing.new_empty(sum(out_splits))
-        self.ledger.record("all_to_all", outgoing)
-        all_to_all(incoming, outgoing, out_splits, in_splits, self._group)
-        offset = 0
-        for chunk in receive:
-            for m, kind, numel, interval in chunk:
-                self._place(m, kind, interval, incoming[offset : offset + numel])
-                offset += numel
-
-    def _outgoing(self, m: Member, kind: str) -> torch.Tensor:
-        """This rank's piece of ``m``'s value or gradient, 1-D."""
-        source = m.tensor if kind == "value" else m.tensor.grad
-        piece = m.local(source)
-        if piece is None:
-            # A holder without a gradient where another rank has one (torch's views
-            # outside the shard): its part counts as zeros.
-            start, end = m.pieces[self._rank]
-            return torch.zeros(end - start, dtype=m.tensor.dtype, device=m.tensor.device)
-        if kind == "value":
-            m.checksum = checksum(piece)
-        return piece
-
-    def _place(self, m: Member, kind: str, interval: Interval, values: torch.Tensor) -> None:
-        start, end = interval
-        if kind == "update":
-            piece = m.local(m.tensor)
-            assert piece is not None
-            piece.copy_(values)
-            m.checksum = checksum(piece)
+        local = [m for m in self._matrices if not m.travels and m.alias is not None]
+        self._bind(local)
+        if not self._travelling:
+            self._step_inner(local)
             return
-        assert m.whole is not None
-        if kind == "value":
-            m.whole.detach().reshape(-1)[start:end].copy_(values)
-            return
-        if m.whole.grad is None:
-            m.whole.grad = torch.zeros_like(m.whole)
-        m.whole.grad.reshape(-1)[start:end].copy_(values)
+        moving = self._agree_on_flags()
+        if not self.overlap:
+            # Every rank joins the inbound exchange right after the flags (not after
+            # stepping its own matrices first, which would make the exchange wait for
+            # the slowest rank's), then steps everything at once (one stack per shape).
+            if moving:
+                self._exchange(moving, Kind.GRAD, async_op=False)
+            self._step_inner([*local, *moving])
+            if moving:
+                self._exchange(moving, Kind.UPDATE, async_op=False)
+        else:
+            chosen = {id(m.member) for m in moving}
+            parts = [[m for m in b if id(m.member) in chosen] for b in self._buckets]
+            parts = [b for b in parts if b]
+            inbound_parts = [self._transfer(b, Kind.GRAD) for b in parts]
+            # Matrices held wholly here are stepped while the first bucket travels.
+            self._step_inner(local)
+            outbound = []
+            for bucket, transfer in zip(parts, inbound_parts, strict=True):
+                transfer.finish()
+                self._step_inner(bucket)
+                outbound.append(self._transfer(bucket, Kind.UPDATE))
+            for transfer in outbound:
+                transfer.finish()
+        self._note_checksums()
 
-    def _write_own(self, m: Member) -> None:
-        """The owner's own piece of an updated whole copy, written into its view."""
-        assert m.whole is not None
-        start, end = m.pieces[self._rank]
-        piece = m.local(m.tensor)
-        if end > start and piece is not None:
-            piece.copy_(m.whole.detach().reshape(-1)[start:end])
-            m.checksum = checksum(piece)
+    def _agree_on_flags(self) -> list[Matrix]:
+        """All-reduce, per member with travelling matrices, (has a gradient here, its piece
+        changed outside this optimizer); refresh the whole copies of changed ones.
+        Returns the travelling matrices of members with a gradient anywhere."""
+        members = self._travelling_members
+        flags = torch.zeros(2 * len(members), dtype=torch.int32, device=self._device)
+        for position, member in enumerate(members):
+            flags[2 * position] = member.tensor.grad is not None
+            piece = member.local(member.tensor)
+            # A rank holding nothing of it has nothing that could have changed.
+            changed = piece is not None and piece.numel() > 0 and member.checksum != checksum(piece)
+            flags[2 * position + 1] = changed
+        self.ledger.record("all_reduce", flags)
+        all_reduce_max(flags, self._group)
+        found = flags.tolist()
+        with_grad = {id(p) for i, p in enumerate(members) if found[2 * i]}
+        stale = {id(p) for i, p in enumerate(members) if found[2 * i + 1]}
+        if stale:
+            refresh = [m for m in self._travelling if id(m.member) in stale]
+            self._exchange(refresh, Kind.VALUE, async_op=False)
+        return [m for m in self._travelling if id(m.member) in with_grad]
+
+    def _transfer(self, matrices: Sequence[Matrix], kind: Kind) -> Transfer:
+        """One asynchronous transfer of one bucket (one dtype)."""
+        return Transfer(
+            matrices, kind, self._rank, self._world, self._group, self.ledger, async_op=True
+        )
+
+    def _exchange(self, matrices: Sequence[Matrix], kind: Kind, *, async_op: bool) -> None:
+        """Transfer ``matrices`` now, one all-to-all per dtype."""
+        by_dtype: dict[str, list[Matrix]] = {}
+        for m in matrices:
+            by_dtype.setdefault(str(m.member.tensor.dtype), []).append(m)
+        transfers = [
+            Transfer(
+                chunk, kind, self._rank, self._world, self._group, self.ledger, async_op=async_op
+            )
+            for _, chunk in sorted(by_dtype.items())
+        ]
+        for transfer in transfers:
+            transfer.finish()
+
+    def _bind(self, matrices: Sequence[Matrix]) -> None:
+        """Point the aliases of ``matrices`` at their views' storage and gradient (the
+        storage can move, as on ``.to()``)."""
+        for m in matrices:
+            local = m.local(m.member.tensor)
+            assert local is not None and m.alias is not None
+            m.alias.data = local.view(m.shape)
+            grad = m.local(m.member.tensor.grad)
+            m.alias.grad = None if grad is None else grad.view(m.shape)
+
+    def _step_inner(self, matrices: Sequence[Matrix]) -> None:
+        """Step the inner optimizer on those of ``matrices`` this rank steps and that
+        have a gradient, then drop their gradients."""
+        tensors = []
+        for m in matrices:
+            tensor = self._stepped(m)
+            if tensor is not None and tensor.grad is not None:
+                tensors.append(tensor)
+        chosen = {id(t) for t in tensors}
+        if self.stacked and tensors:
+            stacked_muon_step(self.inner, chosen)
+        elif tensors:
+            # The inner optimizer steps every tensor with a gradient: others' gradients
+            # (whole gradients of buckets still arriving) are set aside meanwhile.
+            aside = [
+                (p, p.grad)
+                for group in self.inner.param_groups
+                for p in group["params"]
+                if p.grad is not None and id(p) not in chosen
+            ]
+            for p, _ in aside:
+                p.grad = None
+            try:
+                self.inner.step()
+            finally:
+                for p, grad in aside:
+                    p.grad = grad
+        for tensor in tensors:
+            tensor.grad = None
+
+    def _note_checksums(self) -> None:
+        for member in self._travelling_members:
+            piece = member.local(member.tensor)
+            member.checksum = checksum(piece) if piece is not None else None
 
     # ---------------------------------------------------------------- state
+
+    @property
+    def owner_costs(self) -> list[int]:
+        """Per rank of the exchange group, the Newton-Schulz cost (``m * n * min(m, n)``
+        summed) of the matrices it owns, travelling or held; the same on every rank.
+        ``max / mean`` is how evenly the owners' steps are balanced."""
+        return list(self._owner_costs)
 
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
         """The state by original name, whole tensors, as
         :meth:`flatview.FlatView.optim_state_dict` gives for any optimizer over views
         (loadable at any world size and backend, into a :class:`Whole` or a plain
         optimizer). A collective where the model is sharded."""
-        inner = self.inner.state
-        mine: dict[str, dict[Any, Any]] = {}
-        for m in self._members:
-            if m.owner not in (self._rank, EVERY_RANK) or (
-                m.owner == EVERY_RANK and self._sharded and self._rank != 0
-            ):
-                continue
-            tensors = self._run(m)
-            state = inner.get(tensors[0]) if tensors else None
-            if state:
-                mine[m.name] = {k: snapshot(v) for k, v in state.items()}
-        everything = mine
-        if self._sharded:
-            gathered = gather_objects(mine, self._group)
-            everything = {k: v for part in gathered for k, v in part.items()}
+        everything = consolidated(
+            self._members, self.inner.state, self._stepped, self._rank, self._group, self._sharded
+        )
         if rank0_only and not self._rank0:
             everything = {}
+        return {"state": everything, "param_groups": self._groups_by_name()}
+
+    def sharded_state_dict(self, *, cpu_offload: bool = False) -> dict[str, Any]:
+        """The state for :mod:`flatview.checkpoint`'s sharded form: per-element tensors
+        of sharded parameters as ``ShardedTensor`` s whose local shards are each owner's
+        own state tensors (``torch.distributed.checkpoint.load`` writes them in place),
+        scalars alike on every rank. A collective where the model is sharded.
+
+        Raises:
+            flatview.OptimStateError: the inner optimizer's state is made lazily (not
+                ``Muon``, ``Adam`` or ``AdamW``): a fresh optimizer would have no state
+                for a checkpoint to load into. Use the full form.
+        """
+        if not knows_fresh_state(type(self.inner)):
+            raise OptimStateError(
+                f"flatview.optim.Whole over {self.optimizer_cls.__name__} makes its state "
+                "lazily, so a fresh one has nothing a sharded checkpoint could load into: "
+                "save the full form (StateDictOptions(full_state_dict=True)); the sharded "
+                "form supports torch.optim.Muon, Adam and AdamW"
+            )
+        state = sharded_state(
+            self._members,
+            self.inner.state,
+            self._stepped,
+            self._rank,
+            self.fv.adapter,
+            self._sharded,
+            cpu_offload,
+        )
+        return {"state": state, "param_groups": self._groups_by_name()}
+
+    def _groups_by_name(self) -> list[dict[str, Any]]:
         names = {id(m.tensor): m.name for m in self._members}
-        groups = [
+        return [
             {
                 **{k: v for k, v in inner_group.items() if k != "params"},
                 "params": [names[id(t)] for t in group["params"]],
             }
             for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True)
         ]
-        order = [m.name for m in self._members]
-        return {
-            "state": {n: everything[n] for n in order if n in everything},
-            "param_groups": groups,
-        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` or :meth:`flatview.FlatView.optim_state_dict`
-        (any world size or backend): each owner takes the whole state of what it steps.
-        Every rank needs the full dict; nothing is communicated."""
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
-            raise OptimStateError(
-                f"the state dict has {len(groups) if isinstance(groups, list) else 'no'} "
-                f"parameter groups, this optimizer {len(self.param_groups)}"
-            )
-        names = {id(m.tensor): m.name for m in self._members}
-        for number, (saved, group) in enumerate(zip(groups, self.param_groups, strict=True)):
-            want = [names[id(t)] for t in group["params"]]
-            if list(saved.get("params", ())) != want:
-                raise OptimStateError(
-                    f"parameter group {number} of the state dict holds {saved.get('params')}, "
-                    f"this optimizer's {want}"
-                )
-        states: Mapping[str, Mapping[Any, Any]] = state_dict.get("state", {})
-        unknown = sorted(set(states) - set(names.values()))
-        if unknown:
-            raise OptimStateError(f"the state dict has state for unknown parameters {unknown}")
-        inner_state: dict[int, dict[Any, Any]] = {}
-        position = 0
-        for m in self._members:
-            for tensor in self._run(m):
-                state = states.get(m.name)
-                if state is not None:
-                    inner_state[position] = {
-                        k: whole_shaped(v, tensor, m.name, k) for k, v in state.items()
-                    }
-                position += 1
-        inner_groups = []
-        position = 0
-        for saved, inner_group in zip(groups, self.inner.param_groups, strict=True):
-            count = len(inner_group["params"])
-            inner_groups.append(
-                {
-                    **{k: v for k, v in saved.items() if k != "params"},
-                    "params": list(range(position, position + count)),
-                }
-            )
-            position += count
-        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-        for saved, group in zip(groups, self.param_groups, strict=True):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = value
+        """Load a state from :meth:`state_dict`, :meth:`flatview.FlatView.optim_state_dict`
+        (any world size or backend) or :meth:`sharded_state_dict` (filled by
+        ``torch.distributed.checkpoint.load``): each owner takes the state of what it
+        steps. Every rank needs the dict; nothing is communicated."""
+        load(
+            self._members,
+            self._matrices,
+            self.inner,
+            self._stepped,
+            self.param_groups,
+            state_dict,
+        )
 
     def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
         """What :meth:`flatview.FlatView.optim_state_dict` returns for this optimizer."""
@@ -483,8 +492,9 @@ class Whole(torch.optim.Optimizer):
         self.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
-        owned = sum(m.placement.numel for m in self._members if m.owner == self._rank)
+        owned = sum(m.numel for m in self._matrices if m.owner == self._rank)
         return (
             f"Whole({self.optimizer_cls.__name__}, params={len(self._members)}, "
-            f"split={len(self._split)}, owned_elements={owned}, rank={self._rank})"
+            f"matrices={len(self._matrices)}, travelling={len(self._travelling)}, "
+            f"owned_elements={owned}, rank={self._rank})"
         )

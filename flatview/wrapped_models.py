@@ -8,6 +8,9 @@ one optimizer step pre-hook that checks optimizers against them.
   checks it (:meth:`Watcher.check_optimizer`) and warns about shape-decided groups.
 * Views of unwrapped models that the model no longer holds are *stale*: an optimizer
   holding one raises at its step.
+* Optimizers that have a history (:func:`has_history`: stepped while a model was
+  wrapped, or loaded by flatview): an optimizer without state is fresh only if it has
+  none, which decides whether a checkpoint primes it (:mod:`flatview.checkpoint`).
 
 The steady-state cost of the hook is one tuple of ids per step: its result is cached
 per optimizer under a generation number that wrapping and unwrapping bump.
@@ -46,6 +49,8 @@ _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
 # Views of unwrapped models that the model no longer holds: id -> (weak view, name).
 _stale: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
 _generation = 0
+# Optimizers that stepped or were loaded: their lack of state is not freshness.
+_histories: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def check_not_wrapped(modules: Sequence[nn.Module]) -> None:
@@ -97,6 +102,18 @@ def bump_generation() -> None:
     _generation += 1
 
 
+def record_history(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` was loaded from a checkpoint: what state it has is its history."""
+    _histories.add(optimizer)
+
+
+def has_history(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has stepped since a model was first wrapped, or was loaded
+    by flatview: then parameters it holds without state have never had a gradient
+    (skipped, or first used later), rather than the optimizer being new."""
+    return optimizer in _histories
+
+
 def _install_optimizer_hook() -> None:
     global _optimizer_hook
     if _optimizer_hook is None:
@@ -112,6 +129,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         watcher.check_optimizer(optimizer)
         watcher.warn_shape_grouping(optimizer)
     _checked[optimizer] = signature
+    _histories.add(optimizer)
 
 
 def _check_stale(optimizer: torch.optim.Optimizer) -> None:

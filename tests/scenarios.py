@@ -878,8 +878,11 @@ def _fsdp2_no_sync(model: Any) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def full_state(model: nn.Module, scenario: Scenario) -> dict[str, np.ndarray] | None:
-    """The unsharded parameters by original name, on rank 0 (collective)."""
+def full_state(
+    model: nn.Module, scenario: Scenario, names: Collection[str] | None = None
+) -> dict[str, np.ndarray] | None:
+    """The unsharded parameters by original name (``names``: those of the scenario's
+    net), on rank 0 (collective)."""
     if scenario.backend == "torch":
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
@@ -897,7 +900,8 @@ def full_state(model: nn.Module, scenario: Scenario) -> dict[str, np.ndarray] | 
         state = model.state_dict()
     if dist.get_rank() != 0:
         return None
-    names = {k for k, _ in make_net(scenario).named_parameters()}
+    if names is None:
+        names = {k for k, _ in make_net(scenario).named_parameters()}
     return {k: v.detach().float().numpy().copy() for k, v in state.items() if k in names}
 
 

@@ -39,17 +39,17 @@ def test_nested_unit_refused_before_first_forward(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
     """Before the first forward no unit knows it is nested (``_is_root`` is None on all).
-    torch marks a unit that another FSDP was built around: refused at wrap. fairscale
-    marks nothing until the root's lazy initialisation: refused at the unit's first
-    forward, before it computes anything (it used to train 0.021 away from bare FSDP).
-    Either way the message names where the unit sits in the outer model."""
+    torch marks a unit that another FSDP was built around; fairscale marks nothing until
+    the root's lazy initialisation, so wrap looks for an enclosing unit among live
+    objects: refused at wrap on both, before anything is installed (fairscale's used to
+    be refused at every later forward, and before that trained 0.021 away from bare
+    FSDP). The message names where the unit sits in the outer model."""
     if backend.backend == "fairscale":
         _needs_fairscale()
     for message in dist_pool(2).run(
         ew.wrap_nested_before_forward, backend.scenario(), timeout=TIMEOUT
     ):
-        where = "forward" if backend.backend == "fairscale" else "wrap"
-        assert message.startswith(f"{where}: "), message
+        assert message.startswith("wrap: "), message
         assert "nested FSDP unit" in message and "'body.0'" in message, message
         assert "around a Net" in message, message
 

@@ -447,25 +447,25 @@ def test_errors_name_the_culprit_and_no_rank_hangs(
         # the group (its ranks numbered within it).
         for case in ("step_disagrees", "state_missing", "different_optimizers"):
             expected[case] = r"in the shard group of ranks \[0, 1\]: .*" + expected[case]
-    if sharded:
-        # Found before any collective, but reported through the one that follows.
-        for case in ("flat", "foreign", "foreign_one_rank"):
-            expected[case] = r"^OptimStateError: on rank \d: .*" + expected[case]
+    # Found before any collective, but reported through the exchange of descriptions,
+    # which every rank joins even where every rank holds everything (torch NO_SHARD): a
+    # rank raising alone would leave the others waiting in their next collective.
+    for case in ("flat", "foreign", "foreign_one_rank"):
+        expected[case] = r"^OptimStateError: on rank \d: .*" + expected[case]
+    if not sharded:
+        expected["not_consolidable"] = (
+            r"^OptimStateError: on rank \d: .*" + expected["not_consolidable"]
+        )
     if not backend.flattens:
         del expected["flat"]  # FSDP2: no flat parameter an optimizer could hold
-    # Raised before any collective: the model and optimizer alone decide these (loading;
-    # consolidating where no collective follows, every rank holding everything).
+    # Raised before any collective: the model and optimizer alone decide these (loading
+    # communicates nothing).
     local = {"foreign_load", "unknown_name", "missing_name", "stray_state", "shape", "groups"}
-    local |= set() if sharded else {"flat", "foreign", "not_consolidable"}
     for rank, out in enumerate(results):
         assert out.pop("still_works") == ("same", 0), rank
         assert sorted(out) == sorted(expected), rank
         for case, pattern in expected.items():
             message, collectives = out[case]
-            if case == "foreign_one_rank" and not sharded:
-                # Nothing collective to wait in: rank 1 raises alone, the others save.
-                assert (message == "no error") == (rank != 1), (rank, message)
-                continue
             assert message.startswith("OptimStateError: "), (rank, case, message)
             assert re.search(pattern, message), (rank, case, message)
             if case in local:

@@ -154,7 +154,7 @@ BAD_WRAPS = {
     ),
     "inner-after-outer": (
         w.wrap_inner_after_outer,
-        {"fairscale": "already wrapped", "torch": "nested FSDP unit", "ddp": "got tests"},
+        {"fairscale": "nested FSDP unit", "torch": "nested FSDP unit", "ddp": "got tests"},
     ),
 }
 

@@ -15,6 +15,7 @@ from torch import nn
 from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
 from flatview.backends.messages import check_no_pending_backward
 from flatview.backends.names import nested_unit_message, without_segments
+from flatview.backends.nesting import inside_another
 from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS
 from flatview.backends.unit_tree import check_units
 from flatview.errors import WrapError
@@ -149,12 +150,14 @@ def inspect(model: nn.Module) -> FairscaleModel:
     root: Any = model
     # Before the first forward every unit has `_is_root` None and fairscale leaves no
     # other trace of nesting on a unit: the root's lazy initialisation marks the
-    # others False, which the first forward checks (the adapter's pre-forward hook).
+    # others False. Until then an enclosing unit is looked for among live objects
+    # (inside_another), so that wrap refuses before it installs anything; the adapter's
+    # pre-forward hook still refuses one built around the unit after wrap.
     units: list[tuple[str, Any]] = [
         (clean_name(name), m) for name, m in root.named_modules() if isinstance(m, fsdp)
     ]
     check_privates(root, units, TrainingState, version)
-    if root._is_root is False:
+    if root._is_root is False or (root._is_root is None and inside_another(root, fsdp)):
         raise WrapError(nested_unit_message(root, fsdp, clean_name))
     check_units(units, root, TrainingState.IDLE)
     check_no_pending_backward([("", root)], _awaiting_backward)

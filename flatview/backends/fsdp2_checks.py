@@ -28,6 +28,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from flatview.backends.messages import check_no_pending_backward
+from flatview.backends.nesting import inside_another
 from flatview.backends.torch_versions import check_torch_version
 from flatview.comm.options import ReduceOptions
 from flatview.errors import StateError, WrapError
@@ -229,7 +230,10 @@ def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:
     check_attrs(root, ("_get_fsdp_state",), "module")
     root_state = root._get_fsdp_state()
     check_attrs(root_state, STATE_ATTRS, "state")
-    if root_state._is_root is False:
+    # Not initialised, no unit knows it is nested: look for an enclosing one.
+    if root_state._is_root is False or (
+        root_state._is_root is None and inside_another(root, FSDPModule)
+    ):
         raise WrapError(
             "flatview.wrap was given a nested FSDP2 module; wrap the outermost "
             "fully_shard module, the one the training loop calls"

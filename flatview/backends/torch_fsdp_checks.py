@@ -27,6 +27,7 @@ from torch.distributed import utils as dist_utils
 from flatview.backends.internals import require_attrs, require_autograd_internals
 from flatview.backends.messages import check_no_pending_backward
 from flatview.backends.names import nested_unit_message
+from flatview.backends.nesting import inside_another
 from flatview.backends.torch_fsdp_describe import clean_name
 from flatview.backends.torch_hybrid import hybrid_groups
 from flatview.backends.torch_versions import check_torch_version, fsdp_class
@@ -248,8 +249,13 @@ def inspect(model: nn.Module) -> TorchFSDPModel:
     # before another FSDP around it is marked by that one's constructor (for Dynamo;
     # in the unit's own __dict__: FSDP forwards missing attributes to the wrapped
     # module, which its own constructor marks). A unit that an auto-wrap policy
-    # created is not marked (see docs/limitations.md).
-    if root._is_root is False or vars(root).get("_is_fsdp_managed_module", False):
+    # created is not marked: an enclosing unit is looked for among live objects
+    # (root.check_is_root below would make it a root the outer model then refuses).
+    if (
+        root._is_root is False
+        or vars(root).get("_is_fsdp_managed_module", False)
+        or (root._is_root is None and inside_another(root, fsdp))
+    ):
         raise WrapError(nested_unit_message(root, fsdp, clean_name))
     check_units(units, root, TrainingState.IDLE, then=refuse_unit)
     hybrid = hybrid_groups(root, units, tested)  # collective: before any other

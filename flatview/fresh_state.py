@@ -1,0 +1,99 @@
+"""Parameters an optimizer holds but has no state for yet, in checkpoints.
+
+An optimizer creates a parameter's state at the first step that finds a gradient for
+it: a block that LayerDrop or a skip set left out of every step so far has none. torch's
+own ``get_state_dict`` then saves nothing for it, while the run that resumes builds its
+load template from fresh optimizers primed with one zero step, which gives every
+parameter state: ``torch.distributed.checkpoint.load`` refuses (``Missing key ...
+.step``), and a partial load leaves the primed state in place (a ``step`` of 1 where the
+uninterrupted run has no state, which moves Adam's bias correction).
+
+:mod:`flatview.checkpoint` saves such a parameter instead as a *placeholder*: an entry
+with every key a fresh optimizer's first step would create (found by stepping a scratch
+copy of the optimizer over zero tensors shaped like the parameter's, never the optimizer
+itself), each ``None``. The resumed run's template has those keys, so DCP's load
+works; the placeholder's ``None`` values replace the primed tensors, and
+:func:`flatview.checkpoint.set_state_dict` drops every placeholder, so that the
+parameter is again without state and gets fresh state at its first gradient, as in the
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+PLACEHOLDER = None
+"""The value of every key of a placeholder entry."""
+
+
+def is_placeholder(entry: Any) -> bool:
+    """Whether a saved state entry stands for "no state yet"."""
+    return (
+        isinstance(entry, Mapping)
+        and len(entry) > 0
+        and all(value is PLACEHOLDER for value in entry.values())
+    )
+
+
+def placeholder(keys: Sequence[Any]) -> dict[Any, None]:
+    """The entry saved for a parameter without state whose fresh state has ``keys``."""
+    return dict.fromkeys(keys, PLACEHOLDER)
+
+
+def without_placeholders(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` less its placeholder entries."""
+    return {name: entry for name, entry in state.items() if not is_placeholder(entry)}
+
+
+def stateless(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The trainable tensors ``optimizer`` holds without state on this rank."""
+    return [
+        p
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.requires_grad and not optimizer.state.get(p)
+    ]
+
+
+def fresh_keys(
+    optimizer: torch.optim.Optimizer, tensors: Sequence[torch.Tensor]
+) -> list[tuple[Any, ...]]:
+    """Per tensor of ``optimizer``, the keys of the state its first step would create,
+    found by running the optimizer class's step on a scratch copy: the same
+    hyperparameters and attributes, fresh state, no step hooks of its own, zero tensors
+    with zero gradients in place of ``tensors``, learning rate 0. Neither the optimizer
+    nor the tensors change."""
+    wanted = {id(t) for t in tensors}
+    fakes: dict[int, torch.Tensor] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        members = [p for p in group["params"] if id(p) in wanted and p.requires_grad]
+        if not members:
+            continue
+        made = []
+        for p in members:
+            fake = torch.zeros_like(p.detach()).requires_grad_(True)
+            fake.grad = torch.zeros_like(fake)
+            fakes[id(p)] = fake
+            made.append(fake)
+        lr = group.get("lr")
+        scratch_group = {**group, "params": made}
+        if lr is not None:
+            scratch_group["lr"] = torch.tensor(0.0) if isinstance(lr, torch.Tensor) else 0.0
+        groups.append(scratch_group)
+    if not groups:
+        return [() for _ in tensors]
+    scratch: Any = object.__new__(type(optimizer))
+    scratch.__dict__.update(vars(optimizer))
+    scratch.state = defaultdict(dict)
+    scratch.param_groups = groups
+    # Hooks registered on the optimizer itself (an LR scheduler's step counter, say)
+    # must not see the scratch step.
+    scratch._optimizer_step_pre_hooks = OrderedDict()
+    scratch._optimizer_step_post_hooks = OrderedDict()
+    type(optimizer).step(scratch)
+    return [tuple(scratch.state.get(fakes[id(t)], ())) if id(t) in fakes else () for t in tensors]

@@ -1,0 +1,118 @@
+"""``torch.optim.Muon``'s step with same-shape matrices orthogonalised together.
+
+``torch.optim.Muon`` runs one Newton-Schulz iteration per matrix (its own refuses
+anything but 2-D), so an owner holding many matrices of one shape (the experts of a
+layer, the heads of a projection, the same projection of every layer) pays the
+per-call overhead once per matrix, and on an accelerator launches small kernels.
+:func:`stacked_muon_step` steps chosen parameters of an unmodified ``torch.optim.Muon``
+(its ``param_groups``, its ``state``, its ``momentum_buffer`` s) with the same
+arithmetic as torch's ``_single_tensor_muon``, in the same order per matrix:
+
+1. ``buf.lerp_(grad, 1 - momentum)``; the update is ``grad.lerp(buf, momentum)`` with
+   Nesterov, ``buf`` without;
+2. the updates of one shape, dtype and device are stacked and orthogonalised by
+   :func:`newton_schulz`, torch's iteration (bfloat16, the quintic coefficients,
+   transposed when tall, normalised by the Frobenius norm clamped at ``eps``) with
+   ``torch.baddbmm`` in place of ``torch.addmm``;
+3. ``param.mul_(1 - lr * weight_decay)``, then ``param.add_(update, alpha=-lr')`` with
+   torch's learning-rate adjustment for the matrix's shape.
+
+Every step but the matrix products runs per matrix as torch's does; the batched products
+compute each matrix's products on their own, so on the CPUs this was tested on the result
+is torch's bit for bit (``tests/test_whole_stacked.py`` checks it against
+``torch.optim.Muon``). On an accelerator a batched kernel may round otherwise than a
+single one, within bfloat16's rounding, which torch's own kernels do not promise either.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+
+import torch
+
+
+def newton_schulz(
+    updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """torch's Newton-Schulz iteration for Muon over a stack ``(k, rows, cols)`` of
+    matrices, each on its own (see the module docstring)."""
+    if steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if len(coefficients) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    a, b, c = coefficients
+    x = updates.bfloat16()
+    tall = updates.size(-2) > updates.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
+
+
+def adjusted_lr(
+    lr: float | torch.Tensor, adjust_lr_fn: str | None, shape: torch.Size
+) -> float | torch.Tensor:
+    """torch Muon's learning rate for a matrix of ``shape`` (its documented rule: Keller
+    Jordan's ``sqrt(max(1, rows / cols))`` by default, Moonshot's ``0.2 * sqrt(max(rows,
+    cols))`` for ``"match_rms_adamw"``)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+def _scalar(value: float | torch.Tensor) -> float | torch.Tensor:
+    if isinstance(value, torch.Tensor) and value.dim() != 0 and value.numel() == 1:
+        return value.reshape(())
+    return value
+
+
+@torch.no_grad()
+def stacked_muon_step(optimizer: torch.optim.Optimizer, chosen: Collection[int]) -> None:
+    """Step those parameters of ``optimizer`` (a ``torch.optim.Muon``) whose ``id`` is in
+    ``chosen`` and that have a gradient, as ``optimizer.step()`` would step them."""
+    for group in optimizer.param_groups:
+        lr = _scalar(group["lr"])
+        weight_decay = group["weight_decay"]
+        momentum = group["momentum"]
+        stacks: dict[tuple[object, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None or id(param) not in chosen:
+                continue
+            if torch.is_complex(param):
+                raise RuntimeError("Muon does not support complex parameters")
+            if grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            if grad.ndim != 2:
+                raise ValueError("Param gradient must be a 2D matrix")
+            state = optimizer.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(
+                    grad, memory_format=torch.preserve_format
+                )
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            key = (tuple(update.shape), update.dtype, update.device)
+            stacks.setdefault(key, []).append((param, update))
+        for items in stacks.values():
+            ortho = newton_schulz(
+                torch.stack([update for _, update in items]),
+                group["ns_coefficients"],
+                group["ns_steps"],
+                group["eps"],
+            )
+            for (param, _), update in zip(items, ortho, strict=True):
+                rate = adjusted_lr(lr, group["adjust_lr_fn"], param.shape)
+                param.mul_(1 - lr * weight_decay)
+                param.add_(update, alpha=-rate)  # type: ignore[arg-type]
