@@ -746,6 +746,78 @@ def refused_while_wrapped(stage: int) -> dict[str, str]:
     return out
 
 
+def one_rank_refuses(scenario: Any, stage: int) -> dict[str, str]:
+    """:func:`tests.refusal_workers.one_rank_refuses` on a DeepSpeed engine: each
+    collective entry point misused on rank 1 only; per case, the error this rank saw.
+    Rank 1's odd optimizer is one built before wrapping, over DeepSpeed's own
+    parameters."""
+    import flatview
+    import flatview.optim
+    from tests.scenarios import make_net, optimizers
+
+    with deepspeed_on_cpu() as deepspeed:
+        net = make_net(scenario)
+        early = torch.optim.AdamW(net.parameters(), lr=0.01)
+        deferred = flatview.optim.Deferred(net.parameters())
+        engine, _, _, _ = deepspeed.initialize(
+            model=net, optimizer=deferred, config=ds_config(scenario, stage, 0.0, None)
+        )
+        fv = flatview.wrap(engine, check_skip_agreement=scenario.check)
+        opts = optimizers(engine.module)
+        deferred.set(*opts)
+        _train(engine, fv, scenario, range(1))
+        out = _refusal_cases(scenario, engine, fv, early, opts[0])
+        # Nothing was left half done: training goes on.
+        _train(engine, fv, scenario, range(1, 2))
+        del engine, fv, early, deferred, opts
+    return out
+
+
+def _refusal_cases(scenario: Any, engine: Any, fv: Any, early: Any, good: Any) -> dict[str, str]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    import flatview.checkpoint as fcp
+    from tests.refusal_workers import _attempt
+    from tests.scenarios import make_net
+
+    lonely = dist.get_rank() == 1
+    chosen = early if lonely else good
+    out: dict[str, str] = {}
+    out["optim_state_dict"] = _attempt(lambda: fv.optim_state_dict(chosen))
+    out["rank0_only"] = _attempt(lambda: fv.optim_state_dict(good, rank0_only=lonely))
+    for full in (False, True):
+        options = StateDictOptions(full_state_dict=full)
+        out[f"checkpoint_optimizer_{full}"] = _attempt(
+            lambda options=options: fcp.get_state_dict(fv, engine, [chosen], options=options)
+        )
+    out["checkpoint_model"] = _attempt(
+        lambda: fcp.get_state_dict(fv, make_net(scenario) if lonely else engine, [good])
+    )
+    out["checkpoint_options"] = _attempt(
+        lambda: fcp.get_state_dict(
+            fv, engine, [good], options=StateDictOptions(full_state_dict=lonely)
+        )
+    )
+    model_sd, optim_sd = fcp.get_state_dict(fv, engine, [good])
+    if lonely:
+        groups = [dict(g, params=list(g["params"])) for g in optim_sd["param_groups"]]
+        groups[0]["params"][0] = "body.0.nonexistent"
+        optim_sd = {"state": optim_sd["state"], "param_groups": groups}
+    out["set_state_dict"] = _attempt(
+        lambda: fcp.set_state_dict(
+            fv, engine, [good], model_state_dict=model_sd, optim_state_dict=optim_sd
+        )
+    )
+    out["set_optimizer_state_dict"] = _attempt(
+        lambda: fcp.set_optimizer_state_dict(fv, engine, [good], optim_sd)
+    )
+    out["clip_grad_norm_"] = _attempt(lambda: fv.clip_grad_norm_(-1.0 if lonely else 1.0))
+    # The calls work again on every rank.
+    fv.optim_state_dict(good)
+    fcp.get_state_dict(fv, engine, [good])
+    return out
+
+
 def unwrap_then_bare(scenario: Any, stage: int, split: int) -> dict[str, Any]:
     """The engine's own AdamW, wrapped for the first ``split`` steps, then
     ``fv.unwrap()`` and bare DeepSpeed for the rest (which skip nothing)."""

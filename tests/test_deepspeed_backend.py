@@ -316,6 +316,29 @@ def test_deepspeed_operations_that_would_be_wrong_are_refused(
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_one_rank_refusing_raises_on_every_rank(dist_pool: PoolFactory, stage: int) -> None:
+    """tests/test_refusals.py's cases on DeepSpeed: every collective entry point of the
+    public API misused on rank 1 only raises on every rank (the pool checks that the
+    ranks' collective counts agree; its timeout fails a hang), and everything works
+    again afterwards, training included. Rank 1's odd optimizer holds DeepSpeed's own
+    parameters (built before wrapping)."""
+    from tests.test_refusals import EXPECTED
+
+    # The odd optimizer holds DeepSpeed's own parameters: named by shape, or refused by
+    # the adapter's optimizer check where flatview.checkpoint primes it.
+    odd = r"Parameter of shape \(|holds DeepSpeed's own module parameters"
+    expected = {
+        case: pattern.replace(r"Parameter of shape \(2, 3\)", odd)
+        for case, pattern in EXPECTED.items()
+    }
+    results = dist_pool(2).run(w.one_rank_refuses, SC, stage, timeout=TIMEOUT)
+    for rank, out in enumerate(results):
+        assert sorted(out) == sorted(expected), rank
+        for case, pattern in expected.items():
+            assert re.search(pattern, out[case]), (rank, case, out[case])
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_unwrap_hands_back_bare_deepspeed(dist_pool: PoolFactory, stage: int) -> None:
     """After fv.unwrap() the engine trains as bare DeepSpeed: its gradient hooks and
     step are its own again, its optimizer steps its partitions (with fresh state)."""
