@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flatview.comm.ledger import REPLICA_ALL_REDUCE
+from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
+from flatview.iteration import Iteration
 from flatview.stats import StepStats
 from flatview.table import ParamTable
 
@@ -26,6 +27,17 @@ class StatsSource:
     ledger_bytes: dict[str, int]
     ledger_calls: dict[str, int]
     synced: bool
+
+    @classmethod
+    def of(cls, iteration: Iteration | None, ledger: Ledger, synced: bool) -> StatsSource:
+        """What the backward of ``iteration`` that just ended leaves to compute from."""
+        return cls(
+            skipped=iteration.skipped if iteration is not None else frozenset(),
+            units_skipped=len(iteration.skipped_units) if iteration is not None else 0,
+            ledger_bytes=dict(ledger.bytes),
+            ledger_calls=dict(ledger.calls),
+            synced=synced,
+        )
 
 
 def step_stats(

@@ -1,13 +1,15 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP) for models wrapped by flatview.
 
 torch's own ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizers)``
-cannot read optimizers built over flatview's views: on torch FSDP1 it hands their state
-to ``FSDP.optim_state_dict``, which takes every state tensor for the state of a whole
-flat parameter's shard (and fails in a collective); fairscale it does not know, and it
-would save each rank's piece as if it were the whole parameter. flatview therefore
-refuses that call (:func:`guard_torch_checkpoint`, raised before any collective, on
-every rank alike) and offers the same pair here, with the same options and the same
-result, keyed by original names:
+cannot read optimizers built over flatview's views by itself: on torch FSDP1 it hands
+their state to ``FSDP.optim_state_dict``, which takes every state tensor for the state of
+a whole flat parameter's shard (and fails in a collective); fairscale it does not know,
+and it would save each rank's piece as if it were the whole parameter. This module has
+the same functions with ``fv`` first, the same options and the same kind of result,
+keyed by original names (its halves: :mod:`flatview.checkpoint_model`,
+:mod:`flatview.checkpoint_optim`); and torch's own functions, called on a model wrapped
+by flatview, are routed to the same halves (:mod:`flatview.checkpoint_routing`), so
+that frameworks that checkpoint with them save and resume the same dicts:
 
 >>> model_sd, optim_sd = flatview.checkpoint.get_state_dict(fv, model, opts)  # doctest: +SKIP
 >>> dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)     # doctest: +SKIP
@@ -66,24 +68,25 @@ loading, before torch's model half).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from flatview import fresh_state, optim_state, wrapped_models
-from flatview.backends.base import is_rank0
 from flatview.checkpoint_model import (
     IncompatibleKeys,
     load_model_state_dict,
     model_state_dict,
-    offload,
     torch_loads_model,
 )
+from flatview.checkpoint_optim import (
+    load_optimizers_state,
+    optimizers_state,
+    refuse_options,
+)
 from flatview.comm.refusals import raise_everywhere
-from flatview.errors import FlatViewError, OptimStateError
-from flatview.sharded_tensors import sharded_value
+from flatview.errors import FlatViewError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -96,18 +99,6 @@ __all__ = [
     "set_optimizer_state_dict",
     "set_state_dict",
 ]
-
-
-@runtime_checkable
-class ShardsItself(Protocol):
-    """An optimizer that builds both forms of its state itself
-    (:class:`flatview.optim.Whole`): never primed, its state is made eagerly."""
-
-    def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
-        """The full form (what :meth:`flatview.FlatView.optim_state_dict` returns)."""
-
-    def sharded_state_dict(self, *, cpu_offload: bool = False) -> dict[str, Any]:
-        """The sharded form, ``ShardedTensor`` s over its own state tensors."""
 
 
 # ------------------------------------------------------------------------ public API
@@ -149,8 +140,8 @@ def get_state_dict(
             parameters, also where only one rank's is).
     """
     opts, info = _checked_call(fv, model, optimizers, options, "get_state_dict")
-    model_sd = model_state_dict(fv, model, info)
-    return model_sd, _optim_state_dict(fv, opts, info)
+    model_sd = model_state_dict(fv.runtime, info)
+    return model_sd, optimizers_state(fv.runtime, opts, info)
 
 
 def get_optimizer_state_dict(
@@ -162,7 +153,7 @@ def get_optimizer_state_dict(
 ) -> dict[str, Any]:
     """The optimizer half of :func:`get_state_dict`."""
     opts, info = _checked_call(fv, model, optimizers, options, "get_optimizer_state_dict")
-    return _optim_state_dict(fv, opts, info)
+    return optimizers_state(fv.runtime, opts, info)
 
 
 def set_state_dict(
@@ -263,192 +254,8 @@ def _options(fv: FlatView, model: nn.Module, options: StateDictOptions | None) -
             f"one {fv!r} wraps: pass the wrapped model (fv.model)"
         )
     info = options or StateDictOptions()
-    if info.broadcast_from_rank0:
-        raise FlatViewError(
-            "StateDictOptions(broadcast_from_rank0=True) is not supported for models "
-            "wrapped by flatview: load the same full state dict on every rank "
-            "(full_state_dict=True), or use the sharded form (full_state_dict=False), "
-            "which torch.distributed.checkpoint.load reshards"
-        )
-    if info.flatten_optimizer_state_dict:
-        raise FlatViewError(
-            "StateDictOptions(flatten_optimizer_state_dict=True) is not supported for "
-            "models wrapped by flatview: use the nested form (the default); "
-            "torch.distributed.checkpoint saves and reshards it as well"
-        )
+    refuse_options(info)
     return info
-
-
-# ------------------------------------------------------------------------- optimizer
-
-
-def _optim_state_dict(
-    fv: FlatView, optimizers: Sequence[torch.optim.Optimizer], info: Any
-) -> dict[str, Any]:
-    merged: dict[str, Any] = {"state": {}, "param_groups": []}
-    for optimizer in optimizers:
-        if isinstance(optimizer, ShardsItself):
-            # flatview.optim.Whole: its state is made eagerly (priming it would run a
-            # step), and it lives on the owners, whole: it builds both forms itself.
-            if info.full_state_dict:
-                part = optimizer.consolidated_state_dict(rank0_only=info.cpu_offload)
-            else:
-                part = optimizer.sharded_state_dict(cpu_offload=info.cpu_offload)
-            merged["state"].update(part["state"])
-            merged["param_groups"].extend(part["param_groups"])
-            continue
-        part = _optimizer_part(fv, optimizer, info)
-        merged["state"].update(part["state"])
-        merged["param_groups"].extend(part["param_groups"])
-    if info.full_state_dict and info.cpu_offload and not is_rank0(fv.adapter):
-        # torch's convention: with cpu_offload the full dict lives on rank 0 only.
-        return {}
-    return merged
-
-
-def _optimizer_part(fv: FlatView, optimizer: torch.optim.Optimizer, info: Any) -> dict[str, Any]:
-    """One optimizer's state by name, with a placeholder for every parameter it holds
-    without state (see :mod:`flatview.fresh_state`). What this rank finds wrong before
-    the exchange of descriptions (a refused priming step, say) travels in it."""
-    failure: BaseException | None = None
-    keys: dict[int, tuple[Any, ...]] = {}
-    try:
-        _prime(optimizer)
-        lacking = fresh_state.stateless(optimizer)
-        found = fresh_state.fresh_keys(optimizer, lacking)
-        keys = {id(t): k for t, k in zip(lacking, found, strict=True) if k}
-    except Exception as err:
-        failure = err
-    if info.full_state_dict:
-        part = optim_state.consolidate(
-            fv.table, fv.adapter, optimizer, rank0_only=info.cpu_offload, failure=failure
-        )
-    else:
-        part = _sharded_optim_state(fv, optimizer, info.cpu_offload, failure)
-    if info.full_state_dict and info.cpu_offload and not is_rank0(fv.adapter):
-        return part
-    for group in optimizer.param_groups:
-        for tensor in group["params"]:
-            index = fv.table.index_of(tensor)
-            assert index is not None  # agreed_facts refused foreign tensors
-            name = fv.table.name(index)
-            if name not in part["state"] and id(tensor) in keys:
-                part["state"][name] = fresh_state.placeholder(keys[id(tensor)])
-    return part
-
-
-def _prime(optimizer: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer (no state, never stepped or loaded) its zero state (one
-    step with zero gradients at learning rate 0), so that a dict from
-    :func:`get_state_dict` has every entry a checkpoint fills. Like torch's own, left
-    alone if it has state or any gradient; unlike torch's, also if it has stepped before
-    (its parameters without state have never had a gradient: priming would give them
-    a ``step`` the uninterrupted run does not have)."""
-    if optimizer.state or wrapped_models.has_history(optimizer):
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(p.grad is not None for p in params):
-        return
-    for p in params:
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    rates = []
-    for group in optimizer.param_groups:
-        rates.append(group.get("lr"))
-        if "lr" in group:
-            lr = group["lr"]
-            group["lr"] = torch.tensor(0.0) if isinstance(lr, torch.Tensor) else 0.0
-    try:
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, rates, strict=True):
-            if lr is not None:
-                group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-
-
-def _sharded_optim_state(
-    fv: FlatView,
-    optimizer: torch.optim.Optimizer,
-    cpu_offload: bool,
-    failure: BaseException | None = None,
-) -> dict[str, Any]:
-    """The optimizer's state by name, per-element state of sharded parameters as
-    ``ShardedTensor`` s over this rank's own state tensors: the ranks agree on what
-    exists (one small exchange of descriptions, as consolidation does), no state moves."""
-    adapter = fv.adapter
-    homes = [param.placement for param in fv.table.params]
-    groups, saved, order, plan, _ = optim_state.agreed_facts(
-        fv.table, adapter, optimizer, failure=failure, request={"sharded": True}
-    )
-    states: dict[int, dict[Any, Any]] = saved["state"]
-
-    out_state: dict[str, dict[Any, Any]] = {}
-    for position, index in enumerate(order):
-        home = homes[index]
-        local = states.get(position, {})
-        if home.layout is None:
-            if position in states:
-                out_state[home.name] = {
-                    key: offload(
-                        value.reshape(home.shape)
-                        if optim_state.kind_of(home, key, value)[0] == "elem"
-                        else value,
-                        cpu_offload,
-                    )
-                    for key, value in local.items()
-                }
-            continue
-        if position not in plan:
-            continue
-        entry: dict[Any, Any] = {}
-        for key, kind in plan[position].items():
-            if kind[0] == "elem":
-                entry[key] = sharded_value(home, local.get(key), kind[1], adapter, cpu_offload)
-            else:
-                entry[key] = optim_state.snapshot(kind[1])
-        out_state[home.name] = entry
-
-    out_groups = []
-    for group, saved_group in zip(groups, saved["param_groups"], strict=True):
-        out_group = {k: v for k, v in saved_group.items() if k != "params"}
-        out_group["params"] = [homes[index].name for index in group]
-        out_groups.append(out_group)
-    return {"state": out_state, "param_groups": out_groups}
-
-
-def _load_optim_state_dict(
-    fv: FlatView, optimizers: Sequence[torch.optim.Optimizer], state_dict: Mapping[str, Any]
-) -> None:
-    if not (
-        isinstance(state_dict, Mapping)
-        and isinstance(state_dict.get("state"), Mapping)
-        and isinstance(state_dict.get("param_groups"), Sequence)
-    ):
-        raise OptimStateError(
-            "not an optimizer state dict of flatview.checkpoint.get_state_dict: expected a "
-            "mapping with 'state' (name -> state) and 'param_groups'"
-        )
-    groups = list(state_dict["param_groups"])
-    taken = 0
-    for optimizer in optimizers:
-        count = len(optimizer.param_groups)
-        mine = groups[taken : taken + count]
-        taken += count
-        names = {name for group in mine for name in group.get("params", ())}
-        # Placeholders stand for "no state yet": dropped, the parameter gets none.
-        state = fresh_state.without_placeholders(state_dict["state"])
-        part = {
-            "state": {k: v for k, v in state.items() if k in names},
-            "param_groups": mine,
-        }
-        fv.load_optim_state_dict(optimizer, part)
-        wrapped_models.record_history(optimizer)
-    if taken != len(groups):
-        raise OptimStateError(
-            f"the optimizer state dict has {len(groups)} parameter group(s), the "
-            f"{len(optimizers)} optimizer(s) given have {taken} together"
-        )
 
 
 def _load(
@@ -473,15 +280,15 @@ def _load(
         opts = _as_tuple(optimizers)
         info = _options(fv, model, options)
         if model_state_dict is not None:
-            torch_model = torch_loads_model(fv, model_state_dict)
+            torch_model = torch_loads_model(fv.runtime, model_state_dict)
             if not torch_model:
-                result = load_model_state_dict(fv, model, model_state_dict, info)
-        _load_optim_state_dict(fv, opts, optim_state_dict)
+                result = load_model_state_dict(fv.runtime, model_state_dict, info)
+        load_optimizers_state(fv.runtime, opts, optim_state_dict)
     except Exception as err:
         failure = err
     request = None if failure is not None else _request(info, len(opts))
     raise_everywhere(failure, request, fv.adapter.agreement_group, f"flatview.checkpoint.{call}")
     if torch_model:
         assert model_state_dict is not None
-        result = load_model_state_dict(fv, model, model_state_dict, info)
+        result = load_model_state_dict(fv.runtime, model_state_dict, info)
     return result

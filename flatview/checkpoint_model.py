@@ -1,5 +1,8 @@
 """The model half of :mod:`flatview.checkpoint`: a wrapped model's state for
-``torch.distributed.checkpoint``, and loading it back.
+``torch.distributed.checkpoint``, and loading it back; what torch's own model-state
+functions are routed to on a wrapped model (:mod:`flatview.checkpoint_routing`). Over
+the runtime (its table, adapter and model), so that the routing, installed by the
+handle, reaches it.
 
 On DDP and FSDP2, and on torch FSDP1 in the full form, torch's own
 ``get_model_state_dict`` / ``set_model_state_dict`` (which communicate); fairscale's own
@@ -26,7 +29,8 @@ from flatview.layout import Placement
 from flatview.sharded_tensors import as_full, is_sharded, sharded_value
 
 if TYPE_CHECKING:
-    from flatview.handle import FlatView
+    from flatview.backends.base import Adapter
+    from flatview.runtime import Runtime
 
 
 class IncompatibleKeys(NamedTuple):
@@ -52,27 +56,29 @@ _VIEWS_MODEL_STATE = ("deepspeed",)
 views in either form."""
 
 
-def model_state_dict(fv: FlatView, model: nn.Module, info: Any) -> dict[str, Any]:
-    """The model state of :func:`flatview.checkpoint.get_state_dict` (a collective)."""
-    if fv.adapter.backend in _TORCH_MODEL_STATE or (
-        info.full_state_dict and fv.adapter.backend == "torch"
+def model_state_dict(runtime: Runtime, info: Any) -> dict[str, Any]:
+    """The model state of :func:`flatview.checkpoint.get_state_dict` (a collective;
+    ``info``: the checked options)."""
+    model, adapter, table = runtime.model, runtime.adapter, runtime.table
+    if adapter.backend in _TORCH_MODEL_STATE or (
+        info.full_state_dict and adapter.backend == "torch"
     ):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(model, options=info)
-    if info.full_state_dict and fv.adapter.backend in _VIEWS_MODEL_STATE:
-        return _gathered_model_state(fv, model, info)
+    if info.full_state_dict and adapter.backend in _VIEWS_MODEL_STATE:
+        return _gathered_model_state(runtime, info)
     if info.full_state_dict:
         # fairscale's default state_dict() is its full one, by original name.
         full = {k: v.detach() for k, v in model.state_dict().items()}
         if info.ignore_frozen_params:
-            frozen = {name for name, p in fv.named_parameters() if not p.requires_grad}
+            frozen = {p.name for p in table.params if not p.tensor.requires_grad}
             full = {k: v for k, v in full.items() if k not in frozen}
         if info.cpu_offload:
-            return {k: v.to("cpu") for k, v in full.items()} if fv.adapter.rank == 0 else {}
+            return {k: v.to("cpu") for k, v in full.items()} if adapter.rank == 0 else {}
         return full
     out: dict[str, Any] = {}
-    for param in fv.table.params:
+    for param in table.params:
         if info.ignore_frozen_params and not param.tensor.requires_grad:
             continue
         home = param.placement
@@ -80,20 +86,20 @@ def model_state_dict(fv: FlatView, model: nn.Module, info: Any) -> dict[str, Any
         if home.layout is None:
             entry = offload(value.reshape(home.shape), info.cpu_offload)
         else:
-            entry = sharded_value(home, value, value.dtype, fv.adapter, info.cpu_offload)
+            entry = sharded_value(home, value, value.dtype, adapter, info.cpu_offload)
         # Under every name, as the unwrapped model's state_dict() lists tied parameters.
         for name in param.names:
             out[name] = entry
-    for name, buffer in persistent_buffers(fv, model):
+    for name, buffer in persistent_buffers(adapter, model):
         out[name] = offload(buffer.detach(), info.cpu_offload)
     return out
 
 
-def _gathered_model_state(fv: FlatView, model: nn.Module, info: Any) -> dict[str, Any]:
+def _gathered_model_state(runtime: Runtime, info: Any) -> dict[str, Any]:
     """Every parameter whole, assembled from the views (one gathering collective per
     bucket of sharded ones, as the optimizer state), by original name, and the persistent
     buffers; on rank 0 only with ``cpu_offload``."""
-    table = fv.table
+    model, adapter, table = runtime.model, runtime.adapter, runtime.table
     chosen = [
         p.index
         for p in table.params
@@ -105,8 +111,8 @@ def _gathered_model_state(fv: FlatView, model: nn.Module, info: Any) -> dict[str
     plan = {k: {"value": ("elem", table.tensor(i).dtype)} for k, i in enumerate(sharded)}
     states = {k: {"value": table.tensor(i).detach()} for k, i in enumerate(sharded)}
     rank0_only = bool(info.cpu_offload)
-    gathered = state_gather.gather(plan, states, sharded, homes, fv.adapter, rank0_only)
-    if rank0_only and not is_rank0(fv.adapter):
+    gathered = state_gather.gather(plan, states, sharded, homes, adapter, rank0_only)
+    if rank0_only and not is_rank0(adapter):
         return {}
     out: dict[str, Any] = {}
     for index in chosen:
@@ -117,12 +123,12 @@ def _gathered_model_state(fv: FlatView, model: nn.Module, info: Any) -> dict[str
             value = gathered[(position[index], "value")]
         for name in param.names:
             out[name] = offload(value, info.cpu_offload)
-    for name, buffer in persistent_buffers(fv, model):
+    for name, buffer in persistent_buffers(adapter, model):
         out[name] = offload(buffer.detach(), info.cpu_offload)
     return out
 
 
-def persistent_buffers(fv: FlatView, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def persistent_buffers(adapter: Adapter, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every persistent buffer of the model once, under its wrapper-free name."""
     found = []
     seen: set[int] = set()
@@ -133,42 +139,42 @@ def persistent_buffers(fv: FlatView, model: nn.Module) -> list[tuple[str, torch.
             if id(buffer) in seen:
                 continue
             seen.add(id(buffer))
-            prefix = fv.adapter.clean_name(module_name)
+            prefix = adapter.clean_name(module_name)
             found.append((f"{prefix}.{attr}" if prefix else attr, buffer))
     return found
 
 
-def torch_loads_model(fv: FlatView, state_dict: Mapping[str, Any]) -> bool:
+def torch_loads_model(runtime: Runtime, state_dict: Mapping[str, Any]) -> bool:
     """Whether torch's ``set_model_state_dict`` loads the model (collectives of its own),
     rather than flatview (local copies)."""
     sharded = any(is_sharded(v) for v in state_dict.values())
-    return fv.adapter.backend in _TORCH_MODEL_STATE or (
-        not sharded and fv.adapter.backend == "torch"
-    )
+    backend = runtime.adapter.backend
+    return backend in _TORCH_MODEL_STATE or (not sharded and backend == "torch")
 
 
 def load_model_state_dict(
-    fv: FlatView, model: nn.Module, state_dict: Mapping[str, Any], info: Any
+    runtime: Runtime, state_dict: Mapping[str, Any], info: Any
 ) -> IncompatibleKeys:
     """Load the model half of :func:`flatview.checkpoint.set_state_dict`."""
+    model, adapter, table = runtime.model, runtime.adapter, runtime.table
     sharded = any(is_sharded(v) for v in state_dict.values())
-    if torch_loads_model(fv, state_dict):
+    if torch_loads_model(runtime, state_dict):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         result = set_model_state_dict(model, dict(state_dict), options=info)
         return IncompatibleKeys(list(result.missing_keys), list(result.unexpected_keys))
-    if not sharded and fv.adapter.backend not in _VIEWS_MODEL_STATE:
+    if not sharded and adapter.backend not in _VIEWS_MODEL_STATE:
         result = model.load_state_dict(dict(state_dict), strict=info.strict)
         return IncompatibleKeys(list(result.missing_keys), list(result.unexpected_keys))
     expected: dict[str, torch.Tensor] = {}
     homes: dict[str, Placement] = {}
-    for param in fv.table.params:
+    for param in table.params:
         if info.ignore_frozen_params and not param.tensor.requires_grad:
             continue
         for name in param.names:
             expected[name] = param.tensor
             homes[name] = param.placement
-    for name, buffer in persistent_buffers(fv, model):
+    for name, buffer in persistent_buffers(adapter, model):
         expected[name] = buffer
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]

@@ -11,8 +11,8 @@ pieces that do the work:
   :attr:`FlatView.runtime`), handed to ``adapter.install``;
 * the optimizer checks (:class:`flatview.optimizer_checks.OptimizerChecks`), registered
   with :mod:`flatview.wrapped_models`;
-* the guard on torch's checkpoint functions (:mod:`flatview.checkpoint_guard`) where
-  the wrapper flattens: installed here, as adapters import no feature module.
+* the routing of torch's own checkpoint functions (:mod:`flatview.checkpoint_routing`)
+  where the wrapper flattens: installed here, as adapters import no feature module.
 
 Norms (:mod:`flatview.norms`) and optimizer state (:mod:`flatview.optim_state`) are
 plain functions over the table and the runtime: the handle calls them, they never
@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +33,8 @@ from flatview import norms as _norms
 from flatview import optim_state, wrapped_models
 from flatview.backends.base import Adapter
 from flatview.backends.patches import Patches
-from flatview.checkpoint_guard import Guarded, guard_torch_checkpoint
+from flatview.checkpoint_optim import load_consolidated
+from flatview.checkpoint_routing import RoutingSite, route_torch_checkpoint
 from flatview.comm.ledger import Ledger
 from flatview.errors import NormError, ParameterError
 from flatview.layout import Placement, Shape
@@ -86,10 +86,7 @@ class FlatView:
         adapter.install(self.runtime)
         self._patches = Patches()  # the handle's own, beside the adapter's
         if adapter.flattens:
-            site = SimpleNamespace(
-                backend=adapter.backend, root=model, core=self.runtime, patch=self._patches.patch
-            )
-            guard_torch_checkpoint(cast(Guarded, site))
+            route_torch_checkpoint(RoutingSite(self.runtime, self._patches.patch))
 
     @property
     def phase(self) -> Phase:
@@ -387,6 +384,16 @@ class FlatView:
         same step: the skip set binds to the forward (a backward inside
         ``step(skip=...)`` whose forward ran before it raises
         :class:`~flatview.errors.StateError` before its gradients are communicated).
+
+        A step may be entered inside the wrapped model's forward (Lightning's Trainer
+        runs ``training_step``, manual optimization included, inside the wrapper's
+        forward) on DDP and torch ``NO_SHARD`` computed on views: its skip set binds to
+        the iteration in flight, and each backward inside that forward is reduced when
+        it ends, exactly. On sharded wrappers such a step raises
+        :class:`~flatview.errors.StateError` on every rank before any collective of the
+        step (enter it before calling the model), and so does a backward inside the
+        root's forward that the wrapper would not finish (see
+        :mod:`flatview.binding`).
         If the body raises after the forward (an error of flatview's in the backward,
         say), the iteration is abandoned: the next forward starts afresh.
         """
@@ -516,7 +523,4 @@ class FlatView:
                 of parameter groups; or a per-element tensor does not have its
                 parameter's shape. Nothing is loaded then.
         """
-        if isinstance(optimizer, optim_state.ConsolidatesItself):
-            optimizer.load_consolidated_state_dict(state_dict)
-            return
-        optim_state.load(self.table, optimizer, state_dict)
+        load_consolidated(self.table, optimizer, state_dict)

@@ -34,6 +34,7 @@ from torch import nn
 from flatview.accounting import StatsSource, step_stats
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter
+from flatview.binding import backward_outside_step, check_step_entry
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
 from flatview.comm.packing import plan_index
@@ -43,7 +44,7 @@ from flatview.iteration import Iteration, bind
 from flatview.layout import MaskPlan
 from flatview.model_views import ModelViews
 from flatview.phase import Phase
-from flatview.skip import SkipSet
+from flatview.skip import SkipSet, skipped_used
 from flatview.stats import StepStats
 from flatview.step_agreement import SkipAgreement
 from flatview.table import FlatRecord, ParamTable
@@ -70,10 +71,9 @@ class Runtime:
         """Bytes and calls of flatview's own collectives since the iteration began."""
         self.phase = Phase.IDLE
         """Where the model is in its lifecycle: views are registered only in ``IDLE``."""
-        # What the last backward's StepStats are computed from, when first asked for:
-        # most steps nobody reads them.
-        self._stats_source: StatsSource | None = None
-        self._stats: StepStats | None = None
+        # The last backward's StepStats, or what they are computed from when first asked
+        # for: most steps nobody reads them.
+        self._stats: StatsSource | StepStats | None = None
 
         self._step_skip: frozenset[int] | None = None
         self._agreement = SkipAgreement(table, adapter, self.ledger)
@@ -112,13 +112,10 @@ class Runtime:
         means), with ``checked`` the agreement check's setting for this step."""
         failure: FlatViewError | None = None
         skipped: frozenset[int] = frozenset()
+        inside = False  # entered inside the root's forward (flatview.binding)
         try:
-            if self._step_skip is not None:
-                raise StateError("FlatView.step() contexts cannot be nested")
-            if self.phase is Phase.DETACHED:
-                raise StateError("FlatView.step() after unwrap()")
-            if self.phase is Phase.LENT:
-                raise StateError("FlatView.step() entered inside a wrapper operation")
+            nested = self._step_skip is not None
+            inside = check_step_entry(self.phase, nested, self.model, self.adapter)
             skipped = self.table.resolve(skip)
         except FlatViewError as err:
             if not checked:
@@ -133,6 +130,8 @@ class Runtime:
         self._step_count += 1
         self._step_skip = skipped
         try:
+            if inside:
+                self.bind_inside_forward()
             yield
         except BaseException:
             self._abandon_iteration()
@@ -140,6 +139,23 @@ class Runtime:
         finally:
             self._step_skip = None
             self.settle_agreement()
+
+    def bind_inside_forward(self, first: int | None = None) -> None:
+        """Bind the step in force inside the root's forward (:mod:`flatview.binding`): to
+        the iteration in flight (a step entered there), or to a new one for a backward
+        begun there while none computes (``first``, whose gradient showed it, had its
+        guard fire before: a skipped one raises :class:`SkippedParameterUsedError`)."""
+        if self.phase is Phase.IDLE:
+            self._start_compute()
+        elif first is not None:
+            return  # the iteration in flight is this backward's
+        else:
+            self._guards.remove()
+            self._detach_grads()
+        self._bind_iteration()
+        self.guard_skipped_plain()
+        if first is not None and self.iteration is not None and first in self.iteration.skipped:
+            raise skipped_used(self.table.name(first))
 
     def _abandon_iteration(self) -> None:
         """The body of a step raised: whatever its forward started (guards on the
@@ -156,12 +172,7 @@ class Runtime:
         iteration = self.iteration
         if iteration is not None and iteration.declared and iteration.step == self._step_count:
             return
-        raise StateError(
-            "a backward ran inside FlatView.step(skip=...) but its forward ran outside that "
-            "step: the skip set binds to the forward it covers and would be ignored. Run the "
-            "forward inside the same step as its backward (with fv.step(skip=...): "
-            "loss = model(x); loss.backward())"
-        )
+        raise backward_outside_step()
 
     def settle_agreement(self) -> None:
         """Wait for the skip-set check of the step in flight if it still runs (adapters
@@ -191,11 +202,7 @@ class Runtime:
         self.check_not_lent()
         agreed = self._agree_outside_step(outermost)
         if self.phase is Phase.IDLE:
-            self.views.check_parametrizations()
-            self.write_back()
-            self._detach_grads()
-            self.views.hide()
-            self._move(Phase.IDLE, Phase.COMPUTING)
+            self._start_compute()
             self._bind_iteration(reset_ledger=not agreed)
         elif outermost:
             fresh = not in_backward()
@@ -211,6 +218,14 @@ class Runtime:
                 or (fresh and iteration.declared != (self._step_skip is not None))
             ):
                 self._bind_iteration(reset_ledger=not agreed)
+
+    def _start_compute(self) -> None:
+        """IDLE -> COMPUTING: views step aside (what was written through them kept)."""
+        self.views.check_parametrizations()
+        self.write_back()
+        self._detach_grads()
+        self.views.hide()
+        self._move(Phase.IDLE, Phase.COMPUTING)
 
     def _agree_outside_step(self, outermost: bool) -> bool:
         """An iteration starts outside any step (a root forward with autograd on, not a
@@ -245,7 +260,7 @@ class Runtime:
         # The wrapper computes a fresh gradient; the views keep theirs until the synced
         # backward adds the two (end_backward), so a zero_grad between forward and
         # backward counts. Inside a no_sync() window the flat parameters hold unsharded
-        # accumulated gradients: they were detached when the window opened.
+        # accumulated gradients, detached when the window opened.
         if self._window is None:
             self.views.detach_grads()
 
@@ -431,15 +446,7 @@ class Runtime:
         else:
             self._window = used
             self._plain_window = self.plain_used_so_far()
-        iteration = self.iteration
-        self._stats_source = StatsSource(
-            skipped=iteration.skipped if iteration is not None else frozenset(),
-            units_skipped=len(iteration.skipped_units) if iteration is not None else 0,
-            ledger_bytes=dict(self.ledger.bytes),
-            ledger_calls=dict(self.ledger.calls),
-            synced=synced,
-        )
-        self._stats = None
+        self._stats = StatsSource.of(self.iteration, self.ledger, synced)
         self._end_compute()
 
     def end_forward_only(self) -> None:
@@ -501,11 +508,12 @@ class Runtime:
     @property
     def stats(self) -> StepStats | None:
         """Communication figures of the last backward pass (``None`` before the first)."""
-        if self._stats is None and self._stats_source is not None:
+        if isinstance(self._stats, StatsSource):
+            adapter = self.adapter
             self._stats = step_stats(
                 self.table,
-                self._stats_source,
-                wrapper_reduces=self.adapter.wrapper_reduces,
-                replicas=self.adapter.replicas,
+                self._stats,
+                wrapper_reduces=adapter.wrapper_reduces,
+                replicas=adapter.replicas,
             )
         return self._stats

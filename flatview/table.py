@@ -117,6 +117,13 @@ class ParamTable:
         self._index_of_name: dict[str, int] = {
             name: p.index for p in self.params for name in p.names
         }
+        self._plain_views = frozenset(
+            self._index_of_tensor[id(plain.param)]
+            for unit in self.units
+            for plain in unit.plain
+            if plain.view
+        )
+        """Plain parameters that are flatview's own views (``PlainSpec.view``)."""
         self.plain: tuple[int, ...] = tuple(p.index for p in self.params if p.flat is None)
         """Indices of the plain parameters (not segments of a flat parameter)."""
         # Plain parameters whose gradient flatview all-reduces itself (DDP).
@@ -298,9 +305,11 @@ class ParamTable:
 
     def own_view(self, index: int) -> bool:
         """Whether parameter ``index`` is one of flatview's own views (not torch's
-        ``use_orig_params`` views, not a plain parameter)."""
+        ``use_orig_params`` views, not a parameter the wrapper registered)."""
         param = self.params[index]
-        return param.flat is not None and not self.flats[param.flat].spec.wrapper_views
+        if param.flat is None:
+            return index in self._plain_views
+        return not self.flats[param.flat].spec.wrapper_views
 
 
 def _traversal_order(

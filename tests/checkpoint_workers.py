@@ -26,7 +26,11 @@ from tests.scenarios import (
     distributed_model,
     distributed_training,
     full_state,
+    local_batch,
+    loss_of,
+    make_net,
     optimizer_steps,
+    wrap_fsdp,
 )
 
 State = dict[str, Any]
@@ -69,14 +73,23 @@ def _sequence() -> int:
 
 
 def torch_api_refused(scenario: Scenario) -> dict[str, Any]:
-    """torch's four functions, full and sharded, each raise FlatViewError with optimizers
-    over views, before any collective; a model-only call still works; so does flatview's
-    own pair, afterwards (nothing was left half done)."""
+    """On a torch whose private helpers flatview cannot route through (simulated: the
+    model is wrapped while ``_install_routes`` answers no), torch's four functions, full
+    and sharded, each raise FlatViewError with optimizers over views, before any
+    collective; a model-only call still works; so does flatview's own pair, afterwards
+    (nothing was left half done)."""
     from torch.distributed.checkpoint import state_dict as dsd
 
+    from flatview import checkpoint_routing
+
     out: dict[str, Any] = {"messages": [], "collectives": []}
+    install = checkpoint_routing._install_routes
     with backend_context(scenario.backend):
-        model, fv, opts = distributed_model(scenario)
+        checkpoint_routing._install_routes = lambda: False  # type: ignore[assignment]
+        try:
+            model, fv, opts = distributed_model(scenario)
+        finally:
+            checkpoint_routing._install_routes = install  # type: ignore[assignment]
         for _ in distributed_training(scenario, model, fv, opts, optimizer_steps(scenario)[:1]):
             pass
         before = consolidated(fv, opts)
@@ -110,7 +123,108 @@ def torch_api_refused(scenario: Scenario) -> dict[str, Any]:
         fcp.get_state_dict(fv, model, opts, options=_options(False))
         out["flatview_ok"] = _same(consolidated(fv, opts), before)
         fv.unwrap()
-        out["guard_removed"] = "_fqn_modifiers" not in vars(model)
+        out["mark_removed"] = "_fqn_modifiers" not in vars(model)
+    return out
+
+
+FSDP_OPTIM_FUNCTIONS = (
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "full_optim_state_dict",
+    "sharded_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "flatten_sharded_optim_state_dict",
+    "scatter_full_optim_state_dict",
+)
+"""torch FSDP1's own optimizer-state functions (static methods of the wrapper class)."""
+
+
+def _fsdp_calls(model: Any, opt: torch.optim.Optimizer) -> list[Any]:
+    """Each of :data:`FSDP_OPTIM_FUNCTIONS`, called on ``model`` with ``opt`` as
+    Lightning's FSDPStrategy and accelerate's FSDP1 plugin call them (the load side with
+    an empty state: flatview refuses before reading it)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [
+        lambda: FSDP.optim_state_dict(model, opt),
+        lambda: FSDP.optim_state_dict_to_load(model, opt, {}),
+        lambda: FSDP.full_optim_state_dict(model, opt),
+        lambda: FSDP.sharded_optim_state_dict(model, opt),
+        lambda: FSDP.shard_full_optim_state_dict({}, model, optim=opt),
+        lambda: FSDP.flatten_sharded_optim_state_dict({}, model, opt),
+        lambda: FSDP.scatter_full_optim_state_dict({}, model, optim=opt),
+    ]
+
+
+def fsdp_optim_api(scenario: Scenario) -> dict[str, Any]:
+    """torch FSDP1's own optimizer-state functions on a flatview-wrapped model, after one
+    optimizer step: each called with every optimizer over views (its error message or
+    ``None``, and the collectives it issued), the consolidated state before and after;
+    then, in the same process, a bare FSDP model of the same scenario (no flatview) with
+    an optimizer over its flat parameters: torch's ``optim_state_dict`` and
+    ``optim_state_dict_to_load`` there, as without flatview (the keys it gives, and
+    whether the state loads back unchanged)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    out: dict[str, Any] = {"messages": [], "collectives": []}
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for _ in distributed_training(scenario, model, fv, opts, optimizer_steps(scenario)[:1]):
+            pass
+        before = consolidated(fv, opts)
+        for opt in opts:
+            for call in _fsdp_calls(model, opt):
+                start = _sequence()
+                try:
+                    call()
+                except FlatViewError as err:
+                    out["messages"].append(str(err))
+                else:
+                    out["messages"].append(None)
+                out["collectives"].append(_sequence() - start)
+        out["unchanged"] = _same(consolidated(fv, opts), before)
+        bare = wrap_fsdp(scenario, make_net(scenario))
+        opt = torch.optim.Adam(bare.parameters(), lr=0.01)
+        xs, ys = local_batch(scenario, 0)
+        loss_of(bare(xs, ()), ys).backward()
+        opt.step()
+        saved = FSDP.optim_state_dict(bare, opt)
+        out["bare_keys"] = sorted(saved["state"])
+        own = as_numpy(opt.state_dict())
+        opt.load_state_dict(FSDP.optim_state_dict_to_load(bare, opt, saved))
+        out["bare_reloaded"] = _same(as_numpy(opt.state_dict()), own)
+    return out
+
+
+def torch_options_refused(scenario: Scenario) -> dict[str, Any]:
+    """torch's functions routed to flatview.checkpoint refuse what it refuses
+    (``broadcast_from_rank0``, ``flatten_optimizer_state_dict``, ``submodules=``), before
+    any collective, on every rank: each error's message and collectives issued."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    out: dict[str, Any] = {"messages": [], "collectives": []}
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        calls = [
+            lambda: dsd.get_state_dict(
+                model,
+                opts,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            ),
+            lambda: dsd.get_optimizer_state_dict(
+                model, opts, options=StateDictOptions(flatten_optimizer_state_dict=True)
+            ),
+            lambda: dsd.get_model_state_dict(model, submodules={fv.model}),
+        ]
+        for call in calls:
+            start = _sequence()
+            try:
+                call()
+            except FlatViewError as err:
+                out["messages"].append(str(err))
+            else:
+                out["messages"].append(None)
+            out["collectives"].append(_sequence() - start)
     return out
 
 
@@ -138,8 +252,20 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def save_and_resume(scenario: Scenario, paths: dict[bool, str], split: int) -> dict[str, Any]:
-    """Train ``split`` steps, save with flatview.checkpoint + DCP (sharded to
+def _get(api: str, fv: FlatView, model: Any, opts: list[Any], full: bool) -> tuple[Any, Any]:
+    """The model and optimizer state dicts through ``api``: ``"flatview"``
+    (flatview.checkpoint) or ``"torch"`` (torch's own functions, routed to it)."""
+    if api == "torch":
+        from torch.distributed.checkpoint import state_dict as dsd
+
+        return dsd.get_state_dict(model, opts, options=_options(full))
+    return fcp.get_state_dict(fv, model, opts, options=_options(full))
+
+
+def save_and_resume(
+    scenario: Scenario, paths: dict[bool, str], split: int, api: str = "flatview"
+) -> dict[str, Any]:
+    """Train ``split`` steps, save through ``api`` (:func:`_get`) + DCP (sharded to
     ``paths[False]``, full to ``paths[True]``), train on; then resume a fresh model from
     each checkpoint and train the same remaining steps."""
     steps = optimizer_steps(scenario)
@@ -150,7 +276,7 @@ def save_and_resume(scenario: Scenario, paths: dict[bool, str], split: int) -> d
             pass
         out["saved"] = consolidated(fv, opts)
         for full, path in paths.items():
-            model_sd, optim_sd = fcp.get_state_dict(fv, model, opts, options=_options(full))
+            model_sd, optim_sd = _get(api, fv, model, opts, full)
             if full:
                 out["full_equal"] = _same(as_numpy(optim_sd), out["saved"])
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -158,72 +284,50 @@ def save_and_resume(scenario: Scenario, paths: dict[bool, str], split: int) -> d
             pass
         out["uninterrupted"] = full_state(model, scenario)
         for full, path in paths.items():
-            out[full] = resume(scenario, path, split, full)
+            out[full] = resume(scenario, path, split, full, api)
     return out
 
 
-def resume(scenario: Scenario, path: str, split: int, full: bool) -> dict[str, Any]:
-    """A fresh model, flatview and optimizers loaded from ``path``, then trained from
-    step ``split`` on: the consolidated state after the load, the final parameters."""
+def resume(
+    scenario: Scenario, path: str, split: int, full: bool, api: str = "flatview"
+) -> dict[str, Any]:
+    """A fresh model, flatview and optimizers loaded from ``path`` through ``api``
+    (:func:`_get`), then trained from step ``split`` on: the consolidated state after
+    the load, the final parameters."""
     model, fv, opts = distributed_model(scenario)
-    model_sd, optim_sd = fcp.get_state_dict(fv, model, opts, options=_options(full))
+    model_sd, optim_sd = _get(api, fv, model, opts, full)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    fcp.set_state_dict(
-        fv,
-        model,
-        opts,
-        model_state_dict=model_sd,
-        optim_state_dict=optim_sd,
-        options=_options(full),
-    )
+    if api == "torch":
+        from torch.distributed.checkpoint import state_dict as dsd
+
+        dsd.set_state_dict(
+            model,
+            opts,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=_options(full),
+        )
+    else:
+        fcp.set_state_dict(
+            fv,
+            model,
+            opts,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=_options(full),
+        )
     loaded = consolidated(fv, opts)
     for _ in distributed_training(scenario, model, fv, opts, optimizer_steps(scenario)[split:]):
         pass
     return {"loaded": loaded, "params": full_state(model, scenario)}
 
 
-def resume_elsewhere(scenario: Scenario, paths: dict[bool, str], split: int) -> dict[str, Any]:
+def resume_elsewhere(
+    scenario: Scenario, paths: dict[bool, str], split: int, api: str = "flatview"
+) -> dict[str, Any]:
     """:func:`resume` from each checkpoint (saved at another world size or backend)."""
     with backend_context(scenario.backend):
-        return {full: resume(scenario, path, split, full) for full, path in paths.items()}
-
-
-def torch_api_resume(scenario: Scenario, path: str, split: int) -> dict[str, Any]:
-    """DDP + flatview: torch's own get_state_dict / set_state_dict and DCP, saved after
-    ``split`` steps, resumed in a fresh model: final parameters of both runs."""
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    steps = optimizer_steps(scenario)
-    model, fv, opts = distributed_model(scenario)
-    for _ in distributed_training(scenario, model, fv, opts, steps[:split]):
-        pass
-    saved = consolidated(fv, opts)
-    model_sd, optim_sd = dsd.get_state_dict(model, opts)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
-        pass
-    uninterrupted = full_state(model, scenario)
-    model, fv, opts = distributed_model(scenario)
-    model_sd, optim_sd = dsd.get_state_dict(model, opts)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    # strict=False: torch's strict load wants state for every parameter; plain SGD
-    # (stem's optimizer) keeps none.
-    dsd.set_state_dict(
-        model,
-        opts,
-        model_state_dict=model_sd,
-        optim_state_dict=optim_sd,
-        options=StateDictOptions(strict=False),
-    )
-    loaded = consolidated(fv, opts)
-    for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
-        pass
-    return {
-        "saved": saved,
-        "loaded": loaded,
-        "uninterrupted": uninterrupted,
-        "resumed": full_state(model, scenario),
-    }
+        return {full: resume(scenario, path, split, full, api) for full, path in paths.items()}
 
 
 def read_states_midway(scenario: Scenario, split: int) -> dict[str, np.ndarray] | None:
@@ -242,3 +346,87 @@ def read_states_midway(scenario: Scenario, split: int) -> dict[str, np.ndarray] 
         for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
             pass
         return full_state(model, scenario)
+
+
+def _forms(value: Any) -> Any:
+    """A state dict's tensors as numpy (ShardedTensors as their local shards with offsets,
+    DTensors as their local tensor): two dicts with equal forms are the same state in the
+    same form."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, dict):
+        return {k: _forms(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_forms(v) for v in value]
+    if isinstance(value, ShardedTensor):
+        shards = value.local_shards()
+        return {
+            "sharded": list(value.size()),
+            "offsets": [list(s.metadata.shard_offsets) for s in shards],
+            "shards": [s.tensor.detach().cpu().numpy().copy() for s in shards],
+        }
+    if isinstance(value, DTensor):
+        local = value.to_local().detach().cpu().numpy().copy()
+        return {"dtensor": list(value.size()), "local": local}
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().copy()
+    return value
+
+
+def torch_functions_resume(
+    scenario: Scenario, paths: dict[bool, str], split: int
+) -> dict[str, Any]:
+    """torch's own functions, on a flatview-wrapped model with optimizers over views:
+    after ``split`` steps, ``get_state_dict`` (sharded to ``paths[False]``, full to
+    ``paths[True]``) compared with flatview.checkpoint's and saved with DCP; training
+    goes on (the uninterrupted run); then a fresh model per checkpoint, loaded with
+    torch's ``get_state_dict`` + DCP + ``set_state_dict`` (the sharded one with the
+    optimizer-only and model-only pairs instead), trained to the end."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    steps = optimizer_steps(scenario)
+    out: dict[str, Any] = {}
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for _ in distributed_training(scenario, model, fv, opts, steps[:split]):
+            pass
+        out["saved"] = consolidated(fv, opts)
+        for full, path in paths.items():
+            options = _options(full)
+            theirs = dsd.get_state_dict(model, opts, options=options)
+            ours = fcp.get_state_dict(fv, model, opts, options=options)
+            out[("same", full)] = _same(_forms(theirs), _forms(ours))
+            optim_only = dsd.get_optimizer_state_dict(model, opts, options=options)
+            model_only = dsd.get_model_state_dict(model, options=options)
+            out[("same_optim", full)] = _same(_forms(optim_only), _forms(ours[1])) and _same(
+                _forms(model_only), _forms(ours[0])
+            )
+            dcp.save({"model": theirs[0], "optim": theirs[1]}, checkpoint_id=path)
+        out["unchanged"] = _same(consolidated(fv, opts), out["saved"])
+        for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+            pass
+        out["uninterrupted"] = full_state(model, scenario)
+        for full, path in paths.items():
+            # strict=False: torch's strict load wants state for every parameter, and
+            # plain SGD keeps none (stem's optimizer; on DDP torch loads it itself).
+            options = StateDictOptions(full_state_dict=full, strict=False)
+            model, fv, opts = distributed_model(scenario)
+            model_sd, optim_sd = dsd.get_state_dict(model, opts, options=options)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            if full:
+                dsd.set_state_dict(
+                    model,
+                    opts,
+                    model_state_dict=model_sd,
+                    optim_state_dict=optim_sd,
+                    options=options,
+                )
+            else:
+                dsd.set_optimizer_state_dict(model, opts, optim_sd, options=options)
+                dsd.set_model_state_dict(model, model_sd, options=options)
+            loaded = consolidated(fv, opts)
+            for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+                pass
+            out[full] = {"loaded": loaded, "params": full_state(model, scenario)}
+    return out

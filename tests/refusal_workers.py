@@ -99,6 +99,19 @@ def one_rank_refuses(scenario: Scenario) -> dict[str, str]:
             lambda: fcp.set_optimizer_state_dict(fv, model, [good], optim_sd)
         )
         out["clip_grad_norm_"] = _attempt(lambda: fv.clip_grad_norm_(-1.0 if lonely else 1.0))
+        if scenario.config.flattens:
+            # torch's own functions, routed to flatview.checkpoint on this model.
+            from torch.distributed.checkpoint import state_dict as dsd
+
+            flat_form = StateDictOptions(flatten_optimizer_state_dict=lonely)
+            out["torch_options"] = _attempt(
+                lambda: dsd.get_state_dict(model, [good], options=flat_form)
+            )
+            # Rank 1's optimizer over flat parameters would take torch's own path there.
+            out["torch_optimizer"] = _attempt(lambda: dsd.get_optimizer_state_dict(model, [chosen]))
+            out["torch_set"] = _attempt(
+                lambda: dsd.set_optimizer_state_dict(model, [good], optim_sd)
+            )
         # Nothing was left half done: the calls work again on every rank.
         fv.optim_state_dict(good)
         fcp.get_state_dict(fv, model, [good])

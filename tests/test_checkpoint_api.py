@@ -1,10 +1,13 @@
 """Checkpoints with torch.distributed.checkpoint (DCP) and optimizers over views.
 
-torch's ``get_state_dict`` / ``set_state_dict`` (and the optimizer-only pair) refuse
-optimizers over flatview's views with a FlatViewError, before any collective;
-``flatview.checkpoint``'s pair gives the same result keyed by original names, sharded or
-full, which DCP saves at one world size and loads at another or into the unwrapped model
-with torch's own functions; training resumes exactly. DDP + flatview keeps torch's pair.
+``flatview.checkpoint``'s ``get_state_dict`` / ``set_state_dict`` give the model and
+optimizer state keyed by original names, sharded or full, which DCP saves at one world
+size and loads at another or into the unwrapped model with torch's own functions;
+training resumes exactly. torch's own functions (``get_state_dict``, ``set_state_dict``,
+the optimizer-only and model-only pairs), called on a model wrapped by flatview (issue
+23: frameworks checkpoint with them), give the same dicts and resume the same way on
+every backend; where this torch could not be routed they would refuse optimizers over
+views with a FlatViewError, before any collective.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from tests import checkpoint_workers as cw
 from tests.scenarios import (
     BACKEND_CONFIGS,
     BACKENDS,
-    DDP,
     FAIRSCALE,
     FSDP2,
     BackendConfig,
@@ -95,13 +97,76 @@ def test_boxes_cover_a_flat_range_in_order(shape: tuple[int, ...], start: int, e
     assert torch.equal(torch.cat(got), torch.arange(start, end))
 
 
-# ------------------------------------------------------------------ torch's API refused
+# ------------------------------------------------------------------ torch's functions
+
+
+def _torch_function_params() -> list[Any]:
+    """Every backend once (hybrid layouts and FSDP2 in the thorough profile), and torch's
+    own views (``use_orig_params=True``)."""
+    return [
+        *(backend_param(c, "") for c in BACKEND_CONFIGS),
+        backend_param(FULL_SHARD, "use-orig-params"),
+    ]
+
+
+@pytest.mark.parametrize(("backend", "variant"), _torch_function_params())
+def test_torch_functions_save_and_resume_exactly(
+    dist_pool: PoolFactory, backend: BackendConfig, variant: str, tmp_path: Path
+) -> None:
+    """torch's get_state_dict with optimizers over views, sharded and full, saved with
+    DCP; a fresh model loads it with torch's get_state_dict + DCP + set_state_dict (the
+    sharded one with the optimizer-only and model-only setters): every load gives back
+    the state saved, both runs end at the single-process reference, and on fairscale and
+    torch FSDP1 torch's dicts are flatview.checkpoint's, tensor for tensor (torch refused
+    them before; on NO_SHARD computed on views it failed inside). DDP and FSDP2 keep
+    torch's own functions (no views there); their full form is left out: torch's own
+    full-form optimizer load fails for an optimizer without tensor state, wrapped or
+    not."""
+    extra = {"use_orig_params": True} if variant == "use-orig-params" else {}
+    scenario = backend.scenario(BASE, options=extra) if extra else backend.scenario(BASE)
+    paths = {False: str(tmp_path / "sharded"), True: str(tmp_path / "full")}
+    if not backend.flattens:
+        del paths[True]
+    results = dist_pool(scenario.world_size).run(
+        cw.torch_functions_resume, scenario, paths, SPLIT, timeout=TIMEOUT
+    )
+    reference = run_reference(scenario).params
+    out = results[0]
+    compare(out["uninterrupted"], reference)
+    for rank, got in enumerate(results):
+        assert got["unchanged"], rank
+        for full in paths:
+            if backend.backend != "fsdp2":  # DTensors there, where flatview's are sharded
+                assert got[("same", full)] and got[("same_optim", full)], (rank, full)
+    for full in paths:
+        assert_same_state(out[full]["loaded"], out["saved"], full)
+        compare(out[full]["params"], reference)
 
 
 @pytest.mark.parametrize("backend", [backend_param(FULL_SHARD), backend_param(FAIRSCALE)])
-def test_torch_state_dict_api_refuses_view_optimizers(
+def test_torch_functions_refuse_what_flatview_refuses(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
+    """Routed to flatview.checkpoint, torch's functions refuse broadcast_from_rank0,
+    flatten_optimizer_state_dict and submodules= on every rank, before any collective but
+    the one small exchange that raises a refusal on every rank (the same on each)."""
+    results = dist_pool(2).run(cw.torch_options_refused, backend.scenario(BASE), timeout=TIMEOUT)
+    for rank, out in enumerate(results):
+        messages = out["messages"]
+        assert out["collectives"] == results[0]["collectives"], rank
+        assert len(set(out["collectives"])) == 1, out["collectives"]
+        assert "broadcast_from_rank0" in messages[0], messages
+        assert "flatten_optimizer_state_dict" in messages[1], messages
+        assert "submodules=" in messages[2], messages
+
+
+@pytest.mark.parametrize("backend", [backend_param(FULL_SHARD), backend_param(FAIRSCALE)])
+def test_torch_state_dict_api_refuses_where_it_cannot_route(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """On a torch whose private helpers differ (simulated), torch's functions refuse
+    optimizers over views with a FlatViewError naming flatview.checkpoint, before any
+    collective, as before routing existed."""
     results = dist_pool(2).run(cw.torch_api_refused, backend.scenario(BASE), timeout=TIMEOUT)
     for rank, out in enumerate(results):
         assert len(out["messages"]) == 10, rank
@@ -116,10 +181,37 @@ def test_torch_state_dict_api_refuses_view_optimizers(
             assert "flatview.checkpoint." in message and "views" in message, message
         assert "broadcast_from_rank0" in out["messages"][8]
         assert "flatten_optimizer_state_dict" in out["messages"][9]
-        assert out["unchanged"] and out["flatview_ok"] and out["guard_removed"], rank
+        assert out["unchanged"] and out["flatview_ok"] and out["mark_removed"], rank
     if backend.backend == "torch":
         names = sorted(make_net(BASE).state_dict())
         assert results[0]["model_keys"] == names
+
+
+@pytest.mark.parametrize(
+    "backend", [backend_param(FULL_SHARD), backend_param(BackendConfig("torch", "NO_SHARD"))]
+)
+def test_fsdp_own_optimizer_state_functions_refuse_views(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """torch FSDP1's own optimizer-state functions (Lightning's FSDPStrategy and
+    accelerate's FSDP1 plugin call them), given an optimizer over flatview's views: a
+    FlatViewError on every rank naming the functions to use instead, before any
+    collective (torch failed inside a collective with mismatched sizes on gloo), the
+    optimizers' state untouched; on a bare FSDP model in the same process they are
+    torch's, unchanged."""
+    results = dist_pool(2).run(cw.fsdp_optim_api, backend.scenario(BASE), timeout=TIMEOUT)
+    count = len(cw.FSDP_OPTIM_FUNCTIONS)
+    for rank, out in enumerate(results):
+        assert out["messages"] and len(out["messages"]) % count == 0, rank  # per optimizer
+        assert out["collectives"] == [0] * len(out["messages"]), rank
+        for k, message in enumerate(out["messages"]):
+            name = cw.FSDP_OPTIM_FUNCTIONS[k % count]
+            assert message is not None, (rank, name)
+            assert "views" in message and "torch.distributed.checkpoint" in message, message
+            assert "flatview.checkpoint" in message, message
+        assert out["unchanged"], rank
+        assert out["bare_keys"] and out["bare_reloaded"], rank
+    assert results[0]["bare_keys"] == results[1]["bare_keys"]
 
 
 # ------------------------------------------------------------------- save and resume
@@ -133,17 +225,25 @@ def _check_run(out: dict[str, Any], scenario: Scenario) -> None:
         compare(out[full]["params"], reference)
 
 
-@pytest.mark.parametrize("backend", [backend_param(FULL_SHARD), backend_param(FAIRSCALE)])
+@pytest.mark.parametrize(
+    ("backend", "api"),
+    [
+        backend_param(FULL_SHARD, "flatview"),
+        backend_param(FAIRSCALE, "flatview"),
+        backend_param(FULL_SHARD, "torch"),
+    ],
+)
 def test_checkpoint_resumes_at_other_world_sizes_and_unwrapped(
-    dist_pool: PoolFactory, backend: BackendConfig, tmp_path: Path
+    dist_pool: PoolFactory, backend: BackendConfig, api: str, tmp_path: Path
 ) -> None:
-    """Saved at world size 2 (sharded and full), resumed at 2 and 3 (fairscale's also on
-    torch FSDP1) and into the plain model with torch's own functions: every run ends
-    where the uninterrupted one does, and every load gives back the consolidated state
-    that was saved."""
+    """Saved at world size 2 (sharded and full) through flatview.checkpoint or torch's
+    own functions (``api``), resumed the same way at 2 and 3 (fairscale's also on torch
+    FSDP1) and into the plain model with torch's own functions: every run ends where the
+    uninterrupted one does, and every load gives back the consolidated state that was
+    saved."""
     scenario = backend.scenario(BASE)
     paths = {False: str(tmp_path / "sharded"), True: str(tmp_path / "full")}
-    results = dist_pool(2).run(cw.save_and_resume, scenario, paths, SPLIT, timeout=TIMEOUT)
+    results = dist_pool(2).run(cw.save_and_resume, scenario, paths, SPLIT, api, timeout=TIMEOUT)
     out = results[0]
     assert out["full_equal"]
     _check_run(out, scenario)
@@ -154,7 +254,9 @@ def test_checkpoint_resumes_at_other_world_sizes_and_unwrapped(
     # fairscale's checkpoint also resumes on torch FSDP1 (names and forms are the same).
     targets = [wider] + ([replace(wider, backend="torch")] if backend == FAIRSCALE else [])
     for target in targets:
-        elsewhere = dist_pool(3).run(cw.resume_elsewhere, target, paths, SPLIT, timeout=TIMEOUT)[0]
+        elsewhere = dist_pool(3).run(
+            cw.resume_elsewhere, target, paths, SPLIT, api, timeout=TIMEOUT
+        )[0]
         for full in (False, True):
             assert_same_state(elsewhere[full]["loaded"], saved, (target.backend, full))
             compare(elsewhere[full]["params"], want)
@@ -199,20 +301,6 @@ def test_checkpoint_resumes_on_other_torch_configurations(
     out = dist_pool(2).run(cw.save_and_resume, scenario, paths, SPLIT, timeout=TIMEOUT)[0]
     assert out["full_equal"]
     _check_run(out, scenario)
-
-
-@pytest.mark.parametrize("backend", [backend_param(DDP)])
-def test_ddp_keeps_torch_state_dict_api(
-    dist_pool: PoolFactory, backend: BackendConfig, tmp_path: Path
-) -> None:
-    scenario = backend.scenario(BASE)
-    out = dist_pool(2).run(
-        cw.torch_api_resume, scenario, str(tmp_path / "ddp"), SPLIT, timeout=TIMEOUT
-    )[0]
-    assert_same_state(out["loaded"], out["saved"])
-    reference = run_reference(scenario).params
-    compare(out["uninterrupted"], reference)
-    compare(out["resumed"], reference)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests import integration_workers as iw
-from tests.dist_pool import WorkerError
 from tests.scenarios import compare
 
 if TYPE_CHECKING:
@@ -71,23 +70,15 @@ def test_trainer_manual_with_steps_written_in_training_step(dist_pool: PoolFacto
 
 
 @needs_lightning
-@pytest.mark.xfail(strict=True, reason="needs the core fix on wt-silent")
-def test_trainer_manual_own_wrap_trains_exactly_or_raises_everywhere(
-    dist_pool: PoolFactory,
-) -> None:
+def test_trainer_manual_own_wrap_trains_exactly(dist_pool: PoolFactory) -> None:
     # No callback: the LightningModule wraps itself at on_fit_start and writes
     # `with fv.step(...)` in training_step. Lightning runs training_step inside DDP's
-    # forward, so that forward began before the step: it must train exactly, or raise a
-    # clear error on every rank (without the core fix each rank trains on its own
-    # gradients, silently).
+    # forward, so that forward began before the step: on DDP flatview binds the step
+    # there and finds the end of each backward inside the forward, so it trains exactly
+    # (before that, each rank trained on its own gradients, silently; sharded wrappers
+    # refuse it on every rank: tests/test_inside_forward.py).
     run = iw.Run(manual=True)
-    try:
-        results = _run(dist_pool(2), LIGHTNING, "trainer", run, user_steps="own_wrap")
-    except WorkerError as error:
-        assert sorted(error.errors) == [0, 1] and not error.unfinished, error
-        assert all("StateError" in text for text in error.errors.values()), error
-        return
-    _check(results, run)
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, user_steps="own_wrap"), run)
 
 
 @needs_lightning

@@ -77,6 +77,10 @@ class PlainSpec:
     padded_shard: bool = True
     """With ``layout``: the parameter holds rank ``rank``'s padded shard (True), or
     only its piece of the segment, unpadded (False: FSDP2's ``DTensor`` local tensors)."""
+    view: bool = False
+    """The parameter is one of flatview's own views, described as a plain parameter
+    (torch FSDP1 ``NO_SHARD`` computed on views), not one the wrapper registered: the
+    wrapper's own functions do not know it."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ class Runtime(Protocol):
     def check_unit_forward(self, unit: int) -> None: ...
 
     def check_backward_binding(self) -> None: ...
+
+    def bind_inside_forward(self, first: int | None = None) -> None: ...
 
     def settle_agreement(self) -> None: ...
 
@@ -197,6 +203,15 @@ class Adapter(Protocol):
     gradient collectives, so the skip-set check may run alongside the forward; the
     adapter calls ``Runtime.settle_agreement`` before its first collective."""
 
+    trains_inside_forward: bool = False
+    """A backward may run inside the root's forward, and a step may be entered there
+    (Lightning's Trainer runs ``training_step``, the user's forward and backward
+    included, inside the wrapper's forward): nothing the forward communicates depends
+    on the skip set, and the adapter finds the end of a backward that does not go
+    through the forward's outputs (``Runtime.bind_inside_forward`` binds the
+    iteration of each). Otherwise ``Runtime.step`` refuses a step entered
+    inside the root's forward, on every rank (:mod:`flatview.binding`)."""
+
     replicas: int = 1
     """How many ranks hold each shard: hybrid sharding's replica-group size (``group``,
     ``rank`` and ``world_size`` are then the shard group's), 1 otherwise."""
@@ -214,7 +229,8 @@ class Adapter(Protocol):
     flattens: bool = False
     """The wrapper keeps the parameters in flat parameters, which flatview shows views of
     (fairscale FSDP, torch FSDP1): torch's own checkpoint functions would misread an
-    optimizer over those views, so the handle installs :mod:`flatview.checkpoint_guard`."""
+    optimizer over those views, so the handle routes them to flatview's
+    (:mod:`flatview.checkpoint_routing`)."""
 
     @property
     def agreement_group(self) -> dist.ProcessGroup | None:

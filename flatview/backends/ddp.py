@@ -64,8 +64,10 @@ class DDPAdapter(Adapter):
 
     backend = "ddp"
     clean_name = staticmethod(clean_name)
-    # DDP's forward communicates nothing the skip set decides.
+    # DDP's forward communicates nothing the skip set decides, and ReplicatedBackward
+    # finds the end of a backward inside the root's forward.
     overlaps_agreement = True
+    trains_inside_forward = True
     takes_overlap = True
 
     def __init__(self, model: DDPModel, options: ReduceOptions) -> None:
@@ -145,7 +147,8 @@ class DDPAdapter(Adapter):
             saved = ddp.require_backward_grad_sync
             ddp.require_backward_grad_sync = False
             try:
-                return original(*args, **kwargs)
+                with self._backward.root_forward():
+                    return original(*args, **kwargs)
             finally:
                 ddp.require_backward_grad_sync = saved
 

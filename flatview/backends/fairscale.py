@@ -46,12 +46,22 @@ from flatview.backends.fairscale_checks import (
     clean_name,
 )
 from flatview.backends.fairscale_gather import MaskedGatherDist
-from flatview.backends.fairscale_reduce import FairscaleReduction, install_shim, remove_shim
+from flatview.backends.fairscale_reduce import (
+    WRAPPER,
+    FairscaleReduction,
+    install_shim,
+    remove_shim,
+)
 from flatview.backends.fairscale_settle import UnitSettling
 from flatview.backends.names import join, nested_unit_message, owners_and_names
 from flatview.backends.patches import Patches
 from flatview.backends.summoning import forward_in_summon
-from flatview.backends.unit_tree import lending_methods, settle_units, undeclared_units
+from flatview.backends.unit_tree import (
+    hook_unfinished,
+    lending_methods,
+    settle_units,
+    undeclared_units,
+)
 from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 from flatview.layout import FlatLayout
@@ -183,6 +193,8 @@ class FairscaleAdapter(Adapter):
         )
         if self.root._reducer is not None:
             install_shim(self.root, self.units, self.reduction)
+        # A backward inside the root's forward would trip the root's own assertion first.
+        hook_unfinished(self.root, self.root.params, WRAPPER, patches)
 
     def uninstall(self) -> None:
         self._patches.remove()

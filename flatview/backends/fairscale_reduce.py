@@ -17,10 +17,14 @@ import torch
 from torch import nn
 
 from flatview.backends.base import Runtime
+from flatview.backends.unit_tree import refuse_unfinished
 from flatview.comm.options import ReduceOptions
 from flatview.comm.sharded import ShardedReduction
 from flatview.errors import StateError
 from flatview.layout import FlatLayout, MaskPlan
+
+WRAPPER = "fairscale FSDP"
+"""How messages name the wrapper."""
 
 
 class FairscaleReduction:
@@ -30,6 +34,7 @@ class FairscaleReduction:
         self, root: Any, runtime: Runtime, options: ReduceOptions, bucket_numel: int
     ) -> None:
         self.runtime = runtime
+        self.root = root
         self.world_size: int = root.world_size
         self.reduction = ShardedReduction(
             root.process_group_reduce_scatter,
@@ -42,6 +47,7 @@ class FairscaleReduction:
         self._plain_plans: dict[int, MaskPlan] = {}
 
     def plan_for(self, param: nn.Parameter) -> MaskPlan:
+        refuse_unfinished(self.root, WRAPPER)
         plan = self.runtime.reduction_plan(param)
         if plan is not None:
             return plan

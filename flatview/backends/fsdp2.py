@@ -85,7 +85,9 @@ from flatview.backends.fsdp2_reduce import (
     drop_unreduced_grads,
     hold_plan,
     stop_counting,
+    unreduced,
 )
+from flatview.backends.messages import unreduced_inside_forward
 from flatview.backends.patches import Patches
 from flatview.comm.held import HeldReduceScatters
 from flatview.comm.options import ReduceOptions
@@ -258,6 +260,14 @@ class FSDP2Adapter(Adapter):
         return pre_forward
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Gradients no FSDP2 hook reduced: a backward inside the root's forward reached
+        # no nested unit. Dropped; every rank raises, before any collective of it.
+        left = [] if in_backward() else unreduced(self._params_of, self._contributions)
+        if left:
+            drop_unreduced_grads(left)
+            self._reset_round()
+            self.runtime.end_forward_only()
+            raise unreduced_inside_forward()
         end_root_forward(self.runtime)
 
     def _post_backward_of(self, index: int, group: Any) -> Any:

@@ -225,6 +225,24 @@ def drop_unreduced_grads(fsdp_params: Iterable[Any]) -> None:
         fsdp_param.unsharded_accumulated_grad = None
 
 
+def unreduced(
+    params_of: Iterable[Iterable[tuple[Any, int | None]]], contributions: Contributions
+) -> list[Any]:
+    """The FSDP parameters whose unsharded gradient is fresh (:meth:`Contributions.fresh`)
+    when the root's forward returns: a backward inside that forward reached no nested
+    unit, so none of FSDP2's backward hooks ran (they hang on the units' inputs and
+    outputs; the root's outputs do not exist yet) and nothing reduces them."""
+    return [
+        fsdp_param
+        for entries in params_of
+        for fsdp_param, index in entries
+        if index is not None
+        and contributions.fresh(
+            getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None), index
+        )
+    ]
+
+
 def count_collectives(
     units: Sequence[Any], ledger: Ledger, hybrid: bool, held: HeldReduceScatters | None
 ) -> None:
@@ -280,12 +298,7 @@ class Contributions:
                 continue
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             grad = unsharded.grad if unsharded is not None else None
-            # Without mixed precision earlier micro-batches accumulate in the same
-            # tensor: only one that changed since the last backward is this one's.
-            fresh = grad is not None and self._versions.get(param_index) != (
-                id(grad),
-                grad._version,
-            )
+            fresh = self.fresh(grad, param_index)
             if param_index not in used:
                 if fresh:
                     raise skipped_used(runtime.name(param_index))
@@ -303,6 +316,12 @@ class Contributions:
                 # Zeros, what this rank contributes: its reduce-scatter keeps the layout
                 # the other ranks give theirs.
                 unsharded.grad = torch.zeros_like(unsharded)
+
+    def fresh(self, grad: torch.Tensor | None, index: int) -> bool:
+        """Whether ``grad`` (parameter ``index``'s unsharded gradient) is this backward's:
+        without mixed precision earlier micro-batches accumulate in the same tensor, so
+        only one that changed since the last backward is."""
+        return grad is not None and self._versions.get(index) != (id(grad), grad._version)
 
     def accumulated(self, params_of: Sequence[Sequence[tuple[Any, int | None]]]) -> None:
         """A backward under ``no_sync()`` ended: note each unsharded gradient as it is,

@@ -1,6 +1,7 @@
 """Error texts more than one adapter raises, written once: a model wrapped between a
-forward and its backward, and an optimizer that holds a flat parameter together with
-views inside it. (Parameters that got no gradient without being declared skipped:
+forward and its backward, an optimizer that holds a flat parameter together with views
+inside it, and a backward inside the root's forward that the wrapper would never finish
+or reduce. (Parameters that got no gradient without being declared skipped:
 :func:`flatview.comm.unused.undeclared_unused`.)"""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flatview.errors import DoubleCountError, WrapError
+from flatview.errors import DoubleCountError, StateError, WrapError
 
 
 def check_no_pending_backward(
@@ -50,4 +51,35 @@ def double_count(
         f"optimizer {optimizer} holds the flat parameter of unit {unit!r} and {held} inside "
         "it: it would update those elements twice. Build optimizers from views "
         f"(submodule.parameters() or FlatView.parameters()){alternative}"
+    )
+
+
+def unfinished_backward(wrapper: str) -> StateError:
+    """A backward whose gradients ``wrapper`` (its name) would never finish: it does not
+    go through the root's outputs, whose hooks queue the wrapper's end of the backward.
+    It ran inside the root's forward (Lightning's Trainer runs ``training_step``,
+    ``manual_backward`` included, inside the wrapper's forward)."""
+    return StateError(
+        f"a backward ran that does not go through the outputs of the wrapped {wrapper} "
+        "model, inside its forward (Lightning's Trainer, say, runs training_step, "
+        f"manual_backward included, inside the wrapper's forward): {wrapper} never "
+        "finishes such a backward (the root's outputs queue its end), so its gradients "
+        "would be lost or reduced in part. Run the backward after the forward returns "
+        "(loss = model(x); loss.backward())"
+    )
+
+
+def unreduced_inside_forward() -> StateError:
+    """FSDP2's root forward returned with gradients it never reduced: a backward ran
+    inside it and reached no nested unit, so none of FSDP2's backward hooks ran (they
+    hang on the units' inputs and outputs; the root's outputs do not exist yet). Plain
+    FSDP2 leaves them to a later backward and trains wrong in silence."""
+    return StateError(
+        "a backward ran inside the forward of the wrapped FSDP2 model (Lightning's "
+        "Trainer, say, runs training_step, manual_backward included, inside the "
+        "wrapper's forward) and reached no nested fully_shard unit: FSDP2 reduced "
+        "none of its gradients (plain FSDP2 trains wrong there, silently); they were "
+        "dropped. Run the backward after the forward returns "
+        "(loss = model(x); loss.backward()); with Lightning, ModelParallelStrategy "
+        "runs training_step outside the wrapper's forward"
     )

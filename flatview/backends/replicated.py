@@ -29,6 +29,13 @@ the next backward synchronises, and calls :meth:`ReplicatedBackward.begin_forwar
   skip-set check reads its fingerprints through a side stream (``comm/agreement.py``).
   ``benchmarks/gpu_smoke.py`` checks it with ``torch.cuda.set_sync_debug_mode``. The
   one exception is the broadcast of the learnt bucket order, once.
+* A backward inside the root's forward (Lightning's Trainer runs ``training_step``, the
+  user's forward and ``manual_backward`` included, inside the wrapper's forward) does not
+  go through the forward's outputs: the adapter brackets the call of the root's forward
+  with :meth:`ReplicatedBackward.root_forward`, and while it runs the first gradient
+  ready binds the iteration (:meth:`flatview.runtime.Runtime.bind_inside_forward`) and
+  queues the end of that backward, reduced as any other (one per backward; the forward
+  communicated nothing the skip set decides, :mod:`flatview.binding`).
 * Overlap is off by default on CPU (``wrap(overlap_reduction=)``): there the collectives
   compete with the backward for the same cores, and one all-reduce at the end was
   faster.
@@ -44,16 +51,17 @@ extra collective.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from flatview.autograd import at_end_of_backward
+from flatview.autograd import at_end_of_backward, in_backward
 from flatview.backends.base import Adapter, Runtime
 from flatview.backends.bucket_order import BucketPlans
 from flatview.backends.patches import Patches
@@ -95,6 +103,21 @@ _PASS_MOVES = {
 }
 
 
+class RootForward(enum.Enum):
+    """Whether the root's forward is running (not a recomputation inside a backward): a
+    backward that starts meanwhile runs inside it, through tensors that are not its
+    outputs, and the first gradient ready shows where it begins."""
+
+    RETURNED = "no root forward runs"
+    RUNNING = "the root's forward runs: a backward now is one inside it"
+
+
+_ROOT_MOVES = {
+    RootForward.RETURNED: (RootForward.RUNNING,),
+    RootForward.RUNNING: (RootForward.RETURNED,),
+}
+
+
 class ReplicatedBackward:
     """flatview's reduction of a replicating wrapper's gradients, and the bookkeeping of
     each iteration's end (see the module docstring).
@@ -131,6 +154,7 @@ class ReplicatedBackward:
         processes over gloo, ``benchmarks/README.md``) overlapping took 1.08-1.20x the
         ideal's step time against 1.02-1.14x without."""
         self._pass = Transitions(Pass.REDUCING, _PASS_MOVES)
+        self._root = Transitions(RootForward.RETURNED, _ROOT_MOVES)
         self._runtime: Runtime | None = None
 
     @property
@@ -195,7 +219,21 @@ class ReplicatedBackward:
                 leaf.register_hook(self._backward_starts)
         return True
 
-    def _backward_starts(self, grad: torch.Tensor) -> None:
+    @contextlib.contextmanager
+    def root_forward(self) -> Iterator[None]:
+        """Around the adapter's call of the root's forward: while it runs, a backward is
+        one inside the forward. Returned however the forward ends, ``BaseException``
+        included; a recomputation inside a backward (or a nested call) changes nothing."""
+        if self._root.state is RootForward.RUNNING or in_backward():
+            yield
+            return
+        self._root.move(RootForward.RUNNING)
+        try:
+            yield
+        finally:
+            self._root.move(RootForward.RETURNED)
+
+    def _backward_starts(self, grad: torch.Tensor | None) -> None:
         state = self._pass.state
         if self._runtime is None or state.in_backward:
             return
@@ -217,6 +255,15 @@ class ReplicatedBackward:
         )
 
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if (
+            self._root.state is RootForward.RUNNING
+            and not self._pass.state.in_backward
+            and self._runtime is not None
+        ):
+            # A backward inside the root's forward, not through its outputs: it ends the
+            # iteration as one through them would (its own if an earlier one ended it).
+            self._runtime.bind_inside_forward(index)
+            self._backward_starts(None)
         round_ = self._round
         if round_ is None or index not in round_.bucket_of:
             return

@@ -57,11 +57,16 @@ from flatview.backends.patches import Patches
 from flatview.backends.torch_fsdp_checks import TorchFSDPModel
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
 from flatview.backends.torch_fsdp_prefetch import PrefetchSteering
-from flatview.backends.torch_fsdp_reduce import NO_BUCKETING, TorchFSDPReduction
+from flatview.backends.torch_fsdp_reduce import NO_BUCKETING, WRAPPER, TorchFSDPReduction
 from flatview.backends.torch_fsdp_settle import UnitSettling
 from flatview.backends.torch_orig_grads import OrigParamGrads
 from flatview.backends.torch_summon import SummonLending, summonable, summoning
-from flatview.backends.unit_tree import lending_methods, settle_units, undeclared_units
+from flatview.backends.unit_tree import (
+    hook_unfinished,
+    lending_methods,
+    settle_units,
+    undeclared_units,
+)
 from flatview.comm.options import ReduceOptions
 
 if TYPE_CHECKING:
@@ -140,6 +145,10 @@ class TorchFSDPAdapter(Adapter):
                     noting = self._orig_grads.noting_none(prepare)
                     patches.patch(handle, "prepare_gradient_for_backward", noting)
         patches.hook(self.root.register_forward_hook(self._post_forward))
+        if self.root._handle is not None:
+            # A backward inside the root's forward would trip the root's own assertion
+            # first.
+            hook_unfinished(self.root, (self.root._handle.flat_param,), WRAPPER, patches)
         order = self.root._exec_order_data
         prefetch = PrefetchSteering(self.root, self._handle_unit, runtime)
         patches.patch(order, "next_iter", self._finishing(order.next_iter))

@@ -22,12 +22,16 @@ from flatview.backends.base import Runtime
 from flatview.backends.patches import Patches
 from flatview.backends.torch_fsdp_checks import TorchFSDPModel
 from flatview.backends.torch_hybrid import replica_of, set_comm_hook
+from flatview.backends.unit_tree import refuse_unfinished
 from flatview.comm.options import ReduceOptions
 from flatview.comm.packing import plan_index
 from flatview.comm.replicated import ReplicatedReduction
 from flatview.comm.sharded import ShardedReduction
 from flatview.errors import StateError
 from flatview.layout import MaskPlan
+
+WRAPPER = "torch FSDP"
+"""How messages name the wrapper."""
 
 NO_BUCKETING = 2**62
 """The hook reduces at once, so nothing waits in the reductions' buckets between units
@@ -113,6 +117,7 @@ class TorchFSDPReduction:
         straight into ``output`` by an asynchronous collective started now, which the
         flush in ``next_iter`` waits for.
         """
+        refuse_unfinished(self.model.root, WRAPPER)
         runtime = self.runtime
         runtime.settle_agreement()
         handle = unit._handle

@@ -95,8 +95,10 @@ class TorchReplicatedAdapter(Adapter):
     backend = "torch"
     clean_name = staticmethod(clean_name)
     flattens = True
-    # The forward communicates nothing the skip set decides (nothing at all).
+    # The forward communicates nothing the skip set decides (nothing at all), and
+    # ReplicatedBackward finds the end of a backward inside the root's forward.
     overlaps_agreement = True
+    trains_inside_forward = True
     takes_overlap = True
 
     def __init__(self, model: TorchFSDPModel, options: ReduceOptions) -> None:
@@ -139,6 +141,7 @@ class TorchReplicatedAdapter(Adapter):
                     self._view_sets.append(views)
                     self._view_names.append([names[0] for names in spec.names])
                     leaves = views.views
+                own = spec.wrapper_views is None
                 originals = tuple(names[0] for names in spec.names)
                 self._flat_names[id(spec.flat)] = (unit.name or "<root>", originals)
                 self._leaves[id(spec.flat)] = tuple(leaves)
@@ -147,7 +150,14 @@ class TorchReplicatedAdapter(Adapter):
                 ):
                     # A tied parameter is one view shown at every place.
                     plain.append(
-                        PlainSpec(names[0], view, segment.shape, reduced=True, aliases=names[1:])
+                        PlainSpec(
+                            names[0],
+                            view,
+                            segment.shape,
+                            reduced=True,
+                            aliases=names[1:],
+                            view=own,
+                        )
                     )
                     params.append((names[0], view))
                     reduced.add(id(view))
@@ -216,7 +226,8 @@ class TorchReplicatedAdapter(Adapter):
             moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
             args = moved_args[0] if moved_args else ()
             kwargs = moved_kwargs[0] if moved_kwargs else {}
-        output = wrapped(*args, **kwargs)
+        with self._backward.root_forward():
+            output = wrapped(*args, **kwargs)
         self._backward.end_forward(output)
         return output
 

@@ -1,16 +1,29 @@
 """A tree of FSDP units on one process group, as the two flat-parameter wrappers
 (fairscale's FSDP and torch's FSDP1) have it: the wrap-time checks of every unit, the
-methods of a unit that lend the views, and bringing units that took no part in a backward
-to the state the wrapper's final callback expects. Functions of the units; what a unit's
-state means and what settling one does stay with each wrapper's adapter, passed in."""
+methods of a unit that lend the views, bringing units that took no part in a backward
+to the state the wrapper's final callback expects, and refusing a backward the wrapper
+would never finish. Functions of the units; what a unit's state means and what settling
+one does stay with each wrapper's adapter, passed in.
+
+A backward that does not go through the root's outputs (one inside the root's forward:
+Lightning's Trainer runs ``training_step``, ``manual_backward`` included, inside the
+wrapper's forward) is one both wrappers never finish: the root's output hooks queue
+their end of the backward (``root._post_backward_callback_queued``, read by
+:func:`refuse_unfinished`). Each adapter checks before every reduction, and a hook on
+the root's own flat parameters (:func:`hook_unfinished`) checks ahead of the root's
+post-backward hook, which would assert there."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
+
 from flatview.backends.base import Runtime
-from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS
+from flatview.backends.messages import unfinished_backward
+from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS, Patches
 from flatview.comm.unused import undeclared_unused
 from flatview.errors import StateError, UndeclaredUnusedError, WrapError
 
@@ -86,3 +99,26 @@ def undeclared_units(names: Sequence[str]) -> UndeclaredUnusedError:
     return undeclared_unused(
         "the parameters of FSDP unit(s)", names, "this rank", ": the units took no part in it"
     )
+
+
+def refuse_unfinished(root: Any, wrapper: str) -> None:
+    """Refuse, on every rank alike, a backward that does not go through ``root``'s outputs
+    (see the module docstring); ``wrapper`` names the wrapper in the message."""
+    if not getattr(root, "_post_backward_callback_queued", False):
+        # (The root's first forward with autograd defines the flag; a wrapper that
+        # renamed it refuses every backward here, loudly.)
+        raise unfinished_backward(wrapper)
+
+
+def hook_unfinished(
+    root: Any, params: Iterable[torch.Tensor], wrapper: str, patches: Patches
+) -> None:
+    """Check :func:`refuse_unfinished` when each trainable one of ``params`` (the root's
+    own flat parameters) gets its gradient: before the root's post-backward hook."""
+
+    def check(root: Any, wrapper: str, grad: torch.Tensor) -> None:
+        refuse_unfinished(root, wrapper)
+
+    for param in params:
+        if param.requires_grad:
+            patches.hook(param.register_hook(functools.partial(check, root, wrapper)))

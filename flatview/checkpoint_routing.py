@@ -1,0 +1,483 @@
+"""torch's own checkpoint functions on models wrapped by flatview, with optimizers over
+views: torch's DCP functions routed to flatview's DCP state, torch FSDP1's own
+optimizer-state functions refused.
+
+``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizers)`` (and
+``get_optimizer_state_dict``, ``set_state_dict``, ``set_optimizer_state_dict``, the
+model-only pair) is what frameworks checkpoint with: Lightning's and Fabric's
+``ModelParallelStrategy``, accelerate's FSDP2 plugin, torchtitan. Left alone, torch would
+take each view's optimizer state for the state of a whole flat parameter (or of a whole
+parameter). So every call of one of them on a model whose handle installed
+:func:`route_torch_checkpoint` (fairscale, torch FSDP1: the wrappers that flatten) gives
+what the :mod:`flatview.checkpoint` function of the same name gives (model and optimizer
+state by original name, DCP-savable, loadable at another world size or backend, or into
+the unwrapped model; :mod:`flatview.checkpoint_model`, :mod:`flatview.checkpoint_optim`),
+and loads what it loads:
+
+* the model state is always flatview's, model-only calls included, so that any pair
+  of calls saves and loads one form: in the full form it is torch's own (fairscale's
+  full ``state_dict()`` on fairscale); in the sharded form a ``ShardedTensor`` per
+  sharded parameter cut as flatview's views are (torch's own cuts the flat parameter
+  into ranks' chunks, and torch's sharded load of one form into the other all-gathers
+  mismatched shards: it hung), the same tensors; on fairscale torch's model-state
+  functions fail without flatview (its ``load_state_dict`` takes no ``assign``);
+* the optimizer state is flatview's when an optimizer of the call holds parameters of
+  the model (views, flatview's or torch's with ``use_orig_params=True``, where torch's
+  own fails for optimizers that hold part of a flat parameter); torch's otherwise
+  (optimizers over flat parameters, which flatview refuses at their first step).
+
+On DDP and FSDP2 flatview adds no views, and torch's functions are torch's.
+
+How every caller is reached: torch's public functions call their module's private
+helpers (``_verify_options``, ``_get_model_state_dict``, ``_get_optim_state_dict``,
+``_load_model_state_dict``, ``_load_optim_state_dict``) through the module's globals,
+when called. Those globals are replaced, once per process, by wrappers that act only
+on a model carrying this module's instance ``_fqn_modifiers`` (which torch reads for
+the names of every model: the *mark*) and pass everything else to torch's helper
+unchanged. Whoever imported the public functions, and however (``from ... import`` at
+import time included), goes through them. ``FlatView.unwrap()`` removes the mark with
+the handle's other patches: torch's functions then see the plain model again.
+
+As :mod:`flatview.checkpoint`'s own functions, a routed call raises a refusal on every
+rank even where one rank alone decides it (:func:`flatview.comm.refusals.raise_everywhere`):
+``_verify_options`` exchanges what this rank refused and what decides the collectives
+that follow (the options, the number of optimizers, whether flatview's path is taken)
+before any collective of the call, and the loads that copy locally exchange their
+refusals afterwards, before anything else communicates.
+
+The helpers are private to torch: their names and parameters are checked before they
+are replaced. Where they differ (another torch), nothing is replaced and the mark
+refuses instead, before any collective, naming :mod:`flatview.checkpoint`.
+
+torch FSDP1's own optimizer-state functions (``FSDP.optim_state_dict``,
+``optim_state_dict_to_load``, ``full_optim_state_dict``, ``sharded_optim_state_dict``,
+``shard_full_optim_state_dict``, ``flatten_sharded_optim_state_dict``,
+``scatter_full_optim_state_dict``), which Lightning's ``FSDPStrategy`` and accelerate's
+FSDP1 plugin call, know FSDP's flat parameters (or torch's own original parameters),
+not flatview's views: given an optimizer over views they pair collectives of different
+sizes across ranks (an error on gloo, possibly a hang on NCCL). All of them go through
+two private static methods of ``FullyShardedDataParallel`` (``_optim_state_dict_impl``,
+``_optim_state_dict_to_load_impl``) before any collective; those are replaced once per
+process (after the same check of their parameters) by wrappers that refuse, with a
+:class:`flatview.FlatViewError` naming what to use instead, a call whose model holds a
+marked one and whose optimizer holds flatview's views. The decision is local and the
+same on every rank whose optimizers are counterparts, so every rank raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatview import checkpoint_model, checkpoint_optim
+from flatview.comm.refusals import raise_everywhere
+from flatview.errors import FlatViewError
+from flatview.runtime import Runtime
+
+Patch = Callable[[object, str, Callable[..., Any]], None]
+"""Sets an instance attribute that the handle takes back at ``unwrap()``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSite:
+    """Where :func:`route_torch_checkpoint` marks a model: the wrapped model's runtime
+    (its model, table and adapter) and the handle's way of patching it."""
+
+    runtime: Runtime
+    patch: Patch
+
+
+_ROUTED = "_flatview_routes_to"
+"""The attribute of a ``_StateDictInfo`` (torch's per-call options) holding the
+:class:`RoutingSite` of a routed model."""
+_PIECES = "_flatview_pieces"
+"""The attribute of a ``_StateDictInfo`` saying that an optimizer of the call holds
+original parameters of the model (its optimizer state is then flatview's)."""
+
+_originals: dict[str, Callable[..., Any]] = {}
+"""torch's DCP helpers, once replaced (empty before, or where they could not be)."""
+_fsdp_originals: dict[str, Callable[..., Any]] = {}
+"""torch FSDP1's optimizer-state implementations, once replaced."""
+
+
+class _Routing(threading.local):
+    active = False
+    """flatview's own functions run for a routed call: the torch functions they call
+    (the model-state pair, on DDP, FSDP2 and torch FSDP1's full form) are torch's."""
+
+
+_routing = _Routing()
+
+
+@contextlib.contextmanager
+def _flatviews() -> Iterator[None]:
+    _routing.active = True
+    try:
+        yield
+    finally:
+        _routing.active = False
+
+
+class _Mark:
+    """The instance ``_fqn_modifiers`` of a routed model: torch's names as before (the
+    class's own, if any), and, where torch's helpers could not be replaced, the refusal
+    of optimizers over views (torch calls it while it checks its arguments, before any
+    collective)."""
+
+    def __init__(self, site: RoutingSite, previous: Any, routed: bool) -> None:
+        self.site = site
+        self.previous = previous
+        self.routed = routed
+
+    def __call__(self) -> dict[str, str]:
+        if not self.routed:
+            _refuse_view_optimizers(self.site.runtime)
+        found = self.previous() if callable(self.previous) else {}
+        return dict(found)
+
+
+def route_torch_checkpoint(site: RoutingSite) -> None:
+    """Route torch's ``torch.distributed.checkpoint.state_dict`` functions, called on the
+    site's model with optimizers over its views, to flatview's checkpoint halves (where
+    this torch's helpers cannot be replaced, make them refuse such calls instead), and
+    make torch FSDP1's own optimizer-state functions refuse optimizers over its views
+    (see the module docstring)."""
+    root = site.runtime.model
+    previous = getattr(root, "_fqn_modifiers", None)
+    routed = _install_routes()
+    _install_fsdp_refusals()
+    site.patch(root, "_fqn_modifiers", _Mark(site, previous, routed))
+
+
+def _site_of(model: object) -> RoutingSite | None:
+    """The site of ``model`` if it carries :func:`route_torch_checkpoint`'s mark."""
+    own = vars(model).get("_fqn_modifiers") if isinstance(model, nn.Module) else None
+    return own.site if isinstance(own, _Mark) else None
+
+
+def _parameters(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """Names and kinds of ``fn``'s parameters: a wrapper stands in for a helper of
+    torch's only where torch can call it the same way."""
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+# ----------------------------------------------------------------------- routing
+
+
+def _install_routes() -> bool:
+    """Replace torch's DCP helpers by the routing wrappers (once per process); whether
+    they are in place."""
+    if _originals:
+        return True
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    found = {name: getattr(dsd, name, None) for name in _WRAPPERS}
+    for name, wrapper in _WRAPPERS.items():
+        helper = found[name]
+        if not callable(helper) or _parameters(helper) != _parameters(wrapper):
+            return False  # another torch: its helpers are not the ones routed here
+    _originals.update({name: helper for name, helper in found.items() if helper is not None})
+    for name, wrapper in _WRAPPERS.items():
+        setattr(dsd, name, wrapper)
+    return True
+
+
+def _verify_options(
+    model: nn.Module,
+    optims: tuple[torch.optim.Optimizer, ...],
+    optim_only: bool,
+    *,
+    submodules: set[nn.Module] | None = None,
+    options: Any = None,
+) -> Any:
+    info = _originals["_verify_options"](
+        model, optims, optim_only, submodules=submodules, options=options
+    )
+    site = None if _routing.active else _site_of(model)
+    if site is None:
+        return info
+    failure: BaseException | None = None
+    try:
+        checkpoint_optim.refuse_options(info)
+        if submodules:
+            raise FlatViewError(
+                "torch.distributed.checkpoint.state_dict's submodules= (deprecated) is not "
+                "supported on models wrapped by flatview: filter the state dict by name"
+            )
+    except FlatViewError as err:
+        failure = err
+    pieces = any(_holds_pieces(site.runtime, o) for o in optims)
+    # What decides the collectives that follow, flatview's or torch's path included.
+    request = (info.full_state_dict, info.cpu_offload, info.ignore_frozen_params, len(optims))
+    # Before any collective of the call; a rank refusing alone raises on every rank.
+    raise_everywhere(failure, (*request, pieces), _group(site), _caller())
+    setattr(info, _ROUTED, site)
+    setattr(info, _PIECES, pieces)
+    return info
+
+
+def _group(site: RoutingSite) -> Any:
+    return site.runtime.adapter.agreement_group
+
+
+def _caller() -> str:
+    """The public torch function this call came through, for messages."""
+    entries = _torch_entry_points()
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in entries:
+        frame = frame.f_back  # type: ignore[assignment]
+    name = entries[frame.f_code] if frame is not None else "a function"
+    return f"torch.distributed.checkpoint.state_dict.{name} (routed to flatview.checkpoint)"
+
+
+def _options_of(info: Any) -> Any:
+    """The plain ``StateDictOptions`` of torch's per-call ``info`` (which flatview's
+    functions hand on to torch's model-state functions)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**{f.name: getattr(info, f.name) for f in fields(StateDictOptions)})
+
+
+def _get_model_state_dict(model: nn.Module, info: Any) -> Any:
+    site = getattr(info, _ROUTED, None)
+    if site is None or not info.handle_model:
+        return _originals["_get_model_state_dict"](model, info)
+    with _flatviews():
+        return checkpoint_model.model_state_dict(site.runtime, _options_of(info))
+
+
+def _get_optim_state_dict(
+    model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], info: Any
+) -> Any:
+    site = getattr(info, _ROUTED, None)
+    if site is None or not info.handle_optim or not getattr(info, _PIECES, False):
+        return _originals["_get_optim_state_dict"](model, optimizers, info)
+    with _flatviews():
+        return checkpoint_optim.optimizers_state(site.runtime, optimizers, _options_of(info))
+
+
+def _load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], info: Any) -> Any:
+    site = getattr(info, _ROUTED, None)
+    if site is None or not info.handle_model or not state_dict:
+        return _originals["_load_model_state_dict"](model, state_dict, info)
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    runtime = site.runtime
+    if checkpoint_model.torch_loads_model(runtime, state_dict):
+        with _flatviews():
+            result = checkpoint_model.load_model_state_dict(runtime, state_dict, _options_of(info))
+        return _IncompatibleKeys(result.missing_keys, result.unexpected_keys)
+    # Local copies: a rank that refuses the dict raises on every rank.
+    failure: BaseException | None = None
+    try:
+        result = checkpoint_model.load_model_state_dict(runtime, state_dict, _options_of(info))
+    except Exception as err:
+        failure = err
+    raise_everywhere(failure, (), _group(site), _caller())
+    return _IncompatibleKeys(result.missing_keys, result.unexpected_keys)
+
+
+def _load_optim_state_dict(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    state_dict: dict[str, Any],
+    info: Any,
+) -> None:
+    site = getattr(info, _ROUTED, None)
+    if site is None or not info.handle_optim or not getattr(info, _PIECES, False):
+        _originals["_load_optim_state_dict"](model, optimizers, state_dict, info)
+        return
+    failure: BaseException | None = None
+    try:
+        checkpoint_optim.load_optimizers_state(site.runtime, optimizers, state_dict)
+    except Exception as err:
+        failure = err
+    # Local loading: a rank that refuses the dict raises on every rank.
+    raise_everywhere(failure, (), _group(site), _caller())
+
+
+_WRAPPERS: dict[str, Callable[..., Any]] = {
+    "_verify_options": _verify_options,
+    "_get_model_state_dict": _get_model_state_dict,
+    "_get_optim_state_dict": _get_optim_state_dict,
+    "_load_model_state_dict": _load_model_state_dict,
+    "_load_optim_state_dict": _load_optim_state_dict,
+}
+
+
+# --------------------------------------------------------------------- refusing
+
+
+def _torch_entry_points() -> dict[Any, str]:
+    module = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    if module is None:
+        return {}
+    entries = {}
+    for name in (
+        "get_state_dict",
+        "get_optimizer_state_dict",
+        "set_state_dict",
+        "set_optimizer_state_dict",
+        "get_model_state_dict",
+        "set_model_state_dict",
+    ):
+        fn = getattr(module, name, None)
+        fn = getattr(fn, "__wrapped__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            entries[code] = name
+    return entries
+
+
+def _refuse_view_optimizers(runtime: Runtime) -> None:
+    """Where torch's helpers could not be replaced: refuse the calling torch function's
+    optimizers over views (found on the stack), naming :mod:`flatview.checkpoint`."""
+    entries = _torch_entry_points()
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in entries:
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return
+    name = entries[frame.f_code]
+    optimizers = frame.f_locals.get("optimizers") or ()
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = (optimizers,)
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            continue
+        held = _views_held(runtime, optimizer)
+        if held:
+            raise FlatViewError(
+                f"torch.distributed.checkpoint.state_dict.{name} cannot handle optimizer "
+                f"{type(optimizer).__name__}, which holds flatview's views ({_shown(held)}) "
+                f"of a {runtime.adapter.backend} model, on this torch ({torch.__version__}): "
+                "torch would take each view's state for the state of a whole flat parameter "
+                f"(or of a whole parameter). Use flatview.checkpoint.{name}(fv, model, ...) "
+                "instead: the same arguments and options after fv, a state dict keyed by "
+                "original names that torch.distributed.checkpoint.save / load handle and "
+                "reshard"
+            )
+
+
+def _install_fsdp_refusals() -> None:
+    """Replace torch FSDP1's two optimizer-state implementations by refusing wrappers
+    (once per process; not where their parameters differ from this torch's)."""
+    if _fsdp_originals:
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    found = {name: vars(FSDP).get(name) for name in _FSDP_PARAMETERS}
+    for name, expected in _FSDP_PARAMETERS.items():
+        impl = found[name]
+        if not isinstance(impl, staticmethod) or _parameters(impl.__func__)[:3] != expected:
+            return  # another torch
+    for name, impl in found.items():
+        assert isinstance(impl, staticmethod)
+        _fsdp_originals[name] = impl.__func__
+        setattr(FSDP, name, staticmethod(_refusing(name, impl.__func__)))
+
+
+_FSDP_PARAMETERS = {
+    "_optim_state_dict_impl": [
+        ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("optim", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("optim_state_dict", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ],
+    "_optim_state_dict_to_load_impl": [
+        ("optim_state_dict", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("optim_input", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ],
+}
+"""The leading parameters of each implementation the wrappers read."""
+
+
+def _refusing(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def impl(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        model = bound.get("model")
+        if isinstance(model, nn.Module):
+            held: list[Any] = []
+            optim = bound.get("optim")
+            if isinstance(optim, torch.optim.Optimizer):
+                held.append(optim)
+            optim_input = bound.get("optim_input")
+            if optim_input is not None:
+                held.append(optim_input)
+            _refuse_fsdp_call(sys._getframe(1).f_code.co_name, model, held)
+        return original(*args, **kwargs)
+
+    return impl
+
+
+def _refuse_fsdp_call(caller: str, model: nn.Module, held: list[Any]) -> None:
+    """Refuse FSDP's optimizer-state function ``caller`` on ``model`` if a module of it
+    carries the mark and an optimizer (or ``optim_input``) of the call holds flatview's
+    views of it, before any collective."""
+    if not held:
+        return
+    sites = [site for module in model.modules() if (site := _site_of(module)) is not None]
+    for site in sites:
+        for optimizer in held:
+            names = _views_held(site.runtime, optimizer)
+            if names:
+                kind = type(optimizer).__name__
+                raise FlatViewError(
+                    f"FullyShardedDataParallel.{caller} cannot handle optimizer {kind}, "
+                    f"which holds flatview's views ({_shown(names)}) of a torch FSDP model: "
+                    "FSDP's optimizer-state functions know its flat parameters, not views, "
+                    "and would pair collectives of different sizes across ranks. Save and "
+                    "load through torch.distributed.checkpoint.state_dict (get_state_dict / "
+                    "set_state_dict, which flatview routes to flatview.checkpoint), "
+                    "flatview.checkpoint, or fv.optim_state_dict / fv.load_optim_state_dict"
+                )
+
+
+def _params_of(optimizer: Any) -> Iterable[Any]:
+    """The tensors of an optimizer, or of an ``optim_input`` (parameters, or parameter
+    groups as dicts)."""
+    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    for entry in groups:
+        if isinstance(entry, dict):
+            yield from entry.get("params", ())
+        else:
+            yield entry
+
+
+def _holds_pieces(runtime: Runtime, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds original parameters of the model (views, flatview's or
+    torch's with ``use_orig_params=True``, or parameters fairscale leaves unflattened):
+    only an optimizer over flat parameters (which flatview refuses at its first step)
+    does not."""
+    return any(runtime.index_of(tensor) is not None for tensor in _params_of(optimizer))
+
+
+def _views_held(runtime: Runtime, optimizer: Any) -> list[str]:
+    """Names of the parameters of ``optimizer`` that torch's functions would misread:
+    flatview's own views, and parameters the wrapper shards one by one."""
+    table = runtime.table
+    names = []
+    for tensor in _params_of(optimizer):
+        index = runtime.index_of(tensor) if isinstance(tensor, torch.Tensor) else None
+        if index is None:
+            continue
+        # A plain parameter with a padded-shard placement is one the wrapper shards by
+        # itself (fairscale's flatten_parameters=False).
+        if table.own_view(index) or table.placement_of(index).padded_shard:
+            names.append(table.name(index))
+    return names
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
