@@ -165,8 +165,10 @@ class DeepSpeedAdapter(Adapter):
 
     backend = "deepspeed"
     clean_name = staticmethod(clean_name)
-    # ZeRO 1/2 keep parameters in flat buffers, ZeRO 3 in per-rank partitions: torch's
-    # checkpoint functions would take a view's optimizer state for a whole parameter's.
+    # ZeRO 1/2 keep parameters in flat buffers, ZeRO 3 in per-rank partitions, and the
+    # optimizer holds views: torch's checkpoint functions would take a view's optimizer
+    # state for a whole parameter's (and name everything ``module.*``), so the handle
+    # routes them to flatview.checkpoint's.
     flattens = True
 
     def __init__(self, model: DeepSpeedModel, options: ReduceOptions) -> None:
