@@ -727,11 +727,27 @@ def _same_value(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _snapshot(state: tuple[dict[str, Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """A (model, optimizer) state-dict pair's values copied (this rank's shards and where
+    they lie, for sharded ones), comparable with ``==`` after training went on."""
+
+    def copied(value: Any) -> Any:
+        if hasattr(value, "local_shards"):
+            return [(s.metadata.shard_offsets, s.tensor.tolist()) for s in value.local_shards()]
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        return value
+
+    return [{k: copied(v) for k, v in flat.items()} for flat in _flat_items(state)]
+
+
 def refused_while_wrapped(stage: int) -> dict[str, str]:
-    """What flatview refuses on a wrapped engine (StateError messages by call)."""
+    """What flatview refuses on a wrapped engine (StateError messages by call), and what
+    torch's routed get_state_dict / set_state_dict give and load."""
     import tempfile
 
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import flatview
     import flatview.checkpoint
@@ -775,7 +791,23 @@ def refused_while_wrapped(stage: int) -> dict[str, str]:
             for a, b in zip(_flat_items(routed), _flat_items(own), strict=True)
         )
         out["torch get_state_dict"] = "routed" if same else f"differs: {routed} vs {own}"
-        del engine, fv, calls, early, client
+        # torch's pair as frameworks use it: saved with DCP, a step later loaded (DCP into
+        # torch's template, then set_state_dict): the state of before, by
+        # flatview.checkpoint's reading.
+        shared = [f"{directory}/dcp"]
+        dist.broadcast_object_list(shared, src=0)
+        dcp.save({"model": routed[0], "optim": routed[1]}, checkpoint_id=shared[0])
+        saved = _snapshot(routed)
+        xs, ys = local_batch(scenario, 1)
+        engine.backward(loss_of(engine(xs), ys))
+        engine.step()
+        moved = _snapshot(flatview.checkpoint.get_state_dict(fv, engine, client)) != saved
+        model_sd, optim_sd = get_state_dict(engine, client)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=shared[0])
+        set_state_dict(engine, client, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        back = _snapshot(flatview.checkpoint.get_state_dict(fv, engine, client)) == saved
+        out["torch set_state_dict"] = "routed" if moved and back else f"moved {moved}, back {back}"
+        del engine, fv, calls, early, client, routed, own, model_sd, optim_sd
     return out
 
 

@@ -320,12 +320,14 @@ def test_deepspeed_operations_that_would_be_wrong_are_refused(
     an optimizer built before wrapping over DeepSpeed's own parameters would train
     copies the engine overwrites (refused at its first step). torch's get_state_dict,
     which would take a view's optimizer state for a whole parameter's, gives what
-    flatview.checkpoint.get_state_dict gives (routed)."""
+    flatview.checkpoint.get_state_dict gives, and torch's set_state_dict loads it back
+    (routed)."""
     for got in dist_pool(2).run(w.refused_while_wrapped, stage, timeout=TIMEOUT):
         early = got.pop("early optimizer")
         assert early.startswith("StateError: "), early
         assert "holds DeepSpeed's own module parameters" in early, early
         assert got.pop("torch get_state_dict") == "routed"
+        assert got.pop("torch set_state_dict") == "routed"
         for name, message in got.items():
             assert message.startswith("StateError: "), (name, message)
             assert "not supported while flatview wraps" in message, (name, message)
