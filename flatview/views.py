@@ -137,7 +137,8 @@ class ViewSet:
             # The wrapper leaves plain tensors as instance attributes, which would
             # shadow a registered parameter.
             instance.pop(attr, None)
-            params.pop(attr, None)
+            # In the place of a parameter the wrapper registered there (DeepSpeed's),
+            # so that the module's parameter order stays the model's.
             params[attr] = view
         self.shown = Shown.VIEWS
 
