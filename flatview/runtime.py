@@ -253,8 +253,7 @@ class Runtime:
         # A check left unsettled by a forward that raised: hear it before the next.
         self.settle_agreement()
         self.ledger.reset()
-        self._agreement.start(frozenset(), outside=True)
-        return True
+        return self._agreement.start(frozenset(), outside=True)
 
     def _detach_grads(self) -> None:
         # The wrapper computes a fresh gradient; the views keep theirs until the synced
@@ -393,12 +392,14 @@ class Runtime:
         return plan if masking_pays(plan) else None
 
     def gather_masked(
-        self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan
+        self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan, unit: int
     ) -> None:
-        """All-gather only ``plan``'s elements into ``rows`` (see :mod:`flatview.comm.gather`)."""
-        index = plan_index(plan, local_shard.device)
+        """All-gather only ``plan``'s elements into ``rows`` over unit ``unit``'s group
+        (see :mod:`flatview.comm.gather`)."""
+        own = self.table.units[unit].group
+        where = (own.rank, own.group) if own else (self.adapter.rank, self.adapter.group)
         masked_all_gather(
-            rows, local_shard, plan, index, self.adapter.rank, self.adapter.group, self.ledger
+            rows, local_shard, plan, plan_index(plan, local_shard.device), *where, self.ledger
         )
 
     def _used_so_far(self, flat: int) -> tuple[bool, ...]:

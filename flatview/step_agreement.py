@@ -1,32 +1,60 @@
 """The skip-set agreement check of the iteration in flight: :class:`SkipAgreement`.
 
 With ``check_skip_agreement`` on, every checked step, and every iteration outside any
-step (as one skipping nothing), starts one tiny all-gather of a fingerprint of its skip
-set and frozen parameters (:mod:`flatview.comm.agreement`), on the adapter's
+step (as one skipping nothing), is checked with one tiny all-gather of a fingerprint of
+its skip set and frozen parameters (:mod:`flatview.comm.agreement`), on the adapter's
 ``agreement_group`` (every rank of the run, replicas included). Where the adapter allows
 (``overlaps_agreement``) it runs alongside the forward and is settled before the first
 collective the skip set decides; otherwise it is settled at once.
+
+Units on process groups of their own (experts, :class:`~flatview.backends.base.UnitGroup`)
+have a fingerprint of their own in the same all-gather: only the ranks that share such a
+group must skip their parameters alike.
+
+An iteration whose backward does not synchronise (under the wrapper's ``no_sync()``, as
+:meth:`~flatview.backends.base.Adapter.synchronizing` says when the step is entered, or
+the outside-step forward begins) exchanges nothing: the wrapper makes such a micro-step
+free of gradient communication and flatview keeps it so. Its declaration is kept, and the
+check of the next synchronising iteration covers all of them at once (one fingerprint of
+the sequence): a disagreement in any of them raises on every rank before that
+iteration's first collective the skip set decides, so before any reduction of what the
+micro-steps accumulated. What a deferred check cannot do is catch the disagreement
+earlier: on sharded wrappers the micro-steps' forwards have gathered parameters by
+their own skip sets already (``docs/limitations.md``). A rank whose skip set fails to
+resolve in such a step raises at once, alone, and reports it at that check, where every
+rank raises.
 """
 
 from __future__ import annotations
 
 from flatview.backends.base import Adapter
-from flatview.comm.agreement import Agreement, fingerprint
+from flatview.comm.agreement import Agreement, Declared, combined, fingerprint
 from flatview.comm.ledger import Ledger
 from flatview.errors import FlatViewError
 from flatview.table import ParamTable
 
+_Entry = tuple[frozenset[int], frozenset[int], bool]
+"""One iteration's declaration: skipped and frozen parameters, outside any step."""
+
 
 class SkipAgreement:
-    """The check in flight, if any (see the module docstring)."""
+    """The check in flight, if any, and the declarations it will cover (see the module
+    docstring)."""
 
     def __init__(self, table: ParamTable, adapter: Adapter, ledger: Ledger) -> None:
         self.table = table
         self.adapter = adapter
         self.ledger = ledger
         self._pending: Agreement | None = None
+        # Declarations of iterations under no_sync(), and the first failure among them:
+        # the next synchronising iteration's check covers them.
+        self._deferred: list[_Entry] = []
+        self._deferred_failure: FlatViewError | None = None
         self.failed_outside = False
         """The last :meth:`settle` raised for an iteration outside any step."""
+        everything = frozenset(range(len(table)))
+        own = table.own_group_params
+        self._slots = (everything,) if table.peers is None else (everything - own, own)
 
     def start(
         self,
@@ -34,35 +62,51 @@ class SkipAgreement:
         *,
         failure: FlatViewError | None = None,
         outside: bool = False,
-    ) -> None:
-        """Start the check of a step skipping ``skipped`` (``failure``: this rank's own
-        error, sent in place of its fingerprint), or of an iteration ``outside`` any step."""
+    ) -> bool:
+        """Check a step skipping ``skipped`` (``failure``: this rank's own error, sent in
+        place of its fingerprint), or an iteration ``outside`` any step. Returns whether
+        a check started: under ``no_sync()`` it waits for the next synchronising
+        iteration (``failure`` is then raised here, on this rank alone)."""
         params = self.table.params
         frozen = frozenset(p.index for p in params if not p.tensor.requires_grad)
-        if outside:
-            agreement = Agreement(
-                fingerprint((), frozen),
-                list,
-                self.adapter.agreement_group,
-                self.adapter.device,
-                self.ledger,
-                frozen=lambda: [params[i].name for i in sorted(frozen)],
-                outside=True,
-            )
-        else:
-            agreement = Agreement(
-                fingerprint(skipped, frozen),
-                lambda: [params[i].name for i in sorted(skipped)],
-                self.adapter.agreement_group,
-                self.adapter.device,
-                self.ledger,
-                frozen=lambda: [params[i].name for i in sorted(frozen)],
-                failure=failure,
-            )
-        if failure is not None or not self.adapter.overlaps_agreement:
+        entry = (skipped, frozen, outside)
+        if not self.adapter.synchronizing():
+            self._deferred.append(entry)
+            if failure is not None:
+                self._deferred_failure = self._deferred_failure or failure
+                raise failure
+            return False
+        entries, self._deferred = [*self._deferred, entry], []
+        earlier, self._deferred_failure = self._deferred_failure, None
+        prints = [
+            combined([fingerprint(s & slot, f & slot) for s, f, _ in entries])
+            for slot in self._slots
+        ]
+        agreement = Agreement(
+            prints,
+            lambda: [self._declared(e) for e in entries],
+            self.adapter.agreement_group,
+            self.adapter.device,
+            self.ledger,
+            peers=self.table.peers,
+            failure=failure or earlier,
+            raise_own=failure is not None,
+            outside=outside,
+        )
+        if failure is not None or earlier is not None or not self.adapter.overlaps_agreement:
             agreement.settle()
         else:
             self._pending = agreement
+        return True
+
+    def _declared(self, entry: _Entry) -> Declared:
+        skipped, frozen, outside = entry
+        params = self.table.params
+
+        def names(indices: frozenset[int]) -> tuple[tuple[str, ...], ...]:
+            return tuple(tuple(params[i].name for i in sorted(indices & s)) for s in self._slots)
+
+        return Declared(names(skipped), names(frozen), outside)
 
     def settle(self) -> None:
         """Wait for the check in flight, if any, raising

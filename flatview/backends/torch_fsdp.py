@@ -112,7 +112,7 @@ class TorchFSDPAdapter(Adapter):
         self._undeclared: list[str] = []
 
     def describe(self) -> list[UnitSpec]:
-        return describe_units(self.units, self.root, self.rank, self.world_size)
+        return describe_units(self.units, self.root, self.model.groups)
 
     def _lend(self) -> Any:
         return self.runtime.lend()
