@@ -497,6 +497,7 @@ class FlatView:
         if isinstance(optimizer, optim_state.ConsolidatesItself):
             # flatview.optim.Whole keeps whole tensors on owner ranks: it consolidates itself.
             return optimizer.consolidated_state_dict(rank0_only=rank0_only)
+        optim_state.refuse_sharded_experts(self.table)
         return optim_state.consolidate(self.table, self.adapter, optimizer, rank0_only=rank0_only)
 
     def load_optim_state_dict(
