@@ -34,7 +34,7 @@ from torch import nn
 from flatview.accounting import StatsSource, step_stats
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter
-from flatview.binding import backward_outside_step, check_step_entry
+from flatview.binding import backward_outside_step, backward_without_forward, check_step_entry
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
 from flatview.comm.packing import plan_index
@@ -167,6 +167,7 @@ class Runtime:
         """Refuse the backward of a forward that ran outside the step in flight: the
         step's skip set would not apply to it (adapters call this before the backward
         communicates)."""
+        self._agreement.cover_deferred()  # a step begun under no_sync() synchronises
         if self._step_skip is None or self.phase is not Phase.COMPUTING:
             return
         iteration = self.iteration
@@ -382,8 +383,8 @@ class Runtime:
         """The mask for all-gathering ``flat`` in this iteration, or ``None`` to gather it
         whole (nothing skipped in it, or too little for masking to pay)."""
         found = self._skipping(flat)
-        if found is None:
-            return None
+        if found is None or self._agreement.deferred:
+            return None  # unchecked yet (no_sync()): whole, as the wrapper, on every rank
         iteration, record = found
         read = iteration.read[record.index]
         if all(read):
@@ -394,8 +395,7 @@ class Runtime:
     def gather_masked(
         self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan, unit: int
     ) -> None:
-        """All-gather only ``plan``'s elements into ``rows`` over unit ``unit``'s group
-        (see :mod:`flatview.comm.gather`)."""
+        """All-gather ``plan``'s elements into ``rows`` in ``unit``'s group (comm.gather)."""
         own = self.table.units[unit].group
         where = (own.rank, own.group) if own else (self.adapter.rank, self.adapter.group)
         masked_all_gather(
@@ -437,7 +437,7 @@ class Runtime:
     def end_backward(self, synced: bool) -> None:
         """A backward pass finished; ``synced`` is False under ``no_sync()``."""
         if self.phase is not Phase.COMPUTING:
-            raise StateError(f"backward ended in phase {self.phase.name}, expected COMPUTING")
+            raise backward_without_forward(self.phase.name)
         self.check_backward_binding()
         used = [self._used_so_far(flat.index) for flat in self.table.flats]
         if synced:

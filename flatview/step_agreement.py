@@ -76,7 +76,30 @@ class SkipAgreement:
                 self._deferred_failure = self._deferred_failure or failure
                 raise failure
             return False
-        entries, self._deferred = [*self._deferred, entry], []
+        self._check([*self._deferred, entry], failure, outside)
+        return True
+
+    @property
+    def deferred(self) -> bool:
+        """Iterations under ``no_sync()`` wait for a check."""
+        return bool(self._deferred)
+
+    def cover_deferred(self) -> None:
+        """If a backward synchronises while iterations still wait (its step began under
+        ``no_sync()``), check them at once: the runtime calls this before the backward's
+        first reduction, which every rank that synchronises reaches alike."""
+        if self._deferred and self.adapter.synchronizing():
+            self._check(list(self._deferred), None, False, at_once=True)
+
+    def _check(
+        self,
+        entries: list[_Entry],
+        failure: FlatViewError | None,
+        outside: bool,
+        *,
+        at_once: bool = False,
+    ) -> None:
+        self._deferred = []
         earlier, self._deferred_failure = self._deferred_failure, None
         prints = [
             combined([fingerprint(s & slot, f & slot) for s, f, _ in entries])
@@ -93,11 +116,10 @@ class SkipAgreement:
             raise_own=failure is not None,
             outside=outside,
         )
-        if failure is not None or earlier is not None or not self.adapter.overlaps_agreement:
+        if at_once or failure or earlier or not self.adapter.overlaps_agreement:
             agreement.settle()
         else:
             self._pending = agreement
-        return True
 
     def _declared(self, entry: _Entry) -> Declared:
         skipped, frozen, outside = entry

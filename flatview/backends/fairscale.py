@@ -199,6 +199,10 @@ class FairscaleAdapter(Adapter):
         # A backward inside the root's forward would trip the root's own assertion first.
         hook_unfinished(self.root, self.root.params, WRAPPER, patches)
 
+    def synchronizing(self) -> bool:
+        # fairscale's no_sync() clears the flag on every unit; the root's decides.
+        return bool(self.root._require_backward_grad_sync)
+
     def uninstall(self) -> None:
         self._patches.remove()
         remove_shim(self.units)

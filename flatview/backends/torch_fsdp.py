@@ -155,6 +155,10 @@ class TorchFSDPAdapter(Adapter):
         patches.patch(order, "get_handle_to_forward_prefetch", prefetch.forward_target)
         patches.patch(order, "get_handle_to_backward_prefetch", prefetch.backward_target)
 
+    def synchronizing(self) -> bool:
+        # torch's no_sync() clears the flag on every unit; the root's decides.
+        return bool(self.root._sync_gradients)
+
     def uninstall(self) -> None:
         self._patches.remove()
         self._reduction.uninstall()

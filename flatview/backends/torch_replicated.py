@@ -197,6 +197,10 @@ class TorchReplicatedAdapter(Adapter):
                 self._summon.patch(handle, patches)
         self._backward.install(runtime, patches)
 
+    def synchronizing(self) -> bool:
+        # torch's no_sync() clears the flag on every unit; the root's decides.
+        return bool(self.root._sync_gradients)
+
     def uninstall(self) -> None:
         self._patches.remove()
         self._backward.uninstall()
