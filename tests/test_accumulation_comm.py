@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from tests.conftest import PoolFactory
 
 TIMEOUT = 90.0
+SLOW = pytest.mark.slow
 CONFIGS = {
     "fairscale": FAIRSCALE,
     "torch": BackendConfig("torch", "FULL_SHARD"),
@@ -25,7 +26,9 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize(
+    "name", [n if n != "torch_no_shard" else pytest.param(n, marks=SLOW) for n in sorted(CONFIGS)]
+)
 def test_no_sync_micro_steps_add_no_collective(dist_pool: PoolFactory, name: str) -> None:
     """Each micro-step under no_sync() issues the same collectives as the plain wrapper's
     (counted at the calls; without skip sets, the peers' test), and, with skip sets, as
@@ -48,8 +51,17 @@ def test_no_sync_micro_steps_add_no_collective(dist_pool: PoolFactory, name: str
         assert last.get("all_gather", 0) == unchecked.get("all_gather", 0) + 1, found
 
 
-@pytest.mark.parametrize("name", ["fairscale", "torch", "ddp"])
-@pytest.mark.parametrize("where", [0, 2])
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [
+        ("fairscale", 0),
+        ("torch", 0),
+        pytest.param("ddp", 0, marks=SLOW),
+        pytest.param("fairscale", 2, marks=SLOW),
+        pytest.param("torch", 2, marks=SLOW),
+        ("ddp", 2),
+    ],
+)
 def test_disagreement_in_window_raises_everywhere(
     dist_pool: PoolFactory, name: str, where: int
 ) -> None:

@@ -74,7 +74,7 @@ def test_moe_draws(dist_pool: PoolFactory, data: st.DataObject) -> None:
     _check(dist_pool, case)
 
 
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("shared", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_expert_group_disagreement_raises_everywhere(dist_pool: PoolFactory, shared: bool) -> None:
     """Rank 1 skips an expert its group-mate uses (or a shared layer): every rank raises
     SkipSetMismatchError, within the timeout; an expert skipped by one group and used by
@@ -86,7 +86,7 @@ def test_expert_group_disagreement_raises_everywhere(dist_pool: PoolFactory, sha
             assert "ranks [0, 1] share the process group" in message
 
 
-@pytest.mark.parametrize("backend", ["torch", "fairscale"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("fairscale", marks=pytest.mark.slow)])
 def test_skipped_experts_cost_nothing(dist_pool: PoolFactory, backend: str) -> None:
     """A step in which an expert group skips all its experts moves none of their bytes
     (counted at the collective calls): at least one gather and one reduction of them
