@@ -43,17 +43,17 @@ def train(run: Run, resume: bool = False) -> dict[str, np.ndarray] | None:
         model, fv, opts = prepare(accelerator, net, lambda m: make_optimizers(m, run))
         batches = list(enumerate(local_batches(run)))
         half = len(batches) // 2
-        _epoch(run, accelerator, model, fv, opts, batches[:half])
+        epoch(run, accelerator, model, fv, opts, batches[:half])
         if resume:
             accelerator.save_state("state")
-            _epoch(run, accelerator, model, fv, opts, batches[half:])
+            epoch(run, accelerator, model, fv, opts, batches[half:])
             accelerator.load_state("state")
-        _epoch(run, accelerator, model, fv, opts, batches[half:])
+        epoch(run, accelerator, model, fv, opts, batches[half:])
         params = params_of(net)
     return params if dist.get_rank() == 0 else None
 
 
-def _epoch(
+def epoch(
     run: Run,
     accelerator: Accelerator,
     model: Any,

@@ -148,6 +148,11 @@ THOROUGH_CONFIGS: tuple[BackendConfig, ...] = (FSDP2, FSDP2_HSDP, *HYBRID_CONFIG
 FSDP1 hybrid sharding: in every parametrized suite, but (to keep CI under its time) only
 in the thorough profile, except where a suite asks for them in CI (``slow=False``)."""
 BACKEND_CONFIGS: tuple[BackendConfig, ...] = (*QUICK_CONFIGS, *THOROUGH_CONFIGS)
+SAMPLED_IN_CI: tuple[BackendConfig, ...] = (BackendConfig("torch", "SHARD_GRAD_OP"),)
+"""Quick configurations that are close variants of another (``SHARD_GRAD_OP`` is
+``FULL_SHARD`` kept unsharded from forward to backward): in the CI profile only where a
+suite asks for them (``ci=True``) or draws them, in every suite in the thorough profile
+(to keep CI under its time)."""
 
 
 def torch_backend_tested() -> bool:
@@ -194,10 +199,10 @@ def backend_param(
     marks: Sequence[Any] = (),
 ) -> Any:
     """A ``pytest.param`` of ``config`` (and ``values``), skipped where it cannot run.
-    ``slow``: thorough profile only, as is every one of :data:`THOROUGH_CONFIGS` unless
-    ``ci``."""
+    ``slow``: thorough profile only, as is every one of :data:`THOROUGH_CONFIGS` and
+    :data:`SAMPLED_IN_CI` unless ``ci``."""
     marks = [*marks, _SKIP_TORCH] if config.backend in ("torch", "fsdp2") else [*marks]
-    if config in THOROUGH_CONFIGS and not ci:
+    if (config in THOROUGH_CONFIGS or config in SAMPLED_IN_CI) and not ci:
         slow = True
     if slow:
         marks.append(pytest.mark.slow)
@@ -219,7 +224,9 @@ def spread(world_sizes: Sequence[int], quick: Sequence[int]) -> Any:
     (hybrid layouts: 4 only), of which only ``quick[i]`` runs for configuration ``i``
     outside the thorough profile (none for configurations past the end of ``quick``)."""
     return [
-        backend_param(config, ws, slow=i >= len(quick) or ws != quick[i])
+        backend_param(
+            config, ws, slow=i >= len(quick) or ws != quick[i], ci=config in SAMPLED_IN_CI
+        )
         for i, config in enumerate(BACKEND_CONFIGS)
         for ws in world_sizes
         if ws in config.world_sizes

@@ -11,6 +11,10 @@ the frameworks (through :func:`tests.integration_workers.call`).
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -179,6 +183,25 @@ def test_fabric_trains_like_the_reference(
 def test_accelerate_ddp_trains_like_the_reference(dist_pool: PoolFactory, run: iw.Run) -> None:
     # prepare(model) -> flatview.wrap -> optimizers from views -> prepare(optimizers).
     _check(_run(dist_pool(2), ACCELERATE, "train", run), run)
+
+
+@needs_accelerate
+@pytest.mark.timeout(TIMEOUT)
+def test_accelerate_ddp_under_torchrun_trains_like_the_reference() -> None:
+    """The same run (accumulation and clipping) launched by a real ``torchrun``:
+    accelerate makes the process group from the launcher's environment itself, not the
+    suite's pool (tests/torchrun_accelerate.py; rank 0 compares with the reference)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", "-m", "tests.torchrun_accelerate"]
+    done = subprocess.run(
+        command, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT - 10
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "same as the single-process reference" in done.stdout, done.stdout[-3000:]
 
 
 @needs_accelerate
