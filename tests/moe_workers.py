@@ -296,7 +296,10 @@ def _compare(case: MoECase) -> dict[str, float]:
     expected = reference(case)[dist.get_rank()]
     assert sorted(mine) == sorted(expected), (sorted(mine), sorted(expected))
     found = {"reference": _worst(mine, expected)}
-    if case.optimizer == "sgd" or not case.skip:
+    # Plain fairscale fails in its own backward when an expert unit's forward is not
+    # called (a skipped expert of its own): no plain run to compare with there.
+    plain_fails = case.backend == "fairscale" and case.unit_per_expert and case.skip
+    if (case.optimizer == "sgd" or not case.skip) and not plain_fails:
         # A skipped expert gets no gradient under flatview, zeros under the plain
         # wrapper: the same training for plain SGD only.
         plain = train(case, False)
