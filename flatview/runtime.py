@@ -6,9 +6,10 @@ step in force and the iteration bound to each forward (:mod:`flatview.iteration`
 skip-set agreement, the guards on skipped parameters (:mod:`flatview.guards`), the masks
 of the reduction and the all-gather, the window of what was used since the last
 synchronising backward (gradient accumulation under ``no_sync()``: segments of flat
-parameters and plain parameters, for every adapter), lending the model
-to a wrapper operation, carrying what was written through views back into the shards,
-and what :attr:`flatview.FlatView.stats` is computed from.
+parameters and plain parameters, for every adapter), lending the model to a wrapper
+operation, carrying what was written through views back into the shards, and what
+:attr:`flatview.FlatView.stats` is computed from. An iteration computes until each of its
+root forwards has had its backward (several forwards, then their backwards).
 
 Adapters call only the members of the ``Runtime`` protocol of
 :mod:`flatview.backends.base`; the user's handle calls the rest.
@@ -71,21 +72,19 @@ class Runtime:
         """Bytes and calls of flatview's own collectives since the iteration began."""
         self.phase = Phase.IDLE
         """Where the model is in its lifecycle: views are registered only in ``IDLE``."""
-        # The last backward's StepStats, or what they are computed from when first asked
-        # for: most steps nobody reads them.
+        # The last backward's StepStats, or their source (most steps nobody reads them).
         self._stats: StatsSource | StepStats | None = None
 
         self._step_skip: frozenset[int] | None = None
         self._agreement = SkipAgreement(table, adapter, self.ledger)
         """The step's skip-set check, while it runs alongside the forward."""
         self._step_count = 0
+        self._awaiting = 0  # root forwards (with autograd) still awaiting their backward
         self.iteration: Iteration | None = None
         """The iteration bound to the forward in flight (or the last one)."""
-        # Per flat parameter, segments used in the backwards since the last synced one
-        # (gradient accumulation under no_sync()).
+        # Per flat parameter, segments used since the last synced backward (no_sync()).
         self._window: list[tuple[bool, ...]] | None = None
-        # Plain parameters used in those backwards: the window of every kind of parameter
-        # is kept here, for every adapter.
+        # Plain parameters used in those backwards (every adapter's window is kept here).
         self._plain_window: frozenset[int] = frozenset()
         self._guards = SkipGuards(table)
         self.views = ModelViews(table, model, adapter.clean_name, adapter.view_owners())
@@ -202,6 +201,8 @@ class Runtime:
         """
         self.check_not_lent()
         agreed = self._agree_outside_step(outermost)
+        if outermost and not in_backward() and torch.is_grad_enabled():
+            self._awaiting += 1
         if self.phase is Phase.IDLE:
             self._start_compute()
             self._bind_iteration(reset_ledger=not agreed)
@@ -258,9 +259,8 @@ class Runtime:
 
     def _detach_grads(self) -> None:
         # The wrapper computes a fresh gradient; the views keep theirs until the synced
-        # backward adds the two (end_backward), so a zero_grad between forward and
-        # backward counts. Inside a no_sync() window the flat parameters hold unsharded
-        # accumulated gradients, detached when the window opened.
+        # backward adds the two (so a zero_grad between forward and backward counts).
+        # Under no_sync() they were detached when the window opened.
         if self._window is None:
             self.views.detach_grads()
 
@@ -290,6 +290,7 @@ class Runtime:
             self.views.push_grads()
 
     def _bind_iteration(self, *, reset_ledger: bool = True) -> None:
+        self._awaiting = 1  # forwards of an earlier iteration get no backward now
         skipped = self._step_skip or frozenset()
         if self._step_skip is None and reset_ledger:
             self.ledger.reset()
@@ -448,7 +449,9 @@ class Runtime:
             self._window = used
             self._plain_window = self.plain_used_so_far()
         self._stats = StatsSource.of(self.iteration, self.ledger, synced)
-        self._end_compute()
+        self._awaiting = 0 if synced else self._awaiting - 1
+        if self._awaiting <= 0:
+            self._end_compute()
 
     def end_forward_only(self) -> None:
         """A forward ran without autograd: no backward will follow."""
@@ -470,8 +473,7 @@ class Runtime:
         if self.phase is not Phase.IDLE:
             yield
             return
-        # The wrapper reads the shards (and may read gradients): what was written
-        # through the views must be there.
+        # The wrapper reads the shards (and maybe gradients): views' writes go there first.
         self.write_back()
         self.push_grads()
         self.views.hide()
@@ -489,14 +491,12 @@ class Runtime:
         if self.phase is not Phase.IDLE:
             raise StateError(f"unwrap() needs phase IDLE, the model is {self.phase.name}")
         if self._window is not None:
-            # The flat parameters hold the window's unsharded gradients, the views what
-            # came before it: only the synchronising backward combines the two.
+            # Flat parameters hold the window's gradients, views the earlier: unmerged.
             raise StateError(
                 "unwrap() inside a no_sync() window: finish the accumulation with a "
                 "synchronising backward first"
             )
-        # The flat parameters carry on alone: the values and gradients the views hold
-        # (zeroed, dropped, written) must be theirs.
+        # The flat parameters carry on alone: what the views hold must be theirs.
         self.write_back()
         self.push_grads()
         self.views.hide()

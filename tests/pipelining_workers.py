@@ -1,7 +1,6 @@
 """Workers for several forwards of the root before their backwards (fairscale's
 ``test_fwd_fwd_bwd_bwd``, the pipelining pattern): the first backwards under
-``no_sync()``, the last one synchronising. flatview refuses it (``tests/test_pipelining.py``);
-:func:`fwd_fwd_bwd_bwd` also runs the plain wrapper, for the day it does not."""
+``no_sync()``, the last one synchronising."""
 
 from __future__ import annotations
 
@@ -47,3 +46,17 @@ def _whole(scenario: Scenario, model: Any) -> dict[str, torch.Tensor]:
         summon = model.summon_full_params()
     with summon:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def compare(scenario: Scenario) -> dict[str, Any]:
+    """flatview's run against the plain wrapper's, in the same processes: the largest
+    relative difference of a parameter, or flatview's error."""
+    mine = fwd_fwd_bwd_bwd(scenario, True)
+    if "error" in mine:
+        return mine
+    plain = fwd_fwd_bwd_bwd(scenario, False)
+    worst = max(
+        float((mine["params"][n] - p).abs().max() / p.abs().max().clamp_min(1e-6))
+        for n, p in plain["params"].items()
+    )
+    return {"worst": worst}
