@@ -21,6 +21,10 @@ nox.options.sessions = ["tests"]
 
 
 def _install(session: nox.Session, *args: str) -> None:
+    # DeepSpeed (the `deepspeed` extra) compiles C++/CUDA ops at install time unless told
+    # not to; flatview needs none of them (and tests build none: flatview.testing.
+    # deepspeed_on_cpu refuses to).
+    session.env["DS_BUILD_OPS"] = "0"
     session.install("--quiet", *CONSTRAINTS, *args)
 
 
@@ -28,7 +32,7 @@ def _run_script(session: nox.Session, script: str) -> None:
     # Checked before installing anything, so a missing script fails in seconds.
     if not (ROOT / script).is_file():
         session.error(f"{script} does not exist (yet); nothing to run")
-    _install(session, "-e", ".[fairscale,demo]")
+    _install(session, "-e", ".[fairscale,demo,deepspeed]")
     session.run(
         "python",
         script,
@@ -38,7 +42,7 @@ def _run_script(session: nox.Session, script: str) -> None:
 
 
 def _pytest(session: nox.Session, profile: str) -> None:
-    _install(session, "-e", ".[fairscale,test,libs,integrations]")
+    _install(session, "-e", ".[fairscale,test,libs,integrations,deepspeed]")
     # tests/conftest.py skips `slow` tests unless the profile is `thorough` (or --runslow).
     # pytest exits 5 when no test was collected; nox treats any code but 0 as a failure.
     session.run(

@@ -192,6 +192,8 @@ class Approach:
     min_world: int = 1
     """Fewest processes it runs on (hybrid layouts: shards of 2 and 2+ replicas); left
     out of runs on fewer."""
+    deepspeed: bool = False
+    """Needs DeepSpeed (run under flatview.testing.deepspeed_on_cpu on CPU)."""
 
 
 def _sgd(params: Any, cfg: Config) -> torch.optim.Optimizer:
@@ -462,6 +464,47 @@ def _flatview_ddp(check: bool) -> Callable[[Config], Trainer]:
     return build
 
 
+def _deepspeed(stage: int, wrapped: bool) -> Callable[[Config], Trainer]:
+    """A DeepSpeed ZeRO engine (fp32, no clipping) over SGD with momentum; ``wrapped``:
+    with flatview (the engine's optimizer steps views, skipped blocks' get no gradient),
+    else bare DeepSpeed (skipped blocks' parameters get zero gradients it steps)."""
+
+    def build(cfg: Config) -> Trainer:
+        import deepspeed
+
+        net = make_net(cfg)
+        config = {
+            "train_micro_batch_size_per_gpu": cfg.batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        engine, _, _, _ = deepspeed.initialize(
+            model=net, optimizer=_sgd(net.parameters(), cfg), config=config
+        )
+        fv = None
+        if wrapped:
+            import flatview
+
+            fv = flatview.wrap(engine)
+
+        def step(x: torch.Tensor, y: torch.Tensor, skip: list[int]) -> None:
+            declared = (
+                fv.step(skip=[f"blocks.{i}" for i in skip])
+                if fv is not None
+                else contextlib.nullcontext()
+            )
+            with declared:
+                engine.backward(F.cross_entropy(engine(x, skip), y))
+            engine.step()
+
+        return Trainer(step, fv)
+
+    return build
+
+
 def _torch_bare(strategy: str) -> Callable[[Config], Trainer]:
     """torch FSDP1 without flatview, flat parameters (``use_orig_params=False``): trains only
     when nothing is skipped or the skipped units' flat gradients may stay None."""
@@ -597,6 +640,17 @@ APPROACHES: tuple[Approach, ...] = (
         "flatview + torch FSDP1 per block, FULL_SHARD",
         _flatview_torch("FULL_SHARD"),
     ),
+    *(
+        Approach(
+            f"{'flatview_' if wrapped else ''}deepspeed_zero{stage}",
+            f"{'flatview + ' if wrapped else ''}DeepSpeed ZeRO {stage}"
+            + ("" if wrapped else " (skipped blocks still stepped)"),
+            _deepspeed(stage, wrapped),
+            deepspeed=True,
+        )
+        for stage in (1, 3)
+        for wrapped in (False, True)
+    ),
 )
 _PRELOAD = [
     "torch",
@@ -612,12 +666,15 @@ def _preload() -> list[str]:
     """What the forkserver imports once: heavy libraries, and every flatview module, so that
     all runs of one benchmark use the flatview of its start even if files change meanwhile
     (a lazily imported module would otherwise come from the newer files)."""
+    import importlib.util
     import pkgutil
 
     import flatview
 
     names = [m.name for m in pkgutil.walk_packages(flatview.__path__, "flatview.")]
-    return [*_PRELOAD, "flatview", *names]
+    # DeepSpeed takes 5-30 s to import; on CPU it picks its CPU accelerator then.
+    optional = ["deepspeed"] if importlib.util.find_spec("deepspeed") is not None else []
+    return [*_PRELOAD, *optional, "flatview", *names]
 
 
 @dataclass(frozen=True)
@@ -632,9 +689,23 @@ class Pair:
     b: tuple[str, Callable[[Config], Trainer]]
     skip: bool
     """Use the skip masks (else nothing is skipped)."""
+    deepspeed: bool = False
+    """Both variants are DeepSpeed engines (run under deepspeed_on_cpu on CPU)."""
 
 
 PAIRS: tuple[Pair, ...] = (
+    *(
+        Pair(
+            f"deepspeed_zero{stage}_skipping",
+            f"DeepSpeed ZeRO {stage}, skipping: bare DeepSpeed (skipped blocks' parameters "
+            "stepped on zero gradients) vs wrapped by flatview (check on)",
+            ("bare DeepSpeed", _deepspeed(stage, False)),
+            ("flatview", _deepspeed(stage, True)),
+            skip=True,
+            deepspeed=True,
+        )
+        for stage in (1, 3)
+    ),
     Pair(
         "fsdp2_skipping",
         "FSDP2 per block, skipping: bare FSDP2 (every rank skips the same blocks) vs "
@@ -862,11 +933,16 @@ def _peak_memory_pass(train: Callable[[int], None], indices: Sequence[int]) -> f
 
 
 @contextlib.contextmanager
-def _runtime(fairscale: bool) -> Iterator[None]:
+def _runtime(fairscale: bool, deepspeed: bool = False) -> Iterator[None]:
     if fairscale and not torch.cuda.is_available():
         from flatview.testing import fairscale_on_cpu
 
         with fairscale_on_cpu():
+            yield
+    elif deepspeed and not torch.cuda.is_available():
+        from flatview.testing import deepspeed_on_cpu
+
+        with deepspeed_on_cpu():
             yield
     else:
         yield
@@ -951,7 +1027,7 @@ def approach_worker(rank: int, name: str, cfg: Config, measure: bool, port: int,
     step_index = -1
     rss_before_build = _resident_mib()
     try:
-        with _runtime(approach.fairscale):
+        with _runtime(approach.fairscale, approach.deepspeed):
             try:
                 trainer = approach.build(cfg)
             except Exception as exc:
@@ -1024,7 +1100,7 @@ def paired_worker(rank: int, name: str, cfg: Config, measure: bool, port: int, o
     masks = skip_masks(cfg, n) if pair.skip else [[] for _ in range(n)]
     result: dict[str, Any] = {"name": pair.name, "labels": [pair.a[0], pair.b[0]]}
     try:
-        with _runtime(True):
+        with _runtime(not pair.deepspeed, pair.deepspeed):
             trainers = {"a": pair.a[1](cfg), "b": pair.b[1](cfg)}
 
             def stepper(key: str) -> Callable[[int], None]:

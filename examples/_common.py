@@ -147,6 +147,19 @@ def fairscale_runtime(env: DistEnv) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def deepspeed_runtime(env: DistEnv) -> Iterator[None]:
+    """DeepSpeed on a CPU rank: its CPU accelerator, plain gloo collectives, no op built
+    (flatview's test aid); on GPUs as it is."""
+    if not env.on_cpu:
+        yield
+        return
+    from flatview.testing import deepspeed_on_cpu
+
+    with deepspeed_on_cpu():
+        yield
+
+
 @dataclass(frozen=True)
 class Digits:
     """scikit-learn's 8x8 handwritten digits (shipped with the package: no download)."""

@@ -6,7 +6,9 @@ identically on every rank, so all ranks agree without talking. Each block is its
 unit; flatview tells FSDP which units a step skips, so they are neither gathered nor
 reduced, and gives the original parameters back as views, so the optimizer can have
 parameter groups by name (no weight decay on biases and norms, its own learning rate for
-the head).
+the head). On DeepSpeed, whose engine takes exactly one optimizer when it is built, the
+engine is built with ``flatview.optim.Deferred`` and the real optimizers, built over the
+views, are handed to it after wrapping; ``engine.step()`` then steps them.
 
 Run it:
 
@@ -14,6 +16,7 @@ Run it:
     python examples/stochastic_depth.py --backend torch # torch's FSDP instead of fairscale
     python examples/stochastic_depth.py --backend fsdp2 # torch FSDP2 (fully_shard)
     python examples/stochastic_depth.py --backend ddp   # DDP: skip sets, no sharding
+    python examples/stochastic_depth.py --backend deepspeed  # DeepSpeed ZeRO 3 (--zero-stage)
     python examples/stochastic_depth.py --optimizer muon  # Muon on the blocks' matrices
     torchrun --nproc-per-node 8 examples/stochastic_depth.py   # GPUs, NCCL
 
@@ -37,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
     DistEnv,
+    deepspeed_runtime,
     explain_and_exit,
     fairscale_runtime,
     launch,
@@ -139,7 +143,32 @@ WRAPPERS = {
     "torch": "torch FSDP",
     "fsdp2": "torch FSDP2 (fully_shard)",
     "ddp": "DDP",
+    "deepspeed": "DeepSpeed ZeRO",
 }
+
+
+UNITS = {"ddp": "", "deepspeed": " (ZeRO: no units; ZeRO 3 gathers each submodule as it runs)"}
+
+
+def deepspeed_engine(
+    net: Mixer, optimizer: torch.optim.Optimizer, env: DistEnv, args: argparse.Namespace
+) -> nn.Module:
+    """A DeepSpeed ZeRO engine over the existing process group: one optimizer (the
+    Deferred stand-in), fp32, and no gradient clipping (DeepSpeed's default clips at 1.0;
+    the other backends here do not clip)."""
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch_size // env.world_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": args.zero_stage},
+        # Deferred is not among the optimizers DeepSpeed's ZeRO has tested.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
+    return engine  # type: ignore[no-any-return]
 
 
 def wrap_fsdp(net: Mixer, backend: str, env: DistEnv) -> nn.Module:
@@ -243,7 +272,16 @@ def train(env: DistEnv, args: argparse.Namespace) -> None:
     net = Mixer(depth=args.depth, max_drop=args.max_drop).to(env.device)
     sample_skip = SkipSampler(net.drop_probs, args.seed + 1)
 
-    model = wrap_fsdp(net, args.backend, env)
+    deferred: flatview.optim.Deferred | None = None
+    if args.backend == "deepspeed":
+        if args.batch_size % env.world_size:
+            explain_and_exit(env, "--batch-size must split evenly over the ranks on DeepSpeed")
+        # DeepSpeed partitions what the optimizer it is built with holds; the real
+        # optimizers come later, over the views.
+        deferred = flatview.optim.Deferred(net.parameters())
+        model = deepspeed_engine(net, deferred, env, args)
+    else:
+        model = wrap_fsdp(net, args.backend, env)
     try:
         fv = flatview.wrap(model)
     except flatview.WrapError as exc:
@@ -275,6 +313,9 @@ def train(env: DistEnv, args: argparse.Namespace) -> None:
     groups = parameter_groups(named, args.lr, args.head_lr, args.weight_decay)
     optimizers.append(torch.optim.AdamW(groups))
     optimizer = optimizers[-1]
+    if deferred is not None:
+        # engine.step() steps them (after the gradient clipping the config asks for).
+        deferred.set(*optimizers)
     warmup = max(1, args.steps // 20)
     schedules = [
         torch.optim.lr_scheduler.LambdaLR(
@@ -287,7 +328,7 @@ def train(env: DistEnv, args: argparse.Namespace) -> None:
         print(
             f"{fv}\n{env.world_size} ranks ({env.launcher}, {env.device.type}), "
             f"{WRAPPERS[args.backend]}, {len(net.blocks)} blocks"
-            f"{'' if args.backend == 'ddp' else ' each its own unit'}, "
+            f"{UNITS.get(args.backend, ' each its own unit')}, "
             f"drop probabilities {[round(p, 2) for p in net.drop_probs]}",
             flush=True,
         )
@@ -316,10 +357,16 @@ def train(env: DistEnv, args: argparse.Namespace) -> None:
         with fv.step(skip=[f"blocks.{i}" for i in skip]):
             logits = model(x, skip=skip)
             loss = F.cross_entropy(logits, y)
-            loss.backward()
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if deferred is not None:
+                model.backward(loss)  # type: ignore[operator]
+            else:
+                loss.backward()
+        if deferred is not None:
+            model.step()  # type: ignore[operator]  # the optimizers step, grads dropped
+        else:
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         for schedule in schedules:
             schedule.step()
 
@@ -377,6 +424,10 @@ def report(
     plain, everything = {
         "ddp": ("bare DDP", "every gradient"),
         "fsdp2": ("bare FSDP2", "every gradient, padded, if no block were skipped"),
+        # Bare ZeRO (0.19.8) leaves unused parameters' gradients out of its reduction
+        # too (it moves what flatview moves); it gives them zero gradients that the
+        # optimizer then steps (weight decay, momentum), which flatview does not.
+        "deepspeed": ("no block skipped", "every gradient, padded"),
     }.get(args.backend, ("bare FSDP", "every flat gradient, padded"))
     print(
         f"\n{args.steps} steps in {elapsed:.1f} s, {mean_skipped:.2f} of {args.depth} blocks "
@@ -393,7 +444,8 @@ def report(
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"stochastic_depth_{args.backend}" + ("_muon" if args.optimizer == "muon" else "")
+    backend = f"deepspeed{args.zero_stage}" if args.backend == "deepspeed" else args.backend
+    stem = f"stochastic_depth_{backend}" + ("_muon" if args.optimizer == "muon" else "")
     plot(history, out / f"{stem}.png", args)
     summary = {
         "backend": args.backend,
@@ -478,6 +530,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "the rest",
     )
     parser.add_argument("--muon-lr", type=float, default=0.02)
+    parser.add_argument(
+        "--zero-stage", type=int, choices=(1, 2, 3), default=3, help="with --backend deepspeed"
+    )
     return parser.parse_args(argv)
 
 
@@ -485,6 +540,9 @@ def main(env: DistEnv, args: argparse.Namespace) -> None:
     quiet_known_warnings()
     if args.backend == "fairscale":
         with fairscale_runtime(env):
+            train(env, args)
+    elif args.backend == "deepspeed":
+        with deepspeed_runtime(env):
             train(env, args)
     else:
         train(env, args)

@@ -77,11 +77,14 @@ def wrap(
 
     Args:
         model: the outermost ``FullyShardedDataParallel`` module (fairscale's, or torch's
-            FSDP1 with flat parameters or ``use_orig_params=True``), or a torch
-            ``DistributedDataParallel`` module; or a framework's object that holds one
-            (:func:`flatview.integrations.find_wrapper`): what Fabric's ``setup``
-            returns, a Lightning ``Trainer``, its strategy, or a LightningModule
-            attached to one (accelerate's ``prepare`` returns the wrapper itself).
+            FSDP1 with flat parameters or ``use_orig_params=True``), a torch
+            ``DistributedDataParallel`` module, a module sharded with FSDP2's
+            ``fully_shard``, or a DeepSpeed ``DeepSpeedEngine`` (ZeRO stages 1-3, right
+            after ``deepspeed.initialize``: its optimizer is pointed at the views); or a
+            framework's object that holds one (:func:`flatview.integrations.find_wrapper`):
+            what Fabric's ``setup`` returns, a Lightning ``Trainer``, its strategy, or a
+            LightningModule attached to one (accelerate's ``prepare`` returns the wrapper
+            itself).
         check_skip_agreement: in every :meth:`FlatView.step`, check with one tiny
             all-gather that all ranks passed the same skip set (turn off once you trust
             your sampler; the check can also be chosen per step). Iterations outside any
@@ -121,10 +124,10 @@ def wrap(
         optimizers and parameter groups can be built per submodule.
 
     Raises:
-        WrapError: ``model`` is not an outermost FSDP model or a DDP model of a supported
-            configuration (the message names what is not supported), or is already
-            wrapped; or it is a framework's object whose model the framework did not
-            distribute.
+        WrapError: ``model`` is not an outermost FSDP model, a DDP model or a DeepSpeed
+            engine of a supported configuration (the message names what is not
+            supported), or is already wrapped; or it is a framework's object whose model
+            the framework did not distribute.
     """
     model = find_wrapper(model)
     options = _options(reduce_options, Strategy(reduce_strategy), overlap_reduction)

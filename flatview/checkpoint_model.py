@@ -6,9 +6,12 @@ handle, reaches it.
 
 On DDP and FSDP2, and on torch FSDP1 in the full form, torch's own
 ``get_model_state_dict`` / ``set_model_state_dict`` (which communicate); fairscale's own
-full ``state_dict()``; the sharded form on torch FSDP1 and fairscale is flatview's: a
-``ShardedTensor`` per sharded parameter built from the views, plain tensors for every
-other parameter and persistent buffer, loaded by local copies.
+full ``state_dict()``; DeepSpeed's full form gathered from the views (its engine's own
+``state_dict`` names everything ``module.*`` and, under ZeRO 3, holds empty parameters
+between passes); the sharded form on torch FSDP1, fairscale and DeepSpeed is flatview's:
+a ``ShardedTensor`` per sharded parameter built from the views, plain tensors for every
+other parameter and persistent buffer, loaded by local copies (DeepSpeed's full form
+too).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from flatview import optim_state
+from flatview import optim_state, state_gather
+from flatview.backends.base import is_rank0
 from flatview.errors import FlatViewError
 from flatview.layout import Placement
 from flatview.sharded_tensors import as_full, is_sharded, sharded_value
@@ -47,6 +51,9 @@ def offload(value: Any, cpu_offload: bool) -> Any:
 _TORCH_MODEL_STATE = ("ddp", "fsdp2")
 """Backends whose model keeps its own parameters under their own names (DDP's plain
 tensors, FSDP2's ``DTensor`` s): torch's model state functions serve them as they are."""
+_VIEWS_MODEL_STATE = ("deepspeed",)
+"""Backends whose full model state flatview assembles from the views, and loads into the
+views in either form."""
 
 
 def model_state_dict(runtime: Runtime, info: Any) -> dict[str, Any]:
@@ -59,6 +66,8 @@ def model_state_dict(runtime: Runtime, info: Any) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(model, options=info)
+    if info.full_state_dict and adapter.backend in _VIEWS_MODEL_STATE:
+        return _gathered_model_state(runtime, info)
     if info.full_state_dict:
         # fairscale's default state_dict() is its full one, by original name.
         full = {k: v.detach() for k, v in model.state_dict().items()}
@@ -81,6 +90,39 @@ def model_state_dict(runtime: Runtime, info: Any) -> dict[str, Any]:
         # Under every name, as the unwrapped model's state_dict() lists tied parameters.
         for name in param.names:
             out[name] = entry
+    for name, buffer in persistent_buffers(adapter, model):
+        out[name] = offload(buffer.detach(), info.cpu_offload)
+    return out
+
+
+def _gathered_model_state(runtime: Runtime, info: Any) -> dict[str, Any]:
+    """Every parameter whole, assembled from the views (one gathering collective per
+    bucket of sharded ones, as the optimizer state), by original name, and the persistent
+    buffers; on rank 0 only with ``cpu_offload``."""
+    model, adapter, table = runtime.model, runtime.adapter, runtime.table
+    chosen = [
+        p.index
+        for p in table.params
+        if not (info.ignore_frozen_params and not p.tensor.requires_grad)
+    ]
+    homes = [p.placement for p in table.params]
+    sharded = [i for i in chosen if homes[i].layout is not None]
+    position = {index: k for k, index in enumerate(sharded)}
+    plan = {k: {"value": ("elem", table.tensor(i).dtype)} for k, i in enumerate(sharded)}
+    states = {k: {"value": table.tensor(i).detach()} for k, i in enumerate(sharded)}
+    rank0_only = bool(info.cpu_offload)
+    gathered = state_gather.gather(plan, states, sharded, homes, adapter, rank0_only)
+    if rank0_only and not is_rank0(adapter):
+        return {}
+    out: dict[str, Any] = {}
+    for index in chosen:
+        param = table.params[index]
+        if homes[index].layout is None:
+            value = param.tensor.detach().reshape(homes[index].shape).clone()
+        else:
+            value = gathered[(position[index], "value")]
+        for name in param.names:
+            out[name] = offload(value, info.cpu_offload)
     for name, buffer in persistent_buffers(adapter, model):
         out[name] = offload(buffer.detach(), info.cpu_offload)
     return out
@@ -121,7 +163,7 @@ def load_model_state_dict(
 
         result = set_model_state_dict(model, dict(state_dict), options=info)
         return IncompatibleKeys(list(result.missing_keys), list(result.unexpected_keys))
-    if not sharded:
+    if not sharded and adapter.backend not in _VIEWS_MODEL_STATE:
         result = model.load_state_dict(dict(state_dict), strict=info.strict)
         return IncompatibleKeys(list(result.missing_keys), list(result.unexpected_keys))
     expected: dict[str, torch.Tensor] = {}

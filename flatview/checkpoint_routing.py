@@ -8,15 +8,16 @@ model-only pair) is what frameworks checkpoint with: Lightning's and Fabric's
 ``ModelParallelStrategy``, accelerate's FSDP2 plugin, torchtitan. Left alone, torch would
 take each view's optimizer state for the state of a whole flat parameter (or of a whole
 parameter). So every call of one of them on a model whose handle installed
-:func:`route_torch_checkpoint` (fairscale, torch FSDP1: the wrappers that flatten) gives
-what the :mod:`flatview.checkpoint` function of the same name gives (model and optimizer
-state by original name, DCP-savable, loadable at another world size or backend, or into
-the unwrapped model; :mod:`flatview.checkpoint_model`, :mod:`flatview.checkpoint_optim`),
-and loads what it loads:
+:func:`route_torch_checkpoint` (fairscale, torch FSDP1, DeepSpeed ZeRO: the wrappers that
+flatten) gives what the :mod:`flatview.checkpoint` function of the same name gives (model
+and optimizer state by original name, DCP-savable, loadable at another world size or
+backend, or into the unwrapped model; :mod:`flatview.checkpoint_model`,
+:mod:`flatview.checkpoint_optim`), and loads what it loads:
 
 * the model state is always flatview's, model-only calls included, so that any pair
   of calls saves and loads one form: in the full form it is torch's own (fairscale's
-  full ``state_dict()`` on fairscale); in the sharded form a ``ShardedTensor`` per
+  full ``state_dict()`` on fairscale; gathered from the views on DeepSpeed, whose engine's
+  own names everything ``module.*``); in the sharded form a ``ShardedTensor`` per
   sharded parameter cut as flatview's views are (torch's own cuts the flat parameter
   into ranks' chunks, and torch's sharded load of one form into the other all-gathers
   mismatched shards: it hung), the same tensors; on fairscale torch's model-state

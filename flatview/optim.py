@@ -7,6 +7,9 @@ NVIDIA apex's ``LARC`` does, but takes the norms of whole parameters from
 all-reduce per step for all of them. :func:`trust_ratios` gives the same local learning
 rates for your own optimizer code.
 
+:class:`Deferred` stands in for several optimizers that can only be built after
+wrapping, where a wrapper takes exactly one when it is built (DeepSpeed's engine).
+
 :func:`param_groups` builds the usual weight-decay groups (no decay for biases, norms and
 other ``ndim <= 1`` parameters) by each parameter's original shape: rules that look at
 ``p.ndim`` see a partial view, which is 1-D.
@@ -22,12 +25,13 @@ import torch
 from torch import nn
 
 from flatview import norms
+from flatview.deferred import Deferred
 from flatview.whole import Whole
 
 if TYPE_CHECKING:
     from flatview.handle import FlatView
 
-__all__ = ["LARC", "Whole", "param_and_grad_norms", "trust_ratios"]
+__all__ = ["LARC", "Deferred", "Whole", "param_and_grad_norms", "trust_ratios"]
 
 
 def param_groups(

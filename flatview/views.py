@@ -157,7 +157,8 @@ class ViewSet:
                 # The wrapper leaves plain tensors as instance attributes, which would
                 # shadow a registered parameter.
                 owner.module.__dict__.pop(owner.attr, None)
-                owner.module._parameters.pop(owner.attr, None)
+                # In the place of a parameter the wrapper registered there (DeepSpeed's),
+                # so that the module's parameter order stays the model's.
                 owner.module._parameters[owner.attr] = view
         self.shown = Shown.VIEWS
 

@@ -247,8 +247,8 @@ class Adapter(Protocol):
 
     flattens: bool = False
     """The wrapper keeps the parameters in flat parameters, which flatview shows views of
-    (fairscale FSDP, torch FSDP1): torch's own checkpoint functions would misread an
-    optimizer over those views, so the handle routes them to flatview's
+    (fairscale FSDP, torch FSDP1, DeepSpeed ZeRO): torch's own checkpoint functions would
+    misread an optimizer over those views, so the handle routes them to flatview's
     (:mod:`flatview.checkpoint_routing`)."""
 
     @property

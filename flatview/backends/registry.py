@@ -14,9 +14,16 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from flatview.backends import ddp_checks, fairscale_checks, fsdp2_checks, torch_fsdp_checks
+from flatview.backends import (
+    ddp_checks,
+    deepspeed_checks,
+    fairscale_checks,
+    fsdp2_checks,
+    torch_fsdp_checks,
+)
 from flatview.backends.base import Adapter
 from flatview.backends.ddp import DDPAdapter
+from flatview.backends.deepspeed import DeepSpeedAdapter
 from flatview.backends.fairscale import FairscaleAdapter
 from flatview.backends.fsdp2 import FSDP2Adapter
 from flatview.backends.torch_fsdp import TorchFSDPAdapter
@@ -74,6 +81,10 @@ def _fsdp2(model: nn.Module, options: ReduceOptions, _: bool | None) -> Adapter:
     return FSDP2Adapter(fsdp2_checks.inspect(model, options), options)
 
 
+def _deepspeed(model: nn.Module, options: ReduceOptions, _: bool | None) -> Adapter:
+    return DeepSpeedAdapter(deepspeed_checks.inspect(model), options)
+
+
 BACKENDS: tuple[Backend, ...] = (
     Backend(
         "torch",
@@ -97,6 +108,13 @@ BACKENDS: tuple[Backend, ...] = (
         tested_torch,
         is_fsdp2,
         _fsdp2,
+    ),
+    Backend(
+        "deepspeed",
+        "a DeepSpeed DeepSpeedEngine (ZeRO stage 1, 2 or 3, fp32)",
+        lambda: deepspeed_checks.TESTED,
+        deepspeed_checks.is_engine,
+        _deepspeed,
     ),
 )
 

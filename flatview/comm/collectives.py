@@ -1,7 +1,7 @@
 """The collectives other rooms call as they are, with their own inputs: gathering and
-broadcasting Python objects, a maximum or a broadcast of one tensor, and one all-to-all of
-tensors of uneven sizes. Every ``torch.distributed`` collective flatview issues is called in
-:mod:`flatview.comm` (``tests/test_architecture.py`` checks it)."""
+broadcasting Python objects, a sum, a maximum or a broadcast of one tensor, and one
+all-to-all of tensors of uneven sizes. Every ``torch.distributed`` collective flatview
+issues is called in :mod:`flatview.comm` (``tests/test_architecture.py`` checks it)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ def broadcast_object(value: Any, group: dist.ProcessGroup | None) -> Any:
     source = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=source, group=group)
     return box[0]
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """The element-wise sum of ``tensor`` over ``group``, in place."""
+    dist.all_reduce(tensor, group=group)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:

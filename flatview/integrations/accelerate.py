@@ -30,7 +30,8 @@ accelerate's own.
 
 Refused (:class:`~flatview.errors.WrapError`, before anything is prepared): an
 ``Accelerator`` given an FSDP plugin that runs as something else (on CPU accelerate
-silently trains with DDP instead), or one that is not distributed at all.
+silently trains with DDP instead), one that is not distributed at all, and one that runs
+DeepSpeed (its engine takes its optimizer when it is built, before there are views).
 """
 
 from __future__ import annotations
@@ -104,6 +105,14 @@ def _check_distributed(accelerator: Any) -> None:
             f"the Accelerator was given an FSDP plugin but runs as {kind}: accelerate trains "
             "with DDP instead of FSDP here (on CPU it always does). flatview refuses to "
             "stand in silently: drop the FSDP plugin to train with DDP, or run on GPUs"
+        )
+    if kind == "DEEPSPEED":
+        raise WrapError(
+            "flatview.integrations.accelerate.prepare does not drive accelerate's DeepSpeed "
+            "plugin: the engine takes its one optimizer when accelerate builds it, before "
+            "flatview can make views to build optimizers from. flatview.wrap takes the "
+            "DeepSpeedEngine accelerator.prepare(model, optimizer) returns (untested with "
+            "accelerate, which runs DeepSpeed on GPUs only; docs/accelerate.md)"
         )
     if kind == "NO":
         raise WrapError(
