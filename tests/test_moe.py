@@ -44,10 +44,12 @@ def test_peer_moe_experts_per_rank(dist_pool: PoolFactory, backend: str) -> None
 @pytest.mark.parametrize(("backend", "per_expert"), [("torch", False), ("fairscale", True)])
 def test_expert_groups_sharded(dist_pool: PoolFactory, backend: str, per_expert: bool) -> None:
     """Expert groups of two ranks out of four (the experts sharded and averaged in their
-    group), Adam, experts skipped per step: equal to the reference."""
+    group), Adam, experts skipped per micro-batch, two micro-batches per step (the first
+    under no_sync()): equal to the reference."""
     if backend == "fairscale":
         pytest.importorskip("fairscale")
-    _check(dist_pool, mw.MoECase(backend, 4, group_size=2, unit_per_expert=per_expert))
+    case = mw.MoECase(backend, 4, group_size=2, unit_per_expert=per_expert, micro=2)
+    _check(dist_pool, case)
 
 
 @pytest.mark.slow
@@ -68,6 +70,8 @@ def test_moe_draws(dist_pool: PoolFactory, data: st.DataObject) -> None:
         unit_per_expert=data.draw(st.booleans(), label="per_expert"),
         optimizer=data.draw(st.sampled_from(["adam", "sgd"]), label="optimizer"),
         shared_unit=data.draw(st.booleans(), label="shared_unit"),
+        micro=data.draw(st.integers(1, 3), label="micro"),
+        orig_params=backend == "torch" and data.draw(st.booleans(), label="orig_params"),
         seed=data.draw(st.integers(0, 1000), label="seed"),
         steps=data.draw(st.integers(1, 4), label="steps"),
     )
