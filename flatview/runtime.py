@@ -106,9 +106,9 @@ class Runtime:
     # -------------------------------------------------------------------- steps
 
     @contextlib.contextmanager
-    def step(self, skip: SkipSet, checked: bool) -> Iterator[None]:
-        """The body of :meth:`flatview.FlatView.step` (whose docstring says what it
-        means), with ``checked`` the agreement check's setting for this step."""
+    def step(self, skip: SkipSet, checked: bool, *, at_once: bool = False) -> Iterator[None]:
+        """The body of :meth:`flatview.FlatView.step`, with ``checked`` the agreement
+        check's setting; ``at_once``: checked now even under ``no_sync()``."""
         failure: FlatViewError | None = None
         skipped: frozenset[int] = frozenset()
         inside = False  # entered inside the root's forward (flatview.binding)
@@ -125,7 +125,7 @@ class Runtime:
         if checked:
             # One left by an outside-step forward that raised: heard before this one.
             self.settle_agreement()
-            self._agreement.start(skipped, failure=failure)
+            self._agreement.start(skipped, failure=failure, at_once=at_once)
         self._step_count += 1
         self._step_skip = skipped
         try:

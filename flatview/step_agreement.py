@@ -22,7 +22,9 @@ micro-steps accumulated. What a deferred check cannot do is catch the disagreeme
 earlier: on sharded wrappers the micro-steps' forwards have gathered parameters by
 their own skip sets already (``docs/limitations.md``). A rank whose skip set fails to
 resolve in such a step raises at once, alone, and reports it at that check, where every
-rank raises.
+rank raises. A step entered with ``check=True`` given explicitly is checked at once
+(with the declarations waiting before it), under ``no_sync()`` too: one tiny all-gather
+more, for a disagreement found before the wrapper's gathers can pair up wrongly.
 """
 
 from __future__ import annotations
@@ -62,15 +64,17 @@ class SkipAgreement:
         *,
         failure: FlatViewError | None = None,
         outside: bool = False,
+        at_once: bool = False,
     ) -> bool:
         """Check a step skipping ``skipped`` (``failure``: this rank's own error, sent in
         place of its fingerprint), or an iteration ``outside`` any step. Returns whether
         a check started: under ``no_sync()`` it waits for the next synchronising
-        iteration (``failure`` is then raised here, on this rank alone)."""
+        iteration (``failure`` is then raised here, on this rank alone), unless asked
+        for ``at_once``."""
         params = self.table.params
         frozen = frozenset(p.index for p in params if not p.tensor.requires_grad)
         entry = (skipped, frozen, outside)
-        if not self.adapter.synchronizing():
+        if not at_once and not self.adapter.synchronizing():
             self._deferred.append(entry)
             if failure is not None:
                 self._deferred_failure = self._deferred_failure or failure

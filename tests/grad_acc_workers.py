@@ -30,10 +30,11 @@ def _micro(
     i: int,
     skip: Sequence[str],
     last: bool,
+    check: bool | None = None,
 ) -> None:
     x, y = local_batch(scenario, i)
     sync = contextlib.nullcontext() if last else model.no_sync()
-    step = fv.step(skip=list(skip)) if fv is not None else contextlib.nullcontext()
+    step = fv.step(skip=list(skip), check=check) if fv is not None else contextlib.nullcontext()
     with sync, step:
         loss_of(model(x, tuple(skip)), y).backward()
 
@@ -73,17 +74,17 @@ def _count(
     return per_step
 
 
-def disagreeing_window(scenario: Scenario, where: int) -> dict[str, str]:
+def disagreeing_window(scenario: Scenario, where: int, check: bool | None = None) -> dict[str, str]:
     """Rank 1 skips one more block in micro-step ``where`` of a window of three: every
     rank raises (at the synchronising step's check, before any reduction, when ``where``
-    is under ``no_sync()``)."""
+    is under ``no_sync()``; in that micro-step with ``check=True`` given to its step)."""
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         fv = flatview.wrap(model, **scenario.flatview_options)
         try:
             for i in range(3):
                 skip = ("body.1",) if dist.get_rank() == 1 and i == where else ()
-                _micro(model, fv, scenario, i, skip, i == 2)
+                _micro(model, fv, scenario, i, skip, i == 2, check)
         except flatview.FlatViewError as err:
             message = f"{type(err).__name__}: {err}"
         else:

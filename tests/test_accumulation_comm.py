@@ -74,3 +74,19 @@ def test_disagreement_in_window_raises_everywhere(
         assert found["message"].startswith("SkipSetMismatchError"), found
         if where == 0:
             assert "iteration 1 of the 3" in found["message"], found
+
+
+@pytest.mark.parametrize("name", ["fairscale", "torch"])
+def test_explicit_check_catches_units_called_differently_in_the_micro_step(
+    dist_pool: PoolFactory, name: str
+) -> None:
+    """Nested units, rank 1 skipping a whole unit in a micro-step under no_sync(): with
+    the default check the wrapper's own gathers pair up wrongly first (gloo aborts a
+    rank; docs/limitations.md), with ``step(check=True)`` every rank raises in that
+    micro-step, before them."""
+    if name == "fairscale":
+        pytest.importorskip("fairscale")
+    scenario = CONFIGS[name].scenario(GATED, nested=True)
+    for found in dist_pool(2).run(gw.disagreeing_window, scenario, 0, True, timeout=TIMEOUT):
+        assert found["message"].startswith("SkipSetMismatchError"), found
+        assert "iteration 1 of the 3" not in found["message"], found
