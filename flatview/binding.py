@@ -90,3 +90,15 @@ def backward_outside_step() -> StateError:
         "forward inside the same step as its backward (with fv.step(skip=...): "
         "loss = model(x); loss.backward())"
     )
+
+
+def backward_without_forward(phase: str) -> StateError:
+    """The error of a backward that ends while no forward awaits one: its forward's
+    iteration was ended by another backward (several forwards, then their backwards)."""
+    return StateError(
+        f"a backward ended in phase {phase}, while no forward awaits one: several forwards "
+        "of the root before their backwards (forward, forward, backward, backward, the "
+        "pipelining pattern) are not supported by flatview, which binds each iteration's "
+        "skip set and gradients to one forward and its backward. Run each forward's "
+        "backward before the next forward (accumulate with no_sync() between them)"
+    )

@@ -253,6 +253,15 @@ def _options(fv: FlatView, model: nn.Module, options: StateDictOptions | None) -
             f"flatview.checkpoint was given a model ({type(model).__name__}) that is not the "
             f"one {fv!r} wraps: pass the wrapped model (fv.model)"
         )
+    own = fv.table.own_group_params
+    if own:
+        raise FlatViewError(
+            f"flatview.checkpoint does not save models with FSDP units on process groups of "
+            f"their own (experts, such as {fv.table.name(min(own))!r}): a checkpoint keys "
+            "state by name, and the ranks of different groups hold different experts under "
+            "the same names. Save those with FSDP's local state dicts, or consolidate the "
+            "optimizer with fv.optim_state_dict on each rank (one rank per expert group)"
+        )
     info = options or StateDictOptions()
     refuse_options(info)
     return info

@@ -364,7 +364,13 @@ class FlatView:
                 parameters are not reduced either), raising
                 :class:`~flatview.errors.SkipSetMismatchError` (or its subclass
                 :class:`~flatview.errors.FrozenMismatchError`) on all ranks otherwise;
-                defaults to the ``check_skip_agreement`` given to ``wrap``.
+                defaults to the ``check_skip_agreement`` given to ``wrap``. Under the
+                wrapper's ``no_sync()`` (fairscale, torch FSDP1, DDP) the default check
+                waits for the window's synchronising step, so that a micro-step has
+                exactly the wrapper's collectives; ``check=True`` given explicitly checks
+                this micro-step at once (one tiny all-gather more), which also catches
+                ranks that would call different units before the wrapper's gathers pair
+                up wrongly.
 
         Errors one rank finds on its own (a skip set that does not resolve there, a step
         entered in the wrong phase) travel in the same all-gather: every rank raises,
@@ -398,7 +404,7 @@ class FlatView:
         say), the iteration is abandoned: the next forward starts afresh.
         """
         checked = self.check_skip_agreement if check is None else check
-        with self.runtime.step(skip, checked):
+        with self.runtime.step(skip, checked, at_once=check is True):
             yield self
 
     def placement(self, tensor: torch.Tensor) -> Placement:
@@ -497,6 +503,7 @@ class FlatView:
         if isinstance(optimizer, optim_state.ConsolidatesItself):
             # flatview.optim.Whole keeps whole tensors on owner ranks: it consolidates itself.
             return optimizer.consolidated_state_dict(rank0_only=rank0_only)
+        optim_state.refuse_sharded_experts(self.table)
         return optim_state.consolidate(self.table, self.adapter, optimizer, rank0_only=rank0_only)
 
     def load_optim_state_dict(

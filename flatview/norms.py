@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from flatview.comm.collectives import gather_objects
-from flatview.comm.norms import COLUMNS, NormExchange, request_code
+from flatview.comm.norms import COLUMNS, NormExchange, reduce_within, request_code
 from flatview.errors import FlatViewError, NormError, StateError
 from flatview.layout import Placement
 from flatview.local_tensors import local_tensor
@@ -256,6 +256,7 @@ def whole_norms(
     share = local if maximum else local.pow(p)
     share = torch.where(sharded, share, torch.zeros_like(share))
     reduced = _reduce(rt, exchange, share).reshape(-1)
+    reduced = _reduce_own_groups(rt, share, reduced, maximum)
 
     _raise_failures(rt, exchange, None)
     _raise_on_disagreement(exchange, table, columns, p)
@@ -304,6 +305,24 @@ def _reduce(rt: Runtime, exchange: NormExchange, values: torch.Tensor) -> torch.
         rt.ledger,
         adapter.agreement_group,
     )
+
+
+def _reduce_own_groups(
+    rt: Runtime, share: torch.Tensor, reduced: torch.Tensor, maximum: bool
+) -> torch.Tensor:
+    """The shares of parameters of units on process groups of their own (experts) sharded
+    there, reduced within those groups instead of over the agreement group (whose other
+    ranks hold other experts under the same names)."""
+    table = rt.table
+    own = sorted(table.own_group_params)
+    group = table.own_group(own[0]) if own else None
+    if group is None or group.world_size == 1:
+        return reduced  # one rank per group: its experts are whole here, their norms local
+    positions = torch.tensor(
+        [i * COLUMNS + c for i in own for c in range(COLUMNS)], device=share.device
+    )
+    values = reduce_within(share[positions], group.group, maximum, rt.ledger)
+    return reduced.index_put((positions,), values)
 
 
 def _raise_failures(rt: Runtime, exchange: NormExchange, error: FlatViewError | None) -> None:
@@ -448,6 +467,18 @@ def clip_grad_norm(
     error_if_nonfinite: bool,
 ) -> torch.Tensor:
     """See :meth:`flatview.FlatView.clip_grad_norm_`."""
+    own = rt.table.own_group_params
+    if own:
+        # Decided by the model alone: every rank raises alike, before any collective.
+        raise NormError(
+            "clip_grad_norm_ refuses models with FSDP units on process groups of their own "
+            f"(experts, such as {rt.table.name(min(own))!r}): ranks of different expert "
+            "groups hold different experts, so a total norm over this rank's parameters "
+            "differs between ranks and would clip the shared parameters' gradients "
+            "differently on each (they would drift apart). Take the norms you mean with "
+            "fv.grad_norms (per parameter; an expert's over its own group) and scale the "
+            "gradients yourself"
+        )
     # Refused on one rank, refused on every rank: the others are about to all-reduce.
     with _refused_everywhere(rt):
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):

@@ -214,6 +214,22 @@ def local_facts(
     return groups, saved, order, described
 
 
+def refuse_sharded_experts(table: ParamTable) -> None:
+    """Refuse to consolidate a model with units sharded over process groups of their own
+    (expert groups of more than one rank): their pieces would be gathered over the root's
+    group, whose other ranks hold other experts under the same names. Decided by the model
+    alone, so every rank raises alike, before any collective. Units on one-rank groups
+    (each rank's own experts) consolidate: each rank's dict holds its own experts."""
+    own = sorted(table.own_group_params)
+    group = table.own_group(own[0]) if own else None
+    if group is not None and group.world_size > 1:
+        raise OptimStateError(
+            f"optim_state_dict does not consolidate FSDP units sharded over process groups "
+            f"of their own (expert groups of {group.world_size} ranks, such as "
+            f"{table.name(own[0])!r}): save each rank's optimizer.state_dict() instead"
+        )
+
+
 def agreed_facts(
     table: ParamTable,
     adapter: Adapter,

@@ -6,9 +6,10 @@ step in force and the iteration bound to each forward (:mod:`flatview.iteration`
 skip-set agreement, the guards on skipped parameters (:mod:`flatview.guards`), the masks
 of the reduction and the all-gather, the window of what was used since the last
 synchronising backward (gradient accumulation under ``no_sync()``: segments of flat
-parameters and plain parameters, for every adapter), lending the model
-to a wrapper operation, carrying what was written through views back into the shards,
-and what :attr:`flatview.FlatView.stats` is computed from.
+parameters and plain parameters, for every adapter), lending the model to a wrapper
+operation, carrying what was written through views back into the shards, and what
+:attr:`flatview.FlatView.stats` is computed from. An iteration computes until each of its
+root forwards has had its backward (several forwards, then their backwards).
 
 Adapters call only the members of the ``Runtime`` protocol of
 :mod:`flatview.backends.base`; the user's handle calls the rest.
@@ -34,7 +35,7 @@ from torch import nn
 from flatview.accounting import StatsSource, step_stats
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter
-from flatview.binding import backward_outside_step, check_step_entry
+from flatview.binding import backward_outside_step, backward_without_forward, check_step_entry
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
 from flatview.comm.packing import plan_index
@@ -71,21 +72,19 @@ class Runtime:
         """Bytes and calls of flatview's own collectives since the iteration began."""
         self.phase = Phase.IDLE
         """Where the model is in its lifecycle: views are registered only in ``IDLE``."""
-        # The last backward's StepStats, or what they are computed from when first asked
-        # for: most steps nobody reads them.
+        # The last backward's StepStats, or their source (most steps nobody reads them).
         self._stats: StatsSource | StepStats | None = None
 
         self._step_skip: frozenset[int] | None = None
         self._agreement = SkipAgreement(table, adapter, self.ledger)
         """The step's skip-set check, while it runs alongside the forward."""
         self._step_count = 0
+        self._awaiting = 0  # root forwards (with autograd) still awaiting their backward
         self.iteration: Iteration | None = None
         """The iteration bound to the forward in flight (or the last one)."""
-        # Per flat parameter, segments used in the backwards since the last synced one
-        # (gradient accumulation under no_sync()).
+        # Per flat parameter, segments used since the last synced backward (no_sync()).
         self._window: list[tuple[bool, ...]] | None = None
-        # Plain parameters used in those backwards: the window of every kind of parameter
-        # is kept here, for every adapter.
+        # Plain parameters used in those backwards (every adapter's window is kept here).
         self._plain_window: frozenset[int] = frozenset()
         self._guards = SkipGuards(table)
         self._binder = Binder(table)
@@ -108,9 +107,9 @@ class Runtime:
     # -------------------------------------------------------------------- steps
 
     @contextlib.contextmanager
-    def step(self, skip: SkipSet, checked: bool) -> Iterator[None]:
-        """The body of :meth:`flatview.FlatView.step` (whose docstring says what it
-        means), with ``checked`` the agreement check's setting for this step."""
+    def step(self, skip: SkipSet, checked: bool, *, at_once: bool = False) -> Iterator[None]:
+        """The body of :meth:`flatview.FlatView.step`, with ``checked`` the agreement
+        check's setting; ``at_once``: checked now even under ``no_sync()``."""
         failure: FlatViewError | None = None
         skipped: frozenset[int] = frozenset()
         inside = False  # entered inside the root's forward (flatview.binding)
@@ -127,7 +126,7 @@ class Runtime:
         if checked:
             # One left by an outside-step forward that raised: heard before this one.
             self.settle_agreement()
-            self._agreement.start(skipped, failure=failure)
+            self._agreement.start(skipped, failure=failure, at_once=at_once)
         self._step_count += 1
         self._step_skip = skipped
         try:
@@ -168,6 +167,7 @@ class Runtime:
         """Refuse the backward of a forward that ran outside the step in flight: the
         step's skip set would not apply to it (adapters call this before the backward
         communicates)."""
+        self._agreement.cover_deferred()  # a step begun under no_sync() synchronises
         if self._step_skip is None or self.phase is not Phase.COMPUTING:
             return
         iteration = self.iteration
@@ -202,6 +202,8 @@ class Runtime:
         """
         self.check_not_lent()
         agreed = self._agree_outside_step(outermost)
+        if outermost and not in_backward() and torch.is_grad_enabled():
+            self._awaiting += 1
         if self.phase is Phase.IDLE:
             self._start_compute()
             self._bind_iteration(reset_ledger=not agreed)
@@ -254,14 +256,12 @@ class Runtime:
         # A check left unsettled by a forward that raised: hear it before the next.
         self.settle_agreement()
         self.ledger.reset()
-        self._agreement.start(frozenset(), outside=True)
-        return True
+        return self._agreement.start(frozenset(), outside=True)
 
     def _detach_grads(self) -> None:
         # The wrapper computes a fresh gradient; the views keep theirs until the synced
-        # backward adds the two (end_backward), so a zero_grad between forward and
-        # backward counts. Inside a no_sync() window the flat parameters hold unsharded
-        # accumulated gradients, detached when the window opened.
+        # backward adds the two (so a zero_grad between forward and backward counts).
+        # Under no_sync() they were detached when the window opened.
         if self._window is None:
             self.views.detach_grads()
 
@@ -291,6 +291,7 @@ class Runtime:
             self.views.push_grads()
 
     def _bind_iteration(self, *, reset_ledger: bool = True) -> None:
+        self._awaiting = 1  # forwards of an earlier iteration get no backward now
         skipped = self._step_skip or frozenset()
         if self._step_skip is None and reset_ledger:
             self.ledger.reset()
@@ -380,8 +381,8 @@ class Runtime:
         """The mask for all-gathering ``flat`` in this iteration, or ``None`` to gather it
         whole (nothing skipped in it, or too little for masking to pay)."""
         found = self._skipping(flat)
-        if found is None:
-            return None
+        if found is None or self._agreement.deferred:
+            return None  # unchecked yet (no_sync()): whole, as the wrapper, on every rank
         iteration, record = found
         if iteration.binding.read_all[record.index]:
             return None
@@ -389,12 +390,13 @@ class Runtime:
         return plan if masking_pays(plan) else None
 
     def gather_masked(
-        self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan
+        self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan, unit: int
     ) -> None:
-        """All-gather only ``plan``'s elements into ``rows`` (see :mod:`flatview.comm.gather`)."""
-        index = plan_index(plan, local_shard.device)
+        """All-gather ``plan``'s elements into ``rows`` in ``unit``'s group (comm.gather)."""
+        own = self.table.units[unit].group
+        where = (own.rank, own.group) if own else (self.adapter.rank, self.adapter.group)
         masked_all_gather(
-            rows, local_shard, plan, index, self.adapter.rank, self.adapter.group, self.ledger
+            rows, local_shard, plan, plan_index(plan, local_shard.device), *where, self.ledger
         )
 
     def _used_so_far(self, flat: int) -> tuple[bool, ...]:
@@ -435,7 +437,7 @@ class Runtime:
     def end_backward(self, synced: bool) -> None:
         """A backward pass finished; ``synced`` is False under ``no_sync()``."""
         if self.phase is not Phase.COMPUTING:
-            raise StateError(f"backward ended in phase {self.phase.name}, expected COMPUTING")
+            raise backward_without_forward(self.phase.name)
         self.check_backward_binding()
         used = [self._used_so_far(flat.index) for flat in self.table.flats]
         if synced:
@@ -446,7 +448,9 @@ class Runtime:
             self._window = used
             self._plain_window = self.plain_used_so_far()
         self._stats = StatsSource.of(self.iteration, self.ledger, synced)
-        self._end_compute()
+        self._awaiting = 0 if synced else self._awaiting - 1
+        if self._awaiting <= 0:
+            self._end_compute()
 
     def end_forward_only(self) -> None:
         """A forward ran without autograd: no backward will follow."""
@@ -468,8 +472,7 @@ class Runtime:
         if self.phase is not Phase.IDLE:
             yield
             return
-        # The wrapper reads the shards (and may read gradients): what was written
-        # through the views must be there.
+        # The wrapper reads the shards (and maybe gradients): views' writes go there first.
         self.write_back()
         self.push_grads()
         self.views.hide()
@@ -487,14 +490,12 @@ class Runtime:
         if self.phase is not Phase.IDLE:
             raise StateError(f"unwrap() needs phase IDLE, the model is {self.phase.name}")
         if self._window is not None:
-            # The flat parameters hold the window's unsharded gradients, the views what
-            # came before it: only the synchronising backward combines the two.
+            # Flat parameters hold the window's gradients, views the earlier: unmerged.
             raise StateError(
                 "unwrap() inside a no_sync() window: finish the accumulation with a "
                 "synchronising backward first"
             )
-        # The flat parameters carry on alone: the values and gradients the views hold
-        # (zeroed, dropped, written) must be theirs.
+        # The flat parameters carry on alone: what the views hold must be theirs.
         self.write_back()
         self.push_grads()
         self.views.hide()

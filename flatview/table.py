@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from flatview.backends.base import FlatSpec, UnitSpec
+from flatview.backends.base import FlatSpec, UnitGroup, UnitSpec
 from flatview.errors import OptimStateError
 from flatview.layout import MaskPlan, Placement
 from flatview.skip import SkipResolver, SkipSet
@@ -138,6 +138,16 @@ class ParamTable:
             tuple(p.index for p in self.params if p.unit == u) for u in range(len(self.units))
         ]
         """Per unit, the indices of the parameters it manages."""
+        self.own_group_params: frozenset[int] = frozenset(
+            p.index for p in self.params if self.units[p.unit].group is not None
+        )
+        """Parameters of units on process groups of their own (experts): only the ranks
+        that share such a group must skip alike."""
+        self.peers: tuple[tuple[int, ...], ...] | None = next(
+            (unit.group.peers for unit in self.units if unit.group is not None), None
+        )
+        """Per rank of the agreement group, the ranks it shares its units' own groups
+        with; ``None`` without such units (:class:`~flatview.backends.base.UnitGroup`)."""
         self._resolver = self._build_resolver(model)
         # Resolved skip sets by the hashable form they were given in (skip sets repeat:
         # the same frozenset object each time lets every later cache hash it once).
@@ -341,6 +351,11 @@ class ParamTable:
     def flat_record(self, flat: object) -> FlatRecord | None:
         """The record of flat parameter ``flat``, if flatview shows views of it."""
         return self._flat_of.get(id(flat))
+
+    def own_group(self, index: int) -> UnitGroup | None:
+        """The process group of parameter ``index``'s unit if it is the unit's own (an
+        expert unit's), else ``None`` (the adapter's group)."""
+        return self.units[self.params[index].unit].group
 
     def flat_parameter(self, tensor: object) -> tuple[str, tuple[str, ...]] | None:
         """(unit name, original names it holds) if ``tensor`` is one of the model's flat

@@ -250,6 +250,12 @@ class Whole(torch.optim.Optimizer):
                 f"parameter {fv.table.name(index)!r} is given to flatview.optim.Whole twice"
             )
         seen.add(id(tensor))
+        if fv.table.own_group(index) is not None:
+            raise OptimStateError(
+                f"parameter {fv.table.name(index)!r} belongs to an FSDP unit on a process "
+                "group of its own (an expert): flatview.optim.Whole steps matrices over the "
+                "root unit's group; step the experts with an optimizer of their own"
+            )
         placement = fv.placement(tensor)
         if placement.sharded:
             pieces = tuple(placement.piece(r).param_interval for r in range(self._world))

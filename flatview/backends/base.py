@@ -84,6 +84,22 @@ class PlainSpec:
 
 
 @dataclass(frozen=True)
+class UnitGroup:
+    """The process group of a unit that is not on the adapter's group: an expert unit on a
+    group of its own (one per rank, or one per set of ranks), as the wrap-time exchange
+    (:mod:`flatview.backends.unit_groups`) found it on every rank."""
+
+    group: dist.ProcessGroup
+    rank: int
+    """This rank's rank in ``group``."""
+    world_size: int
+    peers: tuple[tuple[int, ...], ...]
+    """Per rank of the adapter's :attr:`~Adapter.agreement_group`, the ranks (of that
+    group) whose units on their own groups share its group: the same on every rank.
+    Those ranks must skip the same parameters of such units; other ranks may not."""
+
+
+@dataclass(frozen=True)
 class UnitSpec:
     """One FSDP unit: a wrapper module and the parameters it manages directly."""
 
@@ -94,6 +110,9 @@ class UnitSpec:
     plain: tuple[PlainSpec, ...]
     """Parameters the unit manages without flattening."""
     is_root: bool
+    group: UnitGroup | None = None
+    """Where the unit communicates when that is not the adapter's ``group``: its own
+    process group (experts); ``None``: the adapter's."""
 
 
 class ParamLookup(Protocol):
@@ -157,7 +176,7 @@ class Runtime(Protocol):
     def gather_plan(self, flat: nn.Parameter) -> MaskPlan | None: ...
 
     def gather_masked(
-        self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan
+        self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan, unit: int
     ) -> None: ...
 
     def end_backward(self, synced: bool) -> None: ...
@@ -251,6 +270,12 @@ class Adapter(Protocol):
 
     def uninstall(self) -> None:
         """Detach everything :meth:`install` attached."""
+
+    def synchronizing(self) -> bool:
+        """Whether the next backward synchronises gradients (``False`` inside the wrapper's
+        ``no_sync()``): the skip-set check of an iteration that does not is settled with
+        the next one that does (:mod:`flatview.step_agreement`)."""
+        return True
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise if ``optimizer`` holds parameters this backend cannot serve (checked at

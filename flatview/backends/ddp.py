@@ -73,6 +73,9 @@ class DDPAdapter(Adapter):
     def __init__(self, model: DDPModel, options: ReduceOptions) -> None:
         ddp: Any = model.root
         self.root = ddp
+        self._outer_sync: bool | None = None
+        """DDP's ``require_backward_grad_sync`` as the user left it, while flatview clears
+        it inside the root's forward (``None`` outside)."""
         self.group = model.group
         self.rank = model.rank
         self.world_size = model.world_size
@@ -122,6 +125,14 @@ class DDPAdapter(Adapter):
         patches.patch(self.root, "forward", self._quiet_forward(self.root.forward))
         self._backward.install(runtime, patches)
 
+    def synchronizing(self) -> bool:
+        # Inside the root's forward flatview keeps DDP's reducer idle (the flag is
+        # cleared there): the user's setting is the one it saved.
+        ddp: Any = self.root
+        if self._outer_sync is not None:
+            return self._outer_sync
+        return bool(ddp.require_backward_grad_sync)
+
     def uninstall(self) -> None:
         self._patches.remove()
         self._backward.uninstall()
@@ -145,12 +156,14 @@ class DDPAdapter(Adapter):
             # DDP's reducer stays idle, in recomputations too: flatview reduces after the
             # backward. The user's value comes back however the forward ends.
             saved = ddp.require_backward_grad_sync
+            outer, self._outer_sync = self._outer_sync, bool(saved)
             ddp.require_backward_grad_sync = False
             try:
                 with self._backward.root_forward():
                     return original(*args, **kwargs)
             finally:
                 ddp.require_backward_grad_sync = saved
+                self._outer_sync = outer
 
         return forward
 

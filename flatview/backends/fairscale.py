@@ -100,7 +100,7 @@ class FairscaleAdapter(Adapter):
 
     def describe(self) -> list[UnitSpec]:
         specs = []
-        for unit_name, unit in self.units:
+        for index, (unit_name, unit) in enumerate(self.units):
             fpw = unit._fsdp_wrapped_module
             flats = tuple(
                 self._describe_flat(unit_name, unit, fpw, i, flat)
@@ -114,26 +114,29 @@ class FairscaleAdapter(Adapter):
             start = unit._num_flatten_params
             plain_params = unit.params[start : start + len(plain_names)]
             plain = tuple(
-                self._describe_plain(join(unit_name, clean_name(names[0])), p)
+                self._describe_plain(join(unit_name, clean_name(names[0])), unit, p)
                 for names, p in zip(plain_names, plain_params, strict=True)
             )
-            specs.append(UnitSpec(unit_name, unit, flats, plain, unit is self.root))
+            group = self.model.groups.get(index)
+            specs.append(UnitSpec(unit_name, unit, flats, plain, unit is self.root, group))
         return specs
 
-    def _describe_plain(self, name: str, param: nn.Parameter) -> PlainSpec:
+    def _describe_plain(self, name: str, unit: Any, param: nn.Parameter) -> PlainSpec:
         # fairscale shards a parameter it does not flatten on its own (``_is_sharded``,
-        # original size ``_orig_size``), split and padded like a one-segment flat.
+        # original size ``_orig_size``), split and padded like a one-segment flat, over
+        # the unit's group (an expert unit's may be its own).
         size: torch.Size | None = getattr(param, "_orig_size", None)
-        if size is None or not getattr(param, "_is_sharded", False) or self.world_size == 1:
+        if size is None or not getattr(param, "_is_sharded", False) or unit.world_size == 1:
             return PlainSpec(name, param, tuple(param.shape))
         shape = tuple(int(d) for d in size)
-        return PlainSpec(name, param, shape, FlatLayout.packed([shape], self.world_size), self.rank)
+        layout = FlatLayout.packed([shape], unit.world_size)
+        return PlainSpec(name, param, shape, layout, unit.rank)
 
     def _describe_flat(
         self, unit_name: str, unit: Any, fpw: Any, index: int, flat: Any
     ) -> FlatSpec:
         sharded = bool(flat._is_sharded)
-        world = self.world_size if sharded else 1
+        world = unit.world_size if sharded else 1
         layout = FlatLayout.packed(flat._param_shapes, world)
         local = getattr(flat, "_fp32_shard", flat.data)
         if local.numel() != layout.shard_numel:
@@ -156,7 +159,7 @@ class FairscaleAdapter(Adapter):
             flat=flat,
             flat_owner=Owner(fpw, fpw.flat_param_names[index]),
             layout=layout,
-            rank=self.rank if sharded else 0,
+            rank=unit.rank if sharded else 0,
             owners=owners,
             names=names,
             local_shard=local_shard,
@@ -166,7 +169,7 @@ class FairscaleAdapter(Adapter):
 
     def install(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.reduction = FairscaleReduction(self.root, runtime, self.options, self.bucket_numel)
+        self.reduction = FairscaleReduction(self.units, runtime, self.options, self.bucket_numel)
         """Where every gradient fairscale would reduce goes (a shim of its bucketer)."""
         self._settling = UnitSettling(self.root, self.units, self.model.states, runtime)
         patches = self._patches
@@ -183,7 +186,7 @@ class FairscaleAdapter(Adapter):
             patches.patch(unit, "forward", self._summonable(unit, unit.forward))
             fpw = unit._fsdp_wrapped_module
             patches.patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
-            patches.patch(unit, "_rebuild_full_params", self._masking_gather(unit))
+            patches.patch(unit, "_rebuild_full_params", self._masking_gather(index, unit))
         patches.hook(self.root.register_forward_hook(self._post_forward))
         patches.patch(
             self.root, "_wait_for_post_backward", self._finishing(self.root._wait_for_post_backward)
@@ -195,6 +198,10 @@ class FairscaleAdapter(Adapter):
             install_shim(self.root, self.units, self.reduction)
         # A backward inside the root's forward would trip the root's own assertion first.
         hook_unfinished(self.root, self.root.params, WRAPPER, patches)
+
+    def synchronizing(self) -> bool:
+        # fairscale's no_sync() clears the flag on every unit; the root's decides.
+        return bool(self.root._require_backward_grad_sync)
 
     def uninstall(self) -> None:
         self._patches.remove()
@@ -249,7 +256,7 @@ class FairscaleAdapter(Adapter):
 
         return unflatten_and_guard
 
-    def _masking_gather(self, unit: Any) -> Callable[..., Any]:
+    def _masking_gather(self, index: int, unit: Any) -> Callable[..., Any]:
         """Gather only the used segments of partly skipped flat parameters.
 
         fairscale's ``_rebuild_full_params`` gathers each flat parameter with
@@ -279,7 +286,7 @@ class FairscaleAdapter(Adapter):
                 return original(force_full_precision)
             self._gathered[id(unit)] = wanted
             real = module.dist
-            module.dist = MaskedGatherDist(real, self.runtime, plans)
+            module.dist = MaskedGatherDist(real, self.runtime, plans, index)
             try:
                 return original(force_full_precision)
             finally:

@@ -12,11 +12,13 @@ from typing import Any
 
 from torch import nn
 
+from flatview.backends.base import UnitGroup
 from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
 from flatview.backends.messages import check_no_pending_backward
 from flatview.backends.names import nested_unit_message, without_segments
 from flatview.backends.nesting import inside_another
 from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS
+from flatview.backends.unit_groups import own_groups
 from flatview.backends.unit_tree import check_units
 from flatview.errors import WrapError
 
@@ -135,6 +137,8 @@ class FairscaleModel:
     """fairscale's ``FullyShardedDataParallel``."""
     states: Any
     """fairscale's ``TrainingState``."""
+    groups: dict[int, UnitGroup]
+    """Per index into :attr:`units`, the group of a unit on a process group of its own."""
 
 
 def inspect(model: nn.Module) -> FairscaleModel:
@@ -159,6 +163,8 @@ def inspect(model: nn.Module) -> FairscaleModel:
     check_privates(root, units, TrainingState, version)
     if root._is_root is False or (root._is_root is None and inside_another(root, fsdp)):
         raise WrapError(nested_unit_message(root, fsdp, clean_name))
-    check_units(units, root, TrainingState.IDLE)
+    check_units(units, TrainingState.IDLE)
     check_no_pending_backward([("", root)], _awaiting_backward)
-    return FairscaleModel(root, units, fsdp, TrainingState)
+    # Collective when a unit has a group of its own: after every check of this rank's.
+    groups = own_groups([(name, unit.process_group) for name, unit in units], root.process_group)
+    return FairscaleModel(root, units, fsdp, TrainingState, groups)

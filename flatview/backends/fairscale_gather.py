@@ -20,10 +20,13 @@ class MaskedGatherDist:
     of the unit's flat parameters are partly skipped: their gathers are masked, every
     other call passes through."""
 
-    def __init__(self, real: Any, runtime: Runtime, plans: dict[int, tuple[Any, MaskPlan]]):
+    def __init__(
+        self, real: Any, runtime: Runtime, plans: dict[int, tuple[Any, MaskPlan]], unit: int
+    ):
         self._real = real
         self._runtime = runtime
         self._plans = plans
+        self._unit = unit
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
@@ -41,12 +44,13 @@ class MaskedGatherDist:
         if plan is None:
             return self._real._all_gather_base(output, source, **kw)
         world = plan.layout.world_size
-        self._runtime.gather_masked(list(output.view(world, -1).unbind(0)), source, plan)
+        rows = list(output.view(world, -1).unbind(0))
+        self._runtime.gather_masked(rows, source, plan, self._unit)
         return None
 
     def all_gather(self, chunks: list[torch.Tensor], source: torch.Tensor, **kw: Any) -> Any:
         plan = self._plan_for(source)
         if plan is None:
             return self._real.all_gather(chunks, source, **kw)
-        self._runtime.gather_masked(chunks, source, plan)
+        self._runtime.gather_masked(chunks, source, plan, self._unit)
         return None

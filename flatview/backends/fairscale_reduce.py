@@ -10,7 +10,7 @@ there (installed after the root's ``_setup_streams``, which creates the bucketer
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,25 +28,45 @@ WRAPPER = "fairscale FSDP"
 
 
 class FairscaleReduction:
-    """The sharded reduction every unit's gradients go to, and the mask of each."""
+    """The sharded reductions every unit's gradients go to (one per reduce-scatter group
+    fairscale uses: the root's, and an expert unit's own), and the mask of each."""
 
     def __init__(
-        self, root: Any, runtime: Runtime, options: ReduceOptions, bucket_numel: int
+        self,
+        units: Sequence[tuple[str, Any]],
+        runtime: Runtime,
+        options: ReduceOptions,
+        bucket_numel: int,
     ) -> None:
         self.runtime = runtime
-        self.root = root
-        self.world_size: int = root.world_size
-        self.reduction = ShardedReduction(
-            root.process_group_reduce_scatter,
-            root.rank,
-            self.world_size,
-            runtime.ledger,
-            options,
-            bucket_numel,
-        )
+        self.root = units[0][1]
+        # Root first: every rank finishes the reductions in this order (units on their
+        # own groups split the ranks one way, so no two ranks wait on different groups).
+        self._reductions: dict[int, ShardedReduction] = {}
+        for _, unit in units:
+            group = unit.process_group_reduce_scatter
+            if id(group) not in self._reductions:
+                self._reductions[id(group)] = ShardedReduction(
+                    group, unit.rank, unit.world_size, runtime.ledger, options, bucket_numel
+                )
         self._plain_plans: dict[int, MaskPlan] = {}
 
-    def plan_for(self, param: nn.Parameter) -> MaskPlan:
+    def reduction(self, group: Any) -> ShardedReduction:
+        """The reduction of fairscale's reduce-scatter group ``group``."""
+        found = self._reductions.get(id(group))
+        if found is None:
+            raise StateError(
+                "fairscale asked flatview to reduce a gradient over a process group that no "
+                "FSDP unit of the wrapped model reduces over"
+            )
+        return found
+
+    def finish(self) -> None:
+        """Reduce everything queued, group by group (see the constructor)."""
+        for reduction in self._reductions.values():
+            reduction.finish()
+
+    def plan_for(self, param: nn.Parameter, world_size: int) -> MaskPlan:
         refuse_unfinished(self.root, WRAPPER)
         plan = self.runtime.reduction_plan(param)
         if plan is not None:
@@ -54,7 +74,7 @@ class FairscaleReduction:
         # A parameter the unit keeps unflattened: one segment, always used when reduced.
         plan = self._plain_plans.get(id(param))
         if plan is None:
-            layout = FlatLayout.packed([(param._orig_size.numel(),)], self.world_size)  # type: ignore[attr-defined]
+            layout = FlatLayout.packed([(param._orig_size.numel(),)], world_size)  # type: ignore[attr-defined]
             plan = self._plain_plans[id(param)] = MaskPlan.build(layout, (True,))
         return plan
 
@@ -94,10 +114,12 @@ class ReducerShim:
                 "relies on; this fairscale version is not supported"
             )
         param = callback_fn.args[0]
-        self.reduction.reduction.add(input_list, self.reduction.plan_for(param), callback_fn)
+        reduction = self.reduction.reduction(group)
+        plan = self.reduction.plan_for(param, reduction.world_size)
+        reduction.add(input_list, plan, callback_fn)
 
     def flush(self) -> None:
-        self.reduction.reduction.finish()
+        self.reduction.finish()
 
     def teardown(self) -> None:
         """Nothing to free: buckets live only between add() and flush()."""

@@ -134,7 +134,7 @@ class TorchFSDPAdapter(Adapter):
         self._undeclared: list[str] = []
 
     def describe(self) -> list[UnitSpec]:
-        return describe_units(self.units, self.root, self.rank, self.world_size)
+        return describe_units(self.units, self.root, self.model.groups)
 
     def _lend(self) -> Any:
         return self.runtime.lend()
@@ -178,6 +178,10 @@ class TorchFSDPAdapter(Adapter):
         patches.patch(order, "next_iter", self._finishing(order.next_iter))
         patches.patch(order, "get_handle_to_forward_prefetch", prefetch.forward_target)
         patches.patch(order, "get_handle_to_backward_prefetch", prefetch.backward_target)
+
+    def synchronizing(self) -> bool:
+        # torch's no_sync() clears the flag on every unit; the root's decides.
+        return bool(self.root._sync_gradients)
 
     def uninstall(self) -> None:
         self._patches.remove()

@@ -24,13 +24,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import utils as dist_utils
 
+from flatview.backends.base import UnitGroup
 from flatview.backends.internals import require_attrs, require_autograd_internals
 from flatview.backends.messages import check_no_pending_backward
 from flatview.backends.names import nested_unit_message
 from flatview.backends.nesting import inside_another
 from flatview.backends.torch_fsdp_describe import clean_name
-from flatview.backends.torch_hybrid import hybrid_groups
+from flatview.backends.torch_hybrid import hybrid_groups, is_hybrid
 from flatview.backends.torch_versions import check_torch_version, fsdp_class
+from flatview.backends.unit_groups import own_groups
 from flatview.backends.unit_tree import check_units, label
 from flatview.comm.hybrid import HybridGroups
 from flatview.errors import WrapError
@@ -216,6 +218,8 @@ class TorchFSDPModel:
     rank: int
     world_size: int
     device: torch.device
+    groups: dict[int, UnitGroup]
+    """Per index into :attr:`units`, the group of a unit on a process group of its own."""
 
     @property
     def replicas(self) -> int:
@@ -258,7 +262,14 @@ def inspect(model: nn.Module) -> TorchFSDPModel:
         or (root._is_root is None and inside_another(root, fsdp))
     ):
         raise WrapError(nested_unit_message(root, fsdp, clean_name))
-    check_units(units, root, TrainingState.IDLE, then=refuse_unit)
+    check_units(units, TrainingState.IDLE, then=refuse_unit)
+    own = [label(name) for name, unit in units if unit.process_group is not root.process_group]
+    if own and is_hybrid(root):
+        raise WrapError(
+            f"FSDP unit(s) {own} use process groups of their own inside a model that uses "
+            "hybrid sharding; flatview supports units on their own groups (experts) with "
+            "the other sharding strategies only"
+        )
     hybrid = hybrid_groups(root, units, tested)  # collective: before any other
     root.check_is_root()
     check_initialised(root, units, tested)
@@ -266,6 +277,8 @@ def inspect(model: nn.Module) -> TorchFSDPModel:
     for name, unit in units:
         if unit._handle is not None:
             check_flat(name, unit._handle)
+    # Collective when a unit has a group of its own: after every check of this rank's.
+    groups = own_groups([(name, unit.process_group) for name, unit in units], root.process_group)
     return TorchFSDPModel(
         root,
         units,
@@ -275,4 +288,5 @@ def inspect(model: nn.Module) -> TorchFSDPModel:
         root.rank,
         root.world_size,
         torch.device(root.compute_device),
+        groups,
     )

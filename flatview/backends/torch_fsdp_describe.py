@@ -4,13 +4,13 @@ and the parameters a unit manages without flattening. Plain functions of the uni
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from flatview.backends.base import FlatSpec, PlainSpec, UnitSpec
+from flatview.backends.base import FlatSpec, PlainSpec, UnitGroup, UnitSpec
 from flatview.backends.names import join, owners_and_names, without_segments
 from flatview.errors import WrapError
 from flatview.layout import FlatLayout, Segment
@@ -43,18 +43,22 @@ def flat_layout(flat: Any, world_size: int) -> FlatLayout:
 
 
 def describe_units(
-    units: list[tuple[str, Any]], root: Any, rank: int, world_size: int
+    units: list[tuple[str, Any]], root: Any, groups: Mapping[int, UnitGroup]
 ) -> list[UnitSpec]:
-    """Every unit of ``units`` (``(original name, unit)``, root first), as specs."""
+    """Every unit of ``units`` (``(original name, unit)``, root first), as specs, each
+    sharded over its own group (``unit.rank`` and ``unit.world_size``; ``groups``: those
+    of units on process groups of their own, by index)."""
     unit_ids = {id(unit) for _, unit in units}
     specs = []
-    for unit_name, unit in units:
+    for index, (unit_name, unit) in enumerate(units):
         handle = unit._handle
         flats = (
-            () if handle is None else (_describe_flat(unit_name, unit, handle, rank, world_size),)
+            ()
+            if handle is None
+            else (_describe_flat(unit_name, unit, handle, unit.rank, unit.world_size),)
         )
         plain = _plain_params(unit_name, unit, unit_ids)
-        specs.append(UnitSpec(unit_name, unit, flats, plain, unit is root))
+        specs.append(UnitSpec(unit_name, unit, flats, plain, unit is root, groups.get(index)))
     return specs
 
 

@@ -14,6 +14,7 @@ so that the hook knows whose gradient it reduces (also under hybrid sharding, wh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +55,14 @@ def _reduce_hook(
     state.reduction.reduce(state.unit, grad, output)
 
 
+@dataclass(frozen=True)
+class _Pair:
+    """The two reductions of one process group."""
+
+    sharded: ShardedReduction
+    replicated: ReplicatedReduction
+
+
 class TorchFSDPReduction:
     """Every unit's communication hook, and the two reductions it feeds: made at the
     adapter's install, with the runtime's ledger."""
@@ -63,16 +72,26 @@ class TorchFSDPReduction:
     ) -> None:
         self.model = model
         self.runtime = runtime
-        self.world_size = model.world_size
         self._patches = patches
-        # NO_SHARD units' gradients go to the replicated reduction, the others' to the
-        # sharded one; a model may mix both.
-        reduction = (model.group, model.rank, model.world_size, runtime.ledger, options)
-        # torch reduce-scatters each unit on its own.
-        self._sharded = ShardedReduction(
-            *reduction, NO_BUCKETING, replica_of(model.hybrid), wrapper_buckets=False
-        )
-        self._replicated = ReplicatedReduction(*reduction, NO_BUCKETING)
+        # Per process group (the root's first, then those of units on groups of their
+        # own: every rank finishes them in this order), NO_SHARD units' gradients go to
+        # the replicated reduction, the others' to the sharded one; a model may mix both.
+        self._pairs: dict[int, _Pair] = {}
+        self._pair_of: dict[int, _Pair] = {}
+        for index, (_, unit) in enumerate(model.units):
+            own = model.groups.get(index)
+            group = model.group if own is None else own.group
+            pair = self._pairs.get(id(group))
+            if pair is None:
+                where = (group, unit.rank, unit.world_size, runtime.ledger, options)
+                # torch reduce-scatters each unit on its own.
+                sharded = ShardedReduction(
+                    *where, NO_BUCKETING, replica_of(model.hybrid), wrapper_buckets=False
+                )
+                pair = self._pairs[id(group)] = _Pair(
+                    sharded, ReplicatedReduction(*where, NO_BUCKETING)
+                )
+            self._pair_of[id(unit)] = pair
         # Flat parameters whose gradient hook waits for an in-place reduction in flight.
         self._in_place_waiting: set[int] = set()
         set_comm_hook(model.root, model.units, _reduce_hook, model.hybrid)
@@ -88,15 +107,17 @@ class TorchFSDPReduction:
         self._in_place_waiting.clear()
 
     def finish(self) -> None:
-        """Every backward hook has run: the replicated buckets' collectives first, then
-        the sharded ones."""
-        self._replicated.finish()
-        self._sharded.finish()
+        """Every backward hook has run: per group, the replicated buckets' collectives
+        first, then the sharded ones."""
+        for pair in self._pairs.values():
+            pair.replicated.finish()
+            pair.sharded.finish()
 
     def abandon(self) -> None:
         """Drop what an aborted backward queued."""
-        self._replicated.abandon()
-        self._sharded.abandon()
+        for pair in self._pairs.values():
+            pair.replicated.abandon()
+            pair.sharded.abandon()
 
     @torch.no_grad()
     def reduce(self, unit: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
@@ -132,7 +153,8 @@ class TorchFSDPReduction:
         flat = handle.flat_param
         predivide = float(unit._gradient_predivide_factor)
         postdivide = float(unit._gradient_postdivide_factor)
-        replicated, sharded = self._replicated, self._sharded
+        pair = self._pair_of[id(unit)]
+        replicated, sharded = pair.replicated, pair.sharded
         # Reduced without packing, the collective may still run when the hook returns,
         # unless an optimizer steps in backward (it reads the gradient at once).
         late_ok = not getattr(handle, "_has_optim_in_backward", False)
@@ -201,10 +223,12 @@ class TorchFSDPReduction:
             target = output if queued else flat._saved_grad_shard
             target.add_(shard)
 
-        sharded.add(grad.view(self.world_size, -1).unbind(0), plan, add_sharded, padded=grad)
+        rows = grad.view(sharded.world_size, -1).unbind(0)
+        sharded.add(rows, plan, add_sharded, padded=grad)
         queued = False
 
     def wait_in_flight(self) -> None:
         """Wait for every reduction started whole and still in flight, of both kinds."""
-        self._replicated.wait_in_flight()
-        self._sharded.wait_in_flight()
+        for pair in self._pairs.values():
+            pair.replicated.wait_in_flight()
+            pair.sharded.wait_in_flight()

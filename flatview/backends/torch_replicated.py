@@ -72,8 +72,10 @@ def ineligibility(model: TorchFSDPModel) -> str | None:
     """Why the model cannot compute on views (the first reason found), or ``None``."""
     from torch.distributed.fsdp import ShardingStrategy
 
-    for name, unit in model.units:
+    for index, (name, unit) in enumerate(model.units):
         label = name or "<root>"
+        if index in model.groups:
+            return f"FSDP unit {label!r} is on a process group of its own (torch reduces it there)"
         if unit.sharding_strategy is not ShardingStrategy.NO_SHARD:
             return f"FSDP unit {label!r} shards ({unit.sharding_strategy.name})"
         handle = unit._handle
@@ -122,7 +124,7 @@ class TorchReplicatedAdapter(Adapter):
         reduced: set[int] = set()
         self._view_owners: list[Owner] = []
         """Where flatview's views (or torch's own) are shown."""
-        for unit in describe_units(self.units, self.root, self.rank, self.world_size):
+        for unit in describe_units(self.units, self.root, {}):
             plain: list[PlainSpec] = []
             for spec in unit.flats:
                 self._view_owners.extend(o for owners in spec.owners for o in owners)
@@ -194,6 +196,10 @@ class TorchReplicatedAdapter(Adapter):
             if handle is not None:
                 self._summon.patch(handle, patches)
         self._backward.install(runtime, patches)
+
+    def synchronizing(self) -> bool:
+        # torch's no_sync() clears the flag on every unit; the root's decides.
+        return bool(self.root._sync_gradients)
 
     def uninstall(self) -> None:
         self._patches.remove()

@@ -1,9 +1,10 @@
-"""A tree of FSDP units on one process group, as the two flat-parameter wrappers
-(fairscale's FSDP and torch's FSDP1) have it: the wrap-time checks of every unit, the
-methods of a unit that lend the views, bringing units that took no part in a backward
-to the state the wrapper's final callback expects, and refusing a backward the wrapper
-would never finish. Functions of the units; what a unit's state means and what settling
-one does stay with each wrapper's adapter, passed in.
+"""A tree of FSDP units, as the two flat-parameter wrappers (fairscale's FSDP and torch's
+FSDP1) have it (units on process groups of their own: :mod:`~flatview.backends.unit_groups`):
+the wrap-time checks of every unit, the methods of a unit that lend the views, bringing
+units that took no part in a backward to the state the wrapper's final callback
+expects, and refusing a backward the wrapper would never finish. Functions of the
+units; what a unit's state means and what settling one does stay with each wrapper's
+adapter, passed in.
 
 A backward that does not go through the root's outputs (one inside the root's forward:
 Lightning's Trainer runs ``training_step``, ``manual_backward`` included, inside the
@@ -25,7 +26,7 @@ from flatview.backends.base import Runtime
 from flatview.backends.messages import unfinished_backward
 from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS, Patches
 from flatview.comm.unused import undeclared_unused
-from flatview.errors import StateError, UndeclaredUnusedError, WrapError
+from flatview.errors import StateError, UndeclaredUnusedError
 
 Units = Sequence[tuple[str, Any]]
 """``(original name, unit)`` per unit, root first, in module order."""
@@ -43,24 +44,15 @@ def label(name: str) -> str:
     return name or "<root>"
 
 
-def check_units(
-    units: Units, root: Any, idle: object, first: UnitCheck = _no_check, then: UnitCheck = _no_check
-) -> None:
-    """Refuse a unit that is not ``idle`` (mid-iteration) or that has a process group
-    of its own; ``first`` runs the wrapper's refusals that come before the group's,
-    ``then`` those after it."""
+def check_units(units: Units, idle: object, then: UnitCheck = _no_check) -> None:
+    """Refuse a unit that is not ``idle`` (mid-iteration); ``then`` runs the wrapper's
+    own refusals of each unit."""
     for name, unit in units:
         where = label(name)
         if unit.training_state is not idle:
             raise StateError(
                 f"FSDP unit {where!r} is in state {unit.training_state.name}; wrap the "
                 "model between iterations"
-            )
-        first(where, unit)
-        if unit.process_group is not root.process_group:
-            raise WrapError(
-                f"FSDP unit {where!r} uses its own process group; flatview needs all "
-                "units on the root's group"
             )
         then(where, unit)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,33 @@ def fingerprint(indices: Iterable[int], frozen: Iterable[int] = ()) -> int:
     frozen_text = b",".join(str(i).encode() for i in sorted(frozen))
     if frozen_text:
         text += b"|" + frozen_text
+    return _digest(text)
+
+
+def combined(prints: Sequence[int]) -> int:
+    """One fingerprint of several iterations' fingerprints, in order (the iterations a
+    check covers: those under ``no_sync()`` and the synchronising one)."""
+    if len(prints) == 1:
+        return prints[0]
+    return _digest(b";".join(str(p).encode() for p in prints))
+
+
+def _digest(text: bytes) -> int:
     digest = hashlib.blake2b(text, digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What one rank declared for one iteration a check covers, by name, per *slot*: the
+    parameters of units on the agreement group (slot 0), and those of units on process
+    groups of their own (slot 1, experts), on which only the ranks sharing a group must
+    agree."""
+
+    skipped: tuple[tuple[str, ...], ...]
+    frozen: tuple[tuple[str, ...], ...]
+    outside: bool
+    """The iteration ran outside any ``FlatView.step()`` (it skips nothing)."""
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -68,45 +94,52 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class Agreement:
-    """One started check: every rank's fingerprint is on its way (an asynchronous
-    all-gather of 8 bytes per rank); :meth:`settle` waits for them and raises
-    :class:`SkipSetMismatchError` on every rank unless all are equal.
+    """One started check: every rank's fingerprints (one per slot) are on their way (an
+    asynchronous all-gather of 8 bytes per slot and rank); :meth:`settle` waits for them
+    and raises :class:`SkipSetMismatchError` on every rank unless the ranks that must
+    agree do: all ranks on slot 0, and on slot 1 the ranks each rank shares its units'
+    own group with (``peers``, per rank of ``group``).
 
-    ``describe`` lists this rank's skipped names and ``frozen`` its frozen ones; they are
+    ``declared`` gives this rank's :class:`Declared` per iteration the check covers; it is
     only called (and gathered) when the fingerprints differ.
 
     ``failure``: this rank found an error of its own (a skip set that does not resolve);
     it sends :data:`FAILED` instead of a fingerprint. :meth:`settle` then raises on every
-    rank: this one its own error, the others an error of the same class naming the
-    failing rank(s) and their messages (one ``all_gather_object``, in that case only).
-
-    ``outside``: this rank's iteration runs outside any ``FlatView.step()`` (its
-    fingerprint is that of an empty skip set); named as such if the check fails.
+    rank: this one its own error (unless ``raise_own`` is off: it raised it already, in
+    a step under ``no_sync()``, and now raises what the others do), the others an error
+    of the same class naming the failing rank(s) and their messages (one
+    ``all_gather_object``, in that case only).
     """
 
     def __init__(
         self,
-        print_: int,
-        describe: Callable[[], Sequence[str]],
+        prints: Sequence[int],
+        declared: Callable[[], Sequence[Declared]],
         group: dist.ProcessGroup | None,
         device: torch.device,
         ledger: Ledger,
         *,
-        frozen: Callable[[], Sequence[str]] = tuple,
+        peers: Sequence[Sequence[int]] | None = None,
         failure: BaseException | None = None,
+        raise_own: bool = True,
         outside: bool = False,
     ) -> None:
-        self._describe = describe
-        self.outside = outside
-        self._frozen = frozen
+        self._declared = declared
+        self._peers = peers
         self._failure = failure
-        if failure is not None:
-            print_ = FAILED
+        self._raise_own = raise_own
+        self.outside = outside
+        """The last iteration it covers runs outside any ``FlatView.step()``."""
+        slots = len(prints)
         self._group = group
-        # A fill, not a copy from the host: torch.tensor([...], device="cuda") would wait
+        # Fills, not a copy from the host: torch.tensor([...], device="cuda") would wait
         # for the GPU to finish everything queued before it.
-        mine = torch.full((1,), print_, dtype=torch.int64, device=device)
-        self._everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+        mine = torch.empty(slots, dtype=torch.int64, device=device)
+        for slot, print_ in enumerate(prints):
+            mine[slot].fill_(FAILED if failure is not None else print_)
+        world = dist.get_world_size(group)
+        self._everyone = torch.empty(world * slots, dtype=torch.int64, device=device)
+        self._slots = slots
         ledger.record("agreement", mine)
         self._work = all_gather_single(self._everyone, mine, group=group, async_op=True)
         self._host: torch.Tensor | None = None
@@ -131,61 +164,28 @@ class Agreement:
             return
         if self._copied is not None and self._host is not None:
             self._copied.synchronize()
-            prints = self._host.tolist()
+            flat = self._host.tolist()
         else:
             work.wait()
-            prints = self._everyone.tolist()
-        if FAILED in prints:
-            self._raise_failure(prints)
-        if all(p == prints[0] for p in prints):
-            return
-        world = len(prints)
-        gathered: list[tuple[list[str], list[str], bool] | None] = [None] * world
-        mine = (list(self._describe()), list(self._frozen()), self.outside)
-        dist.all_gather_object(gathered, mine, group=self._group)
-        sets = [set(g[0]) if g else set() for g in gathered]
-        frozen = [set(g[1]) if g else set() for g in gathered]
-        outside = [r for r, g in enumerate(gathered) if g and g[2]]
-        common = set.intersection(*sets)
-        if all(s == sets[0] for s in sets):
-            everywhere = set.intersection(*frozen)
-            lines = [
-                f"rank {r} freezes {sorted(f - everywhere) or 'nothing more'}"
-                for r, f in enumerate(frozen)
-            ]
-            raise FrozenMismatchError(
-                "ranks froze different parameters (requires_grad=False) for FlatView.step(): "
-                f"{sorted(set.union(*frozen) - everywhere)} are frozen on some ranks only. "
-                "Which gradients are reduced depends on it, so every rank must freeze the "
-                "same parameters. Beyond the "
-                f"{len(everywhere)} parameters all ranks freeze: " + "; ".join(lines)
-            )
-        lines = [
-            f"rank {r} runs outside any FlatView.step() (skips nothing)"
-            if r in outside
-            else f"rank {r} skips {sorted(s - common) or 'nothing more'}"
-            for r, s in enumerate(sets)
+            flat = self._everyone.tolist()
+        prints = [
+            flat[r * self._slots : (r + 1) * self._slots] for r in range(len(flat) // self._slots)
         ]
-        if outside:
-            raise SkipSetMismatchError(
-                f"rank(s) {outside} ran this iteration's forward outside any "
-                "FlatView.step() while other ranks ran it inside a step that skips "
-                "parameters: every rank must run the same iteration, inside a step with "
-                "the same skip set or outside any step on all ranks. Beyond the "
-                f"{len(common)} parameters all ranks skip: " + "; ".join(lines)
-            )
-        raise SkipSetMismatchError(
-            "ranks passed different skip sets to FlatView.step(); every rank must skip the "
-            "same parameters in the same step (draw them from a seed shared by all ranks). "
-            f"Beyond the {len(common)} parameters all ranks skip: " + "; ".join(lines)
-        )
+        if any(row[0] == FAILED for row in prints):
+            self._raise_failure([row[0] for row in prints])
+        disagreeing = _disagreeing(prints, self._peers)
+        if disagreeing is None:
+            return
+        gathered: list[list[Declared]] = [[] for _ in prints]
+        dist.all_gather_object(gathered, list(self._declared()), group=self._group)
+        raise mismatch(gathered, *disagreeing)
 
     def _raise_failure(self, prints: Sequence[int]) -> None:
         failure = self._failure
         mine = None if failure is None else (type(failure).__name__, str(failure))
         reports: list[tuple[str, str] | None] = [None] * len(prints)
         dist.all_gather_object(reports, mine, group=self._group)
-        if failure is not None:
+        if failure is not None and self._raise_own:
             raise failure
         failed = [(r, report) for r, report in enumerate(reports) if report is not None]
         kind = getattr(errors, failed[0][1][0], None)
@@ -196,3 +196,89 @@ class Agreement:
             f"rank(s) {[r for r, _ in failed]} failed in FlatView.step() before any "
             f"collective, so every rank raises (none would wait for them): {told}"
         )
+
+
+def _disagreeing(
+    prints: Sequence[Sequence[int]], peers: Sequence[Sequence[int]] | None
+) -> tuple[int, tuple[int, ...]] | None:
+    """The first slot and ranks that must agree and do not: all ranks on slot 0, each
+    group of ``peers`` on slot 1; ``None`` if they all agree."""
+    if any(row[0] != prints[0][0] for row in prints):
+        return 0, tuple(range(len(prints)))
+    if peers is not None:
+        for group in peers:
+            if any(prints[r][1] != prints[group[0]][1] for r in group):
+                return 1, tuple(group)
+    return None
+
+
+def mismatch(
+    gathered: Sequence[Sequence[Declared]], slot: int, ranks: Sequence[int]
+) -> errors.FlatViewError:
+    """The error every rank raises when ``ranks`` disagree on ``slot``, from every rank's
+    declarations (the same on every rank)."""
+    counts = [len(gathered[r]) for r in ranks]
+    if len(set(counts)) > 1:
+        told = ", ".join(f"rank {r}: {n}" for r, n in zip(ranks, counts, strict=True))
+        return SkipSetMismatchError(
+            "ranks ran different numbers of iterations inside no_sync() before the "
+            f"synchronising backward ({told}): every rank must run the same iterations, with "
+            "the same skip sets"
+        )
+    prefix = ""
+    if slot == 1:
+        prefix = (
+            f"ranks {list(ranks)} share the process group of their FSDP units on groups of "
+            "their own (experts), so they must skip the same parameters of those units: "
+        )
+    declared = [gathered[r] for r in ranks]
+    at = next(
+        i
+        for i in range(counts[0])
+        if any(
+            (d[i].skipped[slot], d[i].frozen[slot])
+            != (declared[0][i].skipped[slot], declared[0][i].frozen[slot])
+            for d in declared
+        )
+    )
+    if counts[0] > 1:
+        prefix += (
+            f"in iteration {at + 1} of the {counts[0]} this check covers (those under "
+            "no_sync() and the synchronising one): "
+        )
+    sets = [set(d[at].skipped[slot]) for d in declared]
+    frozen = [set(d[at].frozen[slot]) for d in declared]
+    outside = [r for r, d in zip(ranks, declared, strict=True) if d[at].outside]
+    common = set.intersection(*sets)
+    if all(s == sets[0] for s in sets):
+        everywhere = set.intersection(*frozen)
+        lines = [
+            f"rank {r} freezes {sorted(f - everywhere) or 'nothing more'}"
+            for r, f in zip(ranks, frozen, strict=True)
+        ]
+        return FrozenMismatchError(
+            prefix + "ranks froze different parameters (requires_grad=False) for "
+            f"FlatView.step(): {sorted(set.union(*frozen) - everywhere)} are frozen on some "
+            "ranks only. Which gradients are reduced depends on it, so every rank must "
+            f"freeze the same parameters. Beyond the {len(everywhere)} parameters all ranks "
+            "freeze: " + "; ".join(lines)
+        )
+    lines = [
+        f"rank {r} runs outside any FlatView.step() (skips nothing)"
+        if r in outside
+        else f"rank {r} skips {sorted(s - common) or 'nothing more'}"
+        for r, s in zip(ranks, sets, strict=True)
+    ]
+    if outside:
+        return SkipSetMismatchError(
+            prefix + f"rank(s) {outside} ran this iteration's forward outside any "
+            "FlatView.step() while other ranks ran it inside a step that skips "
+            "parameters: every rank must run the same iteration, inside a step with "
+            "the same skip set or outside any step on all ranks. Beyond the "
+            f"{len(common)} parameters all ranks skip: " + "; ".join(lines)
+        )
+    return SkipSetMismatchError(
+        prefix + "ranks passed different skip sets to FlatView.step(); every rank must skip "
+        "the same parameters in the same step (draw them from a seed shared by all ranks). "
+        f"Beyond the {len(common)} parameters all ranks skip: " + "; ".join(lines)
+    )

@@ -154,3 +154,14 @@ class NormExchange:
         assert flags is not None, "present() before all_reduce()"
         found: list[list[bool]] = (flags[:, _PRESENT:] > 0.5).tolist()
         return found
+
+
+def reduce_within(
+    values: torch.Tensor, group: dist.ProcessGroup, maximum: bool, ledger: Ledger
+) -> torch.Tensor:
+    """``values`` (shares of the norms of parameters sharded over ``group``, a unit's own
+    group) summed, or their maximum taken, over ``group``."""
+    values = values.clone()
+    ledger.record("norms", values)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=group)
+    return values

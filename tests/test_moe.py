@@ -1,0 +1,129 @@
+"""Mixture-of-experts models whose experts are FSDP units on process groups of their own
+(torch FSDP1 and fairscale), as torch's ``TestParityWithDDP::test_mixture_of_experts``
+and fairscale's ``TestComparisonToPyTorchDDP`` MoE case wrap them: one group per rank
+(each rank trains its own experts), or expert groups of several ranks that shard and
+average their experts. Workers in :mod:`tests.moe_workers`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests import moe_workers as mw
+
+if TYPE_CHECKING:
+    from tests.conftest import PoolFactory
+
+TIMEOUT = 90.0
+TOLERANCE = 1e-5
+
+
+def _check(dist_pool: PoolFactory, case: mw.MoECase) -> None:
+    for rank, found in enumerate(
+        dist_pool(case.world_size).run(mw.run_case, case, timeout=TIMEOUT)
+    ):
+        assert found["reference"] <= TOLERANCE, (rank, found)
+        if "plain" in found:
+            assert found["plain"] <= TOLERANCE, (rank, found)
+
+
+@pytest.mark.parametrize("backend", ["torch", "fairscale"])
+def test_peer_moe_experts_per_rank(dist_pool: PoolFactory, backend: str) -> None:
+    """The peers' layout (an expert unit on a one-rank group per rank, a shared unit on
+    the root's): equal to the single-process reference and to the plain wrapper
+    (plain SGD, so that a skipped expert's zero gradient there equals none here), with
+    ranks skipping different experts."""
+    if backend == "fairscale":
+        pytest.importorskip("fairscale")
+    _check(dist_pool, mw.MoECase(backend, 2, optimizer="sgd"))
+
+
+@pytest.mark.parametrize(("backend", "per_expert"), [("torch", False), ("fairscale", True)])
+def test_expert_groups_sharded(dist_pool: PoolFactory, backend: str, per_expert: bool) -> None:
+    """Expert groups of two ranks out of four (the experts sharded and averaged in their
+    group), Adam, experts skipped per micro-batch, two micro-batches per step (the first
+    under no_sync()): equal to the reference."""
+    if backend == "fairscale":
+        pytest.importorskip("fairscale")
+    case = mw.MoECase(backend, 4, group_size=2, unit_per_expert=per_expert, micro=2)
+    _check(dist_pool, case)
+
+
+@pytest.mark.slow
+@given(data=st.data())
+def test_moe_draws(dist_pool: PoolFactory, data: st.DataObject) -> None:
+    """Backends, world sizes 1-4, expert group sizes, unit layouts, optimizers and skip
+    sequences drawn: equal to the reference (and the plain wrapper where it compares)."""
+    backend = data.draw(st.sampled_from(["torch", "fairscale"]), label="backend")
+    if backend == "fairscale":
+        pytest.importorskip("fairscale")
+    world = data.draw(st.integers(1, 4), label="world")
+    group_size = data.draw(st.sampled_from([g for g in (1, 2, 4) if world % g == 0]))
+    case = mw.MoECase(
+        backend,
+        world,
+        group_size=group_size,
+        experts=data.draw(st.integers(1, 4), label="experts"),
+        unit_per_expert=data.draw(st.booleans(), label="per_expert"),
+        optimizer=data.draw(st.sampled_from(["adam", "sgd"]), label="optimizer"),
+        shared_unit=data.draw(st.booleans(), label="shared_unit"),
+        micro=data.draw(st.integers(1, 3), label="micro"),
+        orig_params=backend == "torch" and data.draw(st.booleans(), label="orig_params"),
+        seed=data.draw(st.integers(0, 1000), label="seed"),
+        steps=data.draw(st.integers(1, 4), label="steps"),
+    )
+    _check(dist_pool, case)
+
+
+@pytest.mark.parametrize("shared", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_expert_group_disagreement_raises_everywhere(dist_pool: PoolFactory, shared: bool) -> None:
+    """Rank 1 skips an expert its group-mate uses (or a shared layer): every rank raises
+    SkipSetMismatchError, within the timeout; an expert skipped by one group and used by
+    another is no disagreement (the other tests)."""
+    case = mw.MoECase("torch", 4, group_size=2)
+    for message in dist_pool(4).run(mw.mismatch_task, case, shared, timeout=TIMEOUT):
+        assert message.startswith("SkipSetMismatchError"), message
+        if not shared:
+            assert "ranks [0, 1] share the process group" in message
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("fairscale", marks=pytest.mark.slow)])
+def test_skipped_experts_cost_nothing(dist_pool: PoolFactory, backend: str) -> None:
+    """A step in which an expert group skips all its experts moves none of their bytes
+    (counted at the collective calls): at least one gather and one reduction of them
+    fewer than a step that uses them."""
+    if backend == "fairscale":
+        pytest.importorskip("fairscale")
+    case = mw.MoECase(backend, 4, group_size=2)
+    for skipped, used, numel in dist_pool(4).run(mw.traffic_task, case, timeout=TIMEOUT):
+        assert used - skipped >= 2 * numel * 4, (skipped, used, numel)
+
+
+def _norms_within_groups(found: dict[str, object]) -> None:
+    norms = found["grad_norms"]
+    assert isinstance(norms, dict) and norms, found
+    for name, (flatview_norm, expected) in norms.items():
+        assert abs(flatview_norm - expected) <= 1e-5 * max(expected, 1.0), (name, norms)
+    assert str(found["clip"]).startswith("NormError"), found
+
+
+def test_state_with_experts(dist_pool: PoolFactory) -> None:
+    """optim_state_dict of per-rank experts gives each rank its own experts' state; with
+    expert groups of two ranks it, flatview.checkpoint and Whole refuse on every rank.
+    grad_norms gives an expert's norm over its own group; clip_grad_norm_ refuses
+    (a total over different experts per rank would clip shared gradients differently)."""
+    per_rank = dist_pool(2).run(mw.state_task, mw.MoECase("torch", 2), timeout=TIMEOUT)
+    for found in per_rank:
+        _norms_within_groups(found)
+        assert isinstance(found["optim"], dict) and found["optim"], found
+        assert all(found["optim"].values()), found
+        assert found["checkpoint"].startswith("FlatViewError"), found
+        assert found["whole"].startswith("OptimStateError"), found
+    grouped = dist_pool(4).run(mw.state_task, mw.MoECase("torch", 4, group_size=2), timeout=TIMEOUT)
+    for found in grouped:
+        _norms_within_groups(found)
+        assert str(found["optim"]).startswith("OptimStateError"), found
+        assert found["checkpoint"].startswith("FlatViewError"), found
