@@ -445,9 +445,16 @@ def _expert_grad_norms(case: MoECase, fv: flatview.FlatView) -> dict[str, tuple[
     norms = fv.grad_norms()
     found = {}
     for name, view in fv.named_parameters():
-        if not name.startswith("experts") or view.grad is None:
+        if not name.startswith("experts"):
             continue
-        square = view.grad.double().pow(2).sum()
-        dist.all_reduce(square, group=expert_group(case))
-        found[name] = (float(norms[name]), float(square.sqrt()))
+        # None where skipped, and on a rank that holds none of the expert's elements (an
+        # empty view gets no gradient): the group's ranks all join, and a parameter
+        # counts if any of them has a gradient.
+        grad = view.grad
+        pair = torch.zeros(2, dtype=torch.float64)
+        if grad is not None:
+            pair[0], pair[1] = grad.double().pow(2).sum(), 1.0
+        dist.all_reduce(pair, group=expert_group(case))
+        if pair[1]:
+            found[name] = (float(norms[name]), float(pair[0].sqrt()))
     return found
