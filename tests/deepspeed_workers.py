@@ -839,44 +839,12 @@ def one_rank_refuses(scenario: Any, stage: int) -> dict[str, str]:
 
 
 def _refusal_cases(scenario: Any, engine: Any, fv: Any, early: Any, good: Any) -> dict[str, str]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     import flatview.checkpoint as fcp
-    from tests.refusal_workers import _attempt
-    from tests.scenarios import make_net
+    from tests.refusal_workers import entry_point_refusals
 
     lonely = dist.get_rank() == 1
     chosen = early if lonely else good
-    out: dict[str, str] = {}
-    out["optim_state_dict"] = _attempt(lambda: fv.optim_state_dict(chosen))
-    out["rank0_only"] = _attempt(lambda: fv.optim_state_dict(good, rank0_only=lonely))
-    for full in (False, True):
-        options = StateDictOptions(full_state_dict=full)
-        out[f"checkpoint_optimizer_{full}"] = _attempt(
-            lambda options=options: fcp.get_state_dict(fv, engine, [chosen], options=options)
-        )
-    out["checkpoint_model"] = _attempt(
-        lambda: fcp.get_state_dict(fv, make_net(scenario) if lonely else engine, [good])
-    )
-    out["checkpoint_options"] = _attempt(
-        lambda: fcp.get_state_dict(
-            fv, engine, [good], options=StateDictOptions(full_state_dict=lonely)
-        )
-    )
-    model_sd, optim_sd = fcp.get_state_dict(fv, engine, [good])
-    if lonely:
-        groups = [dict(g, params=list(g["params"])) for g in optim_sd["param_groups"]]
-        groups[0]["params"][0] = "body.0.nonexistent"
-        optim_sd = {"state": optim_sd["state"], "param_groups": groups}
-    out["set_state_dict"] = _attempt(
-        lambda: fcp.set_state_dict(
-            fv, engine, [good], model_state_dict=model_sd, optim_state_dict=optim_sd
-        )
-    )
-    out["set_optimizer_state_dict"] = _attempt(
-        lambda: fcp.set_optimizer_state_dict(fv, engine, [good], optim_sd)
-    )
-    out["clip_grad_norm_"] = _attempt(lambda: fv.clip_grad_norm_(-1.0 if lonely else 1.0))
+    out, _ = entry_point_refusals(scenario, fv, engine, good, chosen, lonely)
     # The calls work again on every rank.
     fv.optim_state_dict(good)
     fcp.get_state_dict(fv, engine, [good])

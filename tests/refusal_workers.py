@@ -48,6 +48,46 @@ def _attempt(call: Callable[[], Any]) -> str:
     return NO_ERROR
 
 
+def entry_point_refusals(
+    scenario: Scenario, fv: Any, model: Any, good: Any, chosen: Any, lonely: bool
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Every collective entry point, misused on the ``lonely`` rank only (``chosen``: its
+    optimizer, ``good`` the others'): per call, the error this rank saw (every backend's
+    one-rank refusal cases; ``model`` is what the backend's checkpoint functions take),
+    and the optimizer state dict given to the set calls (broken on the lonely rank)."""
+    out: dict[str, str] = {}
+    out["optim_state_dict"] = _attempt(lambda: fv.optim_state_dict(chosen))
+    out["rank0_only"] = _attempt(lambda: fv.optim_state_dict(good, rank0_only=lonely))
+    for full in (False, True):
+        options = StateDictOptions(full_state_dict=full)
+        out[f"checkpoint_optimizer_{full}"] = _attempt(
+            lambda options=options: fcp.get_state_dict(fv, model, [chosen], options=options)
+        )
+    out["checkpoint_model"] = _attempt(
+        lambda: fcp.get_state_dict(fv, make_net(scenario) if lonely else model, [good])
+    )
+    out["checkpoint_options"] = _attempt(
+        lambda: fcp.get_state_dict(
+            fv, model, [good], options=StateDictOptions(full_state_dict=lonely)
+        )
+    )
+    model_sd, optim_sd = fcp.get_state_dict(fv, model, [good])
+    if lonely:
+        groups = [dict(g, params=list(g["params"])) for g in optim_sd["param_groups"]]
+        groups[0]["params"][0] = "body.0.nonexistent"
+        optim_sd = {"state": optim_sd["state"], "param_groups": groups}
+    out["set_state_dict"] = _attempt(
+        lambda: fcp.set_state_dict(
+            fv, model, [good], model_state_dict=model_sd, optim_state_dict=optim_sd
+        )
+    )
+    out["set_optimizer_state_dict"] = _attempt(
+        lambda: fcp.set_optimizer_state_dict(fv, model, [good], optim_sd)
+    )
+    out["clip_grad_norm_"] = _attempt(lambda: fv.clip_grad_norm_(-1.0 if lonely else 1.0))
+    return out, optim_sd
+
+
 def one_rank_refuses(scenario: Scenario) -> dict[str, str]:
     """Per case, the error this rank saw."""
     rank = dist.get_rank()
@@ -70,35 +110,8 @@ def one_rank_refuses(scenario: Scenario) -> dict[str, str]:
             odd = torch.optim.SGD([*good.param_groups[0]["params"], stranger], lr=0.1)
         chosen = odd if lonely else good
 
-        out["optim_state_dict"] = _attempt(lambda: fv.optim_state_dict(chosen))
-        out["rank0_only"] = _attempt(lambda: fv.optim_state_dict(good, rank0_only=lonely))
-        for full in (False, True):
-            options = StateDictOptions(full_state_dict=full)
-            out[f"checkpoint_optimizer_{full}"] = _attempt(
-                lambda options=options: fcp.get_state_dict(fv, model, [chosen], options=options)
-            )
-        out["checkpoint_model"] = _attempt(
-            lambda: fcp.get_state_dict(fv, make_net(scenario) if lonely else model, [good])
-        )
-        out["checkpoint_options"] = _attempt(
-            lambda: fcp.get_state_dict(
-                fv, model, [good], options=StateDictOptions(full_state_dict=lonely)
-            )
-        )
-        model_sd, optim_sd = fcp.get_state_dict(fv, model, [good])
-        if lonely:
-            groups = [dict(g, params=list(g["params"])) for g in optim_sd["param_groups"]]
-            groups[0]["params"][0] = "body.0.nonexistent"
-            optim_sd = {"state": optim_sd["state"], "param_groups": groups}
-        out["set_state_dict"] = _attempt(
-            lambda: fcp.set_state_dict(
-                fv, model, [good], model_state_dict=model_sd, optim_state_dict=optim_sd
-            )
-        )
-        out["set_optimizer_state_dict"] = _attempt(
-            lambda: fcp.set_optimizer_state_dict(fv, model, [good], optim_sd)
-        )
-        out["clip_grad_norm_"] = _attempt(lambda: fv.clip_grad_norm_(-1.0 if lonely else 1.0))
+        refused, optim_sd = entry_point_refusals(scenario, fv, model, good, chosen, lonely)
+        out.update(refused)
         if scenario.config.flattens:
             # torch's own functions, routed to flatview.checkpoint on this model.
             from torch.distributed.checkpoint import state_dict as dsd
