@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -55,6 +55,11 @@ def _plain_guard(
     return refuse
 
 
+_Place = tuple[dict[str, Any], dict[str, Any], str]
+"""Where a wrapper sets a compute tensor: the owner's instance dict, its registered
+parameters, the attribute."""
+
+
 def _refuse(name: str, grad: torch.Tensor) -> None:
     raise skipped_used(name)
 
@@ -68,25 +73,48 @@ class SkipGuards:
         self._guards: list[Hooked] = []
         # Per plain parameter index: its guard hook, kept from step to step.
         self._plain_guards: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        # Per flat record index, per segment: the places the wrapper sets its compute
+        # tensor at (owner's instance dict, registered parameters, attribute), resolved
+        # once: the owners are fixed at wrap time, and a view replaced by a new
+        # parameter keeps its owner's module and attribute.
+        self._places: dict[int, tuple[tuple[_Place, ...], ...]] = {}
+        # Per parameter name, its refusing hook: one callable for every step.
+        self._refusals: dict[str, Callable[[torch.Tensor], None]] = {}
 
-    def guard_segments(self, record: FlatRecord, segments: list[tuple[int, str]]) -> None:
+    def _places_of(self, record: FlatRecord) -> tuple[tuple[_Place, ...], ...]:
+        found = self._places.get(record.index)
+        if found is None:
+            found = self._places[record.index] = tuple(
+                tuple((o.module.__dict__, o.module._parameters, o.attr) for o in owners)
+                for owners in record.spec.owners
+            )
+        return found
+
+    def guard_segments(self, record: FlatRecord, segments: Sequence[tuple[int, str]]) -> None:
         """Hook the compute tensors the wrapper just set on the submodules for the
         skipped ``(segment, name)`` s of ``record``."""
+        places_of = self._places_of(record)
+        refusals = self._refusals
+        guards = self._guards
         for segment, name in segments:
+            refuse = refusals.get(name)
+            if refuse is None:
+                refuse = refusals[name] = functools.partial(_refuse, name)
+            places = places_of[segment]
             seen: set[int] = set()
-            for owner in record.spec.owners[segment]:
+            for instance, params, attr in places:
                 # Wrappers set plain tensors, which land in the instance dict while the
                 # views are stepped aside; torch with use_orig_params registers its own.
-                tensor = owner.module.__dict__.get(owner.attr)
+                tensor = instance.get(attr)
                 if tensor is None:
-                    tensor = owner.module._parameters.get(owner.attr)
-                if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                    tensor = params.get(attr)
+                if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+                    continue
+                if len(places) > 1:  # tied: one hook per tensor
+                    if id(tensor) in seen:
+                        continue
                     seen.add(id(tensor))
-                    self._guard(tensor, name)
-
-    def _guard(self, tensor: torch.Tensor, name: str) -> None:
-        if tensor.requires_grad:
-            self._guards.append(hook_gradient(tensor, functools.partial(_refuse, name)))
+                guards.append(hook_gradient(tensor, refuse))
 
     def guard_plain(self, runtime: InFlight, iteration: Iteration) -> None:
         """Give every skipped plain parameter of ``iteration`` its persistent hook."""

@@ -326,13 +326,13 @@ class Runtime:
             return None
         return (iteration, record) if iteration.skipped else None
 
-    def skipped_segments(self, flat: nn.Parameter) -> list[tuple[int, str]]:
+    def skipped_segments(self, flat: nn.Parameter) -> Sequence[tuple[int, str]]:
         """(segment, name) of the segments of ``flat`` skipped in the current iteration."""
         found = self._skipping(flat)
         if found is None:
-            return []
+            return ()
         iteration, record = found
-        return list(iteration.binding.skipped_segments[record.index])
+        return iteration.binding.skipped_segments[record.index]
 
     def guard_skipped(self, flat: nn.Parameter) -> None:
         """Hook the compute tensors the wrapper just set on the submodules for the

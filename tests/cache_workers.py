@@ -15,6 +15,8 @@ from tests.scenarios import (
     backend_context,
     distributed_model,
     full_state,
+    local_batch,
+    loss_of,
     reference_backward,
     reference_model,
     synced_backward,
@@ -93,3 +95,26 @@ def bucket_layouts(keep_bytes: int) -> tuple[list[bool], bool]:
     kept = {id(b) for b in reduction._buffers.values()}
     current = all(id(whole._base) in kept for whole, _ in reduction._layouts.values())
     return checks, current and (keep_bytes > 0 or not reduction._layouts)
+
+
+def guard_culprits(scenario: Scenario, runs: Sequence[tuple[int, int]]) -> list[str]:
+    """Per ``(skipped, left_out)``: a step declaring ``body.<skipped>`` skipped whose
+    model leaves out ``body.<left_out>`` (the same: a correct step; another: the model
+    uses a skipped parameter). What each step raised, or ``"accepted"``."""
+    from flatview.errors import FlatViewError
+
+    out: list[str] = []
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for micro, (skipped, left_out) in enumerate(runs):
+            x, y = local_batch(scenario, micro)
+            try:
+                with fv.step(skip=[f"body.{skipped}"]):
+                    loss_of(model(x, (f"body.{left_out}",)), y).backward()
+            except FlatViewError as err:
+                out.append(f"{type(err).__name__}: {err}")
+            else:
+                out.append("accepted")
+            for opt in opts:
+                opt.zero_grad()
+    return out

@@ -16,7 +16,7 @@ from torch import nn
 from flatview.layout import FlatLayout
 from flatview.view_grads import ViewGrads, piece_of
 from tests import cache_workers as cw
-from tests.scenarios import BACKENDS, BackendConfig, Scenario, compare
+from tests.scenarios import BACKENDS, FLAT_BACKENDS, BackendConfig, Scenario, compare
 
 if TYPE_CHECKING:
     from tests.conftest import PoolFactory
@@ -203,3 +203,29 @@ def test_views_follow_a_new_shard_storage() -> None:
             views.views[0].add_(1.0)
         assert torch.equal(shard[:6], torch.arange(6, dtype=torch.float32) + 1)
         assert views.write_back(["weight", "bias"]) == []
+
+
+# One unit (not nested): both blocks' parameters are segments of one flat parameter,
+# so the guards of both come from one cached entry.
+GUARDED = Scenario(inner=(4, 3), nested=False, skips=((),))
+# Per step (declared skipped, left out by the model): correct, body.1 used while
+# skipped, body.0 used while skipped, correct, body.1 again.
+GUARD_RUNS = ((0, 0), (1, 0), (0, 1), (1, 1), (1, 0))
+
+
+@pytest.mark.parametrize(
+    "backend", [p for p in FLAT_BACKENDS if p.id in ("fairscale", "torch-full-shard")]
+)
+def test_guards_name_each_steps_culprit(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    """The guard hooks of skipped parameters, whose places and refusing hooks are kept
+    from step to step, name the parameter the model used in *this* step's skip set
+    (fails if one step's guards were kept for another skip set)."""
+    scenario = backend.scenario(GUARDED)
+    results = dist_pool(scenario.world_size).run(
+        cw.guard_culprits, scenario, GUARD_RUNS, timeout=TIMEOUT
+    )
+    for got in results:
+        assert got[0] == "accepted" and got[3] == "accepted", got
+        for step, block in ((1, 1), (2, 0), (4, 1)):
+            assert got[step].startswith("SkippedParameterUsedError"), got
+            assert f"'body.{block}." in got[step], (step, got[step])
