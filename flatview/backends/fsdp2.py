@@ -30,8 +30,8 @@ and maps the skip set onto the runtime:
   reduce-scatter, a skipped parameter that received a gradient raises
   :class:`~flatview.errors.SkippedParameterUsedError`, and a used parameter without one
   on this rank gets zeros (so every rank's reduce-scatter has the same layout; one tiny
-  all-reduce of flags, started by the last group's post_backward alongside its
-  reduce-scatter and waited for at the end of the backward, raises
+  all-reduce of flags, started once the last group's post_backward has run (before
+  the held reduce-scatters) and waited for at the end of the backward, raises
   :class:`~flatview.errors.UndeclaredUnusedError` on every rank if any rank lacked it);
 * the root's post-backward final callback is shadowed to end the runtime's backward;
 * each group's all-gather and reduce-scatter objects (``set_custom_all_gather`` /
@@ -307,10 +307,10 @@ class FSDP2Adapter(Adapter):
                 self.runtime.check_backward_binding()
                 self._contributions.before_reduce(group, index in self._ran)
                 unfinished = self._unfinished
-                if unfinished is not None and id(group) in unfinished:
+                last = unfinished is not None and id(group) in unfinished
+                if unfinished is not None and last:
                     unfinished.discard(id(group))
-                    if not unfinished:
-                        self._start_flags()
+                    last = not unfinished
                 # flatview decides which unused parameters get zeros (skipped ones don't).
                 group.reduce_scatter_unused_params = False
                 # Only the root mesh's reduce-scatters are held: they run as one at the
@@ -321,6 +321,12 @@ class FSDP2Adapter(Adapter):
                     numels = self._numels[id(group)]
                     comm.plan = hold_plan(group, comm.inner, numels, small, self._holds)
                 original(*unused)
+                if last:
+                    # After this group's reduce-scatter, not alongside it: which group
+                    # is last differs between ranks of different expert groups (a
+                    # skipped expert's runs here), and the flags' all-reduce must follow
+                    # the same reduce-scatters of the root's mesh on every rank.
+                    self._start_flags()
             except BaseException:
                 self._drop_held()  # what is held never runs: its gradients never exist
                 raise
@@ -336,7 +342,7 @@ class FSDP2Adapter(Adapter):
 
         def final_callback() -> None:
             # FSDP runs the post_backward of these groups next; the flags are final once
-            # the last has run, and are exchanged alongside its reduce-scatter.
+            # the last has run, and are exchanged then.
             self._unfinished = {
                 id(g)
                 for u in self.units
