@@ -30,7 +30,7 @@ from torch import nn
 
 import flatview
 import flatview.optim
-from tests.scenarios import backend_context
+from tests.scenarios import backend_context, no_sync
 
 D_IN, WIDTH, D_OUT, BATCH = 5, 6, 3, 4
 
@@ -38,13 +38,17 @@ _GROUPS: dict[tuple[int, ...], list[dist.ProcessGroup]] = {}
 """Expert groups made in this worker, by the partition of ranks (reused across tasks:
 ``new_group`` is collective over all ranks, and made once per partition)."""
 
+_MESHES: dict[int, Any] = {}
+"""FSDP2 device meshes made in this worker, by the id of their process group (made from
+the group, without a collective; reused across tasks as the groups are)."""
+
 
 @dataclass(frozen=True)
 class MoECase:
     """One MoE run: backend, expert group size, experts per group, whether each expert
     is a unit of its own, steps and the optimizer."""
 
-    backend: str  # "torch" or "fairscale"
+    backend: str  # "torch", "fairscale" or "fsdp2"
     world_size: int
     group_size: int = 1
     experts: int = 3
@@ -78,6 +82,16 @@ def expert_group(case: MoECase) -> dist.ProcessGroup:
             for g in range(case.groups)
         ]
     return made[case.group_of(dist.get_rank())]
+
+
+def mesh_of(group: Any) -> Any:
+    """The one-dimensional CPU device mesh over ``group`` (made once per worker)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    made = _MESHES.get(id(group))
+    if made is None:
+        made = _MESHES[id(group)] = DeviceMesh.from_group(group, "cpu")
+    return made
 
 
 class Experts(nn.Module):
@@ -166,9 +180,17 @@ def _optimizer(case: MoECase, params: Any) -> torch.optim.Optimizer:
 
 
 def wrap(case: MoECase, model: MoE) -> nn.Module:
-    """FSDP-wrap as the peers do: experts on their own group, ``inp`` a unit on the root's."""
+    """FSDP-wrap as the peers do: experts on their own group, ``inp`` a unit on the root's
+    (FSDP2: experts on a mesh of their own group, the others on the world's mesh)."""
     group = expert_group(case)
-    if case.backend == "torch":
+    if case.backend == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        def unit(module: nn.Module, pg: Any) -> nn.Module:
+            fully_shard(module, mesh=mesh_of(pg if pg is not None else dist.group.WORLD))
+            return module
+
+    elif case.backend == "torch":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         def unit(module: nn.Module, pg: Any) -> nn.Module:
@@ -216,7 +238,7 @@ def train(case: MoECase, use_flatview: bool) -> dict[str, torch.Tensor]:
             x, y = batch(case, rank, at)
             _, rows = routing(case, group, at)
             scope = fv.step(skip=skipped(case, group, at)) if fv else contextlib.nullcontext()
-            sync = root.no_sync() if m < case.micro - 1 else contextlib.nullcontext()
+            sync = no_sync(root) if m < case.micro - 1 else contextlib.nullcontext()
             with sync, scope:
                 loss = torch.nn.functional.mse_loss(root(x, rows), y)
                 loss.backward()
@@ -228,7 +250,10 @@ def train(case: MoECase, use_flatview: bool) -> dict[str, torch.Tensor]:
 def whole_parameters(
     case: MoECase, root: nn.Module, fv: flatview.FlatView | None
 ) -> dict[str, torch.Tensor]:
-    """Every parameter of this rank's model, whole (``summon_full_params``)."""
+    """Every parameter of this rank's model, whole (``summon_full_params``; FSDP2: each
+    ``DTensor``'s ``full_tensor``, gathered over its own mesh)."""
+    if case.backend == "fsdp2":
+        return {n: p.full_tensor().detach().clone() for n, p in root.named_parameters()}
     if case.backend == "torch":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -316,7 +341,9 @@ def _compare(case: MoECase) -> dict[str, float]:
     plain_fails = case.skip and (
         (case.backend == "fairscale" and case.unit_per_expert) or case.micro > 1
     )
-    if (case.optimizer == "sgd" or not case.skip) and not plain_fails:
+    # Plain FSDP2 leaves a parameter without a gradient out of its reduce-scatter and its
+    # gradient None, as flatview does a skipped one: the same training for any optimizer.
+    if case.backend == "fsdp2" or ((case.optimizer == "sgd" or not case.skip) and not plain_fails):
         # A skipped expert gets no gradient under flatview, zeros under the plain
         # wrapper: the same training for plain SGD only.
         plain = train(case, False)
@@ -420,7 +447,9 @@ def state_task(case: MoECase) -> dict[str, Any]:
                 if p in opt.state and n.startswith("experts")
             }
             found["optim"] = {
-                n: bool(torch.equal(consolidated["state"][n]["exp_avg"], s["exp_avg"]))
+                n: bool(
+                    torch.equal(_local(consolidated["state"][n]["exp_avg"]), _local(s["exp_avg"]))
+                )
                 for n, s in mine.items()
             }
             fv.load_optim_state_dict(opt, consolidated)
@@ -450,7 +479,7 @@ def _expert_grad_norms(case: MoECase, fv: flatview.FlatView) -> dict[str, tuple[
         # None where skipped, and on a rank that holds none of the expert's elements (an
         # empty view gets no gradient): the group's ranks all join, and a parameter
         # counts if any of them has a gradient.
-        grad = view.grad
+        grad = None if view.grad is None else _local(view.grad)
         pair = torch.zeros(2, dtype=torch.float64)
         if grad is not None:
             pair[0], pair[1] = grad.double().pow(2).sum(), 1.0
@@ -458,3 +487,30 @@ def _expert_grad_norms(case: MoECase, fv: flatview.FlatView) -> dict[str, tuple[
         if pair[1]:
             found[name] = (float(norms[name]), float(pair[0].sqrt()))
     return found
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor`` (a ``DTensor``'s local tensor under FSDP2)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def hsdp_refusal_task(case: MoECase) -> str:
+    """FSDP2 with the shared layers on an HSDP mesh (every rank a replica) and the experts
+    on meshes of their own: what ``flatview.wrap`` raises on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    hsdp = _MESHES.get(-1)
+    if hsdp is None:
+        hsdp = _MESHES[-1] = init_device_mesh(
+            "cpu", (case.world_size, 1), mesh_dim_names=("replicate", "shard")
+        )
+    model = MoE(case, case.group_of(dist.get_rank()))
+    fully_shard(model.experts, mesh=mesh_of(expert_group(case)))
+    root = fully_shard(model, mesh=hsdp)
+    try:
+        flatview.wrap(root)
+    except flatview.FlatViewError as err:
+        return f"{type(err).__name__}: {err}"
+    return "wrapped"

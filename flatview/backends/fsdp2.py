@@ -30,8 +30,8 @@ and maps the skip set onto the runtime:
   reduce-scatter, a skipped parameter that received a gradient raises
   :class:`~flatview.errors.SkippedParameterUsedError`, and a used parameter without one
   on this rank gets zeros (so every rank's reduce-scatter has the same layout; one tiny
-  all-reduce of flags, started by the last group's post_backward alongside its
-  reduce-scatter and waited for at the end of the backward, raises
+  all-reduce of flags, started once the last group's post_backward has run (before
+  the held reduce-scatters) and waited for at the end of the backward, raises
   :class:`~flatview.errors.UndeclaredUnusedError` on every rank if any rank lacked it);
 * the root's post-backward final callback is shadowed to end the runtime's backward;
 * each group's all-gather and reduce-scatter objects (``set_custom_all_gather`` /
@@ -40,6 +40,14 @@ and maps the skip set onto the runtime:
   dimension is counted there too. Where :func:`~flatview.backends.fsdp2_reduce.decide_bucketing`
   says so, small reduce-scatters are held and run as one at the end of the backward
   (:mod:`flatview.comm.held`): on CPU a step goes by its number of collectives.
+
+Units on a one-dimensional mesh of their own (experts: ``fully_shard(experts,
+mesh=...)`` over an expert group) are described as units on a group of their own
+(:class:`~flatview.backends.base.UnitGroup`, found by
+:func:`~flatview.backends.unit_groups.own_groups` at wrap time): their parameters are
+sharded over that mesh, their skip sets agree among the ranks that share it, and their
+reduce-scatters are never held (held ones run as one over the root's mesh only, at the
+same point on every rank whichever experts a rank's group skipped).
 
 The skip-set check spans every rank of the mesh (``agreement_group``) and is settled
 inside ``step()``: even the root's all-gather, which every rank issues whatever it skips,
@@ -158,15 +166,17 @@ class FSDP2Adapter(Adapter):
     def describe(self) -> list[UnitSpec]:
         managed: set[int] = set()
         specs = []
-        for unit in self.units:
+        for index, unit in enumerate(self.units):
             plain = []
             for group in unit.groups:
                 for fsdp_param in group.fsdp_params:
                     param = fsdp_param.sharded_param
                     managed.add(id(param))
-                    plain.append(self._plain(param, tuple(int(d) for d in fsdp_param._orig_size)))
+                    shape = tuple(int(d) for d in fsdp_param._orig_size)
+                    plain.append(self._plain(param, shape, index))
+            own = self.model.groups.get(index)
             specs.append(
-                UnitSpec(unit.name, unit.module, (), tuple(plain), unit.module is self.root)
+                UnitSpec(unit.name, unit.module, (), tuple(plain), unit.module is self.root, own)
             )
         # Parameters FSDP2 does not manage (ignored_params): every rank holds them whole.
         extra = tuple(
@@ -182,14 +192,21 @@ class FSDP2Adapter(Adapter):
             )
         return specs
 
-    def _plain(self, param: nn.Parameter, shape: tuple[int, ...]) -> PlainSpec:
-        layout = shard_layout(shape, self.world_size) if self.world_size > 1 else None
+    def _shards(self, unit: int) -> tuple[int, int]:
+        """(this rank's rank, the ranks) over which unit ``unit`` shards its parameters:
+        its own mesh's (experts), else the root's shard group's."""
+        own = self.model.groups.get(unit)
+        return (self.rank, self.world_size) if own is None else (own.rank, own.world_size)
+
+    def _plain(self, param: nn.Parameter, shape: tuple[int, ...], unit: int) -> PlainSpec:
+        rank, world_size = self._shards(unit)
+        layout = shard_layout(shape, world_size) if world_size > 1 else None
         return PlainSpec(
             self.model.names[id(param)],
             param,
             shape,
             layout,
-            self.rank,
+            rank,
             reduced=True,
             aliases=tuple(self.model.aliases[id(param)]),
             padded_shard=False,
@@ -226,7 +243,9 @@ class FSDP2Adapter(Adapter):
             for unit in self.units
         ]
         self._numels = {
-            id(g): shard_numels(g, self.world_size) for u in self.units for g in u.groups
+            id(g): shard_numels(g, self._shards(i)[1])
+            for i, u in enumerate(self.units)
+            for g in u.groups
         }
         """Per group (by id), its parameters' shard sizes (:func:`hold_plan`)."""
         count_collectives(self.units, runtime.ledger, self.hybrid, self._held)
@@ -288,17 +307,26 @@ class FSDP2Adapter(Adapter):
                 self.runtime.check_backward_binding()
                 self._contributions.before_reduce(group, index in self._ran)
                 unfinished = self._unfinished
-                if unfinished is not None and id(group) in unfinished:
+                last = unfinished is not None and id(group) in unfinished
+                if unfinished is not None and last:
                     unfinished.discard(id(group))
-                    if not unfinished:
-                        self._start_flags()
+                    last = not unfinished
                 # flatview decides which unused parameters get zeros (skipped ones don't).
                 group.reduce_scatter_unused_params = False
-                if counting and self._holds is not None and group.reduce_grads:
+                # Only the root mesh's reduce-scatters are held: they run as one at the
+                # end on every rank alike, whichever experts a rank's group skipped.
+                own = index in self.model.groups
+                if counting and self._holds is not None and not own and group.reduce_grads:
                     small = self.options.in_place_min_numel
                     numels = self._numels[id(group)]
                     comm.plan = hold_plan(group, comm.inner, numels, small, self._holds)
                 original(*unused)
+                if last:
+                    # After this group's reduce-scatter, not alongside it: which group
+                    # is last differs between ranks of different expert groups (a
+                    # skipped expert's runs here), and the flags' all-reduce must follow
+                    # the same reduce-scatters of the root's mesh on every rank.
+                    self._start_flags()
             except BaseException:
                 self._drop_held()  # what is held never runs: its gradients never exist
                 raise
@@ -314,7 +342,7 @@ class FSDP2Adapter(Adapter):
 
         def final_callback() -> None:
             # FSDP runs the post_backward of these groups next; the flags are final once
-            # the last has run, and are exchanged alongside its reduce-scatter.
+            # the last has run, and are exchanged then.
             self._unfinished = {
                 id(g)
                 for u in self.units

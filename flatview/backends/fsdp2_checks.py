@@ -27,9 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from flatview.backends.base import UnitGroup
 from flatview.backends.messages import check_no_pending_backward
 from flatview.backends.nesting import inside_another
 from flatview.backends.torch_versions import check_torch_version
+from flatview.backends.unit_groups import own_groups
 from flatview.comm.options import ReduceOptions
 from flatview.errors import StateError, WrapError
 from flatview.layout import FlatLayout, Segment
@@ -210,6 +212,8 @@ class FSDP2Model:
     """Per parameter (by id), its first name in ``root.named_parameters()``."""
     aliases: dict[int, list[str]]
     """Per parameter (by id), its further names (tied parameters)."""
+    groups: dict[int, UnitGroup]
+    """Per index into :attr:`units`, the group of a unit on a mesh of its own (experts)."""
 
 
 def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:
@@ -277,12 +281,10 @@ def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:
     # sharded ones, which the next forward unshards again (FSDPModule.reshard).
     for unit in units:
         cast(Any, unit.module).reshard()
-    mesh_infos = [g.mesh_info for g in groups]
-    hybrid = bool(mesh_infos) and isinstance(mesh_infos[0], HSDPMeshInfo)
-    if mesh_infos:
-        first = mesh_infos[0]
-        if any(m.mesh != first.mesh for m in mesh_infos):
-            raise WrapError("FSDP2 units use different device meshes; flatview needs one mesh")
+    first = _root_mesh_info(units)
+    hybrid = isinstance(first, HSDPMeshInfo)
+    if first is not None:
+        own = _check_meshes(units, first, HSDPMeshInfo)
         group: dist.ProcessGroup | None = first.shard_process_group
         rank = int(first.shard_mesh_rank)
         world_size = int(first.shard_mesh_size)
@@ -294,6 +296,7 @@ def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:
             )
         device = groups[0].device
     else:
+        own = []
         group = None
         rank = dist.get_rank()
         world_size = dist.get_world_size()
@@ -307,6 +310,57 @@ def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:
         else:
             names[id(param)] = name
             aliases[id(param)] = []
+    # Collective over the root's shard group when a unit has a mesh of its own: after
+    # every check of this rank's, so that a refusal of one rank is raised on every rank.
+    unit_groups = own_groups(own, group) if own else {}
     return FSDP2Model(
-        root, units, hybrid, group, rank, world_size, replicas, device, names, aliases
+        root, units, hybrid, group, rank, world_size, replicas, device, names, aliases, unit_groups
     )
+
+
+def _root_mesh_info(units: Sequence[Unit]) -> Any:
+    """The mesh information of the root unit's parameter group (of the first unit that
+    has one, where the root manages no parameter): the mesh every unit is on unless the
+    model gives it one of its own (experts); ``None`` without any parameter group."""
+    for unit in units:
+        for group in unit.groups:
+            return group.mesh_info
+    return None
+
+
+def _check_meshes(units: Sequence[Unit], root: Any, hsdp: type) -> list[tuple[str, Any]]:
+    """``(name, process group)`` per unit, root first, for
+    :func:`~flatview.backends.unit_groups.own_groups` (the root's shard group for a unit
+    on the root's mesh), or ``[]`` when every unit is on the root's mesh. A mesh of a
+    unit's own must be a one-dimensional data-parallel mesh beside a one-dimensional
+    root mesh (HSDP with experts on meshes of their own is refused)."""
+    different = [
+        (unit.name, g.mesh_info)
+        for unit in units
+        for g in unit.groups
+        if g.mesh_info.mesh != root.mesh
+    ]
+    if not different:
+        return []
+    shown = [name or "<root>" for name, _ in different]
+    if isinstance(root, hsdp) or any(isinstance(info, hsdp) for _, info in different):
+        raise WrapError(
+            f"FSDP2 unit(s) {shown} use device meshes other than the root's, and a mesh "
+            "has a replicate dimension (HSDP); flatview supports units on meshes of their "
+            "own (experts) beside a one-dimensional mesh only"
+        )
+    bad = [name or "<root>" for name, info in different if info.mesh.ndim != 1]
+    if bad or root.mesh.ndim != 1:
+        raise WrapError(
+            f"FSDP2 unit(s) {bad or shown} use device meshes of several dimensions beside "
+            "the root's; flatview supports units on one-dimensional meshes of their own "
+            "(experts) only"
+        )
+    found = []
+    for unit in units:
+        infos = [g.mesh_info for g in unit.groups]
+        on_own = infos and infos[0].mesh != root.mesh
+        found.append(
+            (unit.name, infos[0].shard_process_group if on_own else root.shard_process_group)
+        )
+    return found

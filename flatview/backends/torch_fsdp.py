@@ -58,7 +58,7 @@ from flatview.backends.torch_fsdp_checks import TorchFSDPModel
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
 from flatview.backends.torch_fsdp_prefetch import PrefetchSteering
 from flatview.backends.torch_fsdp_reduce import NO_BUCKETING, WRAPPER, TorchFSDPReduction
-from flatview.backends.torch_fsdp_settle import UnitSettling
+from flatview.backends.torch_fsdp_settle import UnitSettling, forwards_before_backwards
 from flatview.backends.torch_orig_grads import OrigParamGrads
 from flatview.backends.torch_summon import SummonLending, summonable, summoning
 from flatview.backends.unit_tree import (
@@ -270,9 +270,13 @@ class TorchFSDPAdapter(Adapter):
             runtime = self.runtime
             runtime.settle_agreement()
             runtime.check_backward_binding()
+            settling = self._settling
+            # Every rank ran the same forwards and backwards: each raises here alike.
+            late = [name for name, unit in self.units if settling.missed_post_backward(unit)]
+            if late:
+                raise forwards_before_backwards(late)
             # Units that took no part in the backward, settled (those not declared
             # skipped are raised once torch has finished the backward).
-            settling = self._settling
             with torch.no_grad():
                 synced = bool(self.root._sync_gradients)
                 self._undeclared = settle_units(

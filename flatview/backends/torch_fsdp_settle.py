@@ -6,13 +6,21 @@ A unit that took no part still has ``handle._training_state`` other than
 for it is reduced as its own post-backward hook would have, and ``SHARD_GRAD_OP``, which
 frees a unit's unsharded flat parameter only in that unit's post-backward (a skipped unit
 kept it from an earlier forward, stale after the next optimizer step:
-:meth:`UnitSettling.holds_stale_unsharded`), is made to free it."""
+:meth:`UnitSettling.holds_stale_unsharded`), is made to free it.
+
+A unit whose pre-backward ran but which torch gave no post-backward hook (several forwards
+before their backwards: :meth:`UnitSettling.missed_post_backward`) is refused with a
+:class:`~flatview.errors.StateError` naming the pattern. torch privates read for it (torch
+versions gated by :mod:`flatview.backends.torch_versions`): the flat parameter's
+``_post_backward_hook_handle`` / ``_post_backward_hook_state`` (set in a forward, removed
+when torch finalises a backward) and ``HandleTrainingState.BACKWARD_PRE``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from flatview.backends.base import Runtime
+from flatview.errors import StateError
 
 
 class UnitSettling:
@@ -36,6 +44,23 @@ class UnitSettling:
             or not handle.flat_param.requires_grad
             or handle._training_state is self._backward_post
         )
+
+    def missed_post_backward(self, unit: Any) -> bool:
+        """Whether ``unit``'s pre-backward hook ran in this backward while torch had no
+        post-backward hook on its flat parameter: torch removes that hook when it
+        finalises a backward and registers it again only in a forward, so the backward
+        of a forward that ran before an earlier backward ended (several forwards, then
+        their backwards) reaches the parameters with no hook to reduce or finalise their
+        gradient (plain torch then fails in a later backward, or trains on a gradient
+        never reduced)."""
+        handle = unit._handle
+        if handle is None or not handle.flat_param.requires_grad:
+            return False
+        flat = handle.flat_param
+        hooked = hasattr(flat, "_post_backward_hook_handle") or hasattr(
+            flat, "_post_backward_hook_state"
+        )
+        return handle._training_state is self._backward_pre and not hooked
 
     def settle(self, unit: Any, synced: bool) -> None:
         """What ``unit``'s post-backward would have done: start the reduction of what
@@ -77,3 +102,17 @@ class UnitSettling:
             and not handle.needs_unshard()
             and bool(self._fsdp_runtime._should_free_in_backward(unit, handle))
         )
+
+
+def forwards_before_backwards(units: list[str]) -> StateError:
+    """The error of a backward whose forward ran before an earlier backward ended
+    (:meth:`UnitSettling.missed_post_backward` of ``units``)."""
+    shown = ", ".join(repr(u or "<root>") for u in units)
+    return StateError(
+        f"the backward of FSDP unit(s) {shown} ran without torch FSDP1's post-backward "
+        "hook: its forward ran before an earlier backward ended (several forwards, then "
+        "their backwards: forward, forward, backward, backward, the pipelining pattern), "
+        "which torch FSDP1 does not support (torch removes the hook when it finalises a "
+        "backward; without flatview it fails later, in its own backward). Run each "
+        "forward's backward before the next forward (accumulate with no_sync() between)"
+    )
