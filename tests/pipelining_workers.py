@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ def fwd_fwd_bwd_bwd(scenario: Scenario, use_flatview: bool) -> dict[str, Any]:
                 for i in range(3):
                     x, y = local_batch(scenario, i)
                     losses.append(loss_of(model(x), y))
-                with model.no_sync():
+                with _no_sync(scenario, model):
                     losses[0].backward()
                     losses[1].backward()
                 losses[2].backward()
@@ -37,7 +39,23 @@ def fwd_fwd_bwd_bwd(scenario: Scenario, use_flatview: bool) -> dict[str, Any]:
         return {"params": _whole(scenario, model)}
 
 
+@contextlib.contextmanager
+def _no_sync(scenario: Scenario, model: Any) -> Iterator[None]:
+    """The wrapper's way to keep backwards from synchronising (FSDP2 has no ``no_sync()``)."""
+    if scenario.backend != "fsdp2":
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def _whole(scenario: Scenario, model: Any) -> dict[str, torch.Tensor]:
+    if scenario.backend == "fsdp2":
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     if scenario.backend == "torch":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests import pipelining_workers as pw
-from tests.scenarios import DDP, FAIRSCALE, GATED, BackendConfig
+from tests.scenarios import DDP, FAIRSCALE, FSDP2, GATED, BackendConfig, only_on_tested_torch
 
 if TYPE_CHECKING:
     from tests.conftest import PoolFactory
@@ -23,6 +23,16 @@ def test_fwd_fwd_bwd_bwd_on_fairscale(dist_pool: PoolFactory, nested: bool) -> N
     parameters exactly (same processes)."""
     pytest.importorskip("fairscale")
     scenario = FAIRSCALE.scenario(GATED, nested=nested)
+    for found in dist_pool(2).run(pw.compare, scenario, timeout=TIMEOUT):
+        assert found.get("worst") == 0.0, found
+
+
+@only_on_tested_torch("FSDP2")
+@pytest.mark.parametrize("nested", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_fwd_fwd_bwd_bwd_on_fsdp2(dist_pool: PoolFactory, nested: bool) -> None:
+    """FSDP2 trains it too (the first backwards with ``set_requires_gradient_sync(False)``):
+    with flatview, two windows give plain FSDP2's parameters exactly."""
+    scenario = FSDP2.scenario(GATED, nested=nested)
     for found in dist_pool(2).run(pw.compare, scenario, timeout=TIMEOUT):
         assert found.get("worst") == 0.0, found
 
