@@ -63,6 +63,9 @@ class MoECase:
     """torch FSDP1's ``use_orig_params``."""
     shared_unit: bool = True
     """The shared layer ``inp`` is a unit of its own on the root's group (as the peers')."""
+    unwrap_after: int | None = None
+    """flatview's run calls ``fv.unwrap()`` after this step and trains on bare (plain SGD:
+    an optimizer built anew over the wrapper's parameters trains alike)."""
 
     @property
     def groups(self) -> int:
@@ -244,6 +247,10 @@ def train(case: MoECase, use_flatview: bool) -> dict[str, torch.Tensor]:
                 loss.backward()
         opt.step()
         opt.zero_grad()
+        if fv is not None and step == case.unwrap_after:
+            fv.unwrap()
+            fv = None
+            opt = _optimizer(case, root.parameters())
     return whole_parameters(case, root, fv)
 
 

@@ -42,6 +42,12 @@ def test_peer_moe_experts_per_rank(dist_pool: PoolFactory, backend: str) -> None
     _check(dist_pool, mw.MoECase(backend, 2, optimizer="sgd"))
 
 
+def test_unwrap_with_expert_units_trains_on_like_the_reference(dist_pool: PoolFactory) -> None:
+    """``fv.unwrap()`` after a step on a model with expert units on groups of their own:
+    bare torch FSDP1 trains on from where flatview left off (plain SGD)."""
+    _check(dist_pool, mw.MoECase("torch", 2, optimizer="sgd", unwrap_after=1))
+
+
 @pytest.mark.parametrize(("backend", "per_expert"), [("torch", False), ("fairscale", True)])
 def test_expert_groups_sharded(dist_pool: PoolFactory, backend: str, per_expert: bool) -> None:
     """Expert groups of two ranks out of four (the experts sharded and averaged in their
