@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from flatview.backends.base import Adapter, FlatSpec, PlainSpec, UnitSpec, end_root_forward
+from flatview.backends.compute_tensors import set_directly
 from flatview.backends.fairscale_checks import (
     LOCAL_LENDING_METHODS,
     FairscaleModel,
@@ -247,10 +248,8 @@ class FairscaleAdapter(Adapter):
         return lent
 
     def _guarding(self, fpw: Any) -> Callable[[], None]:
-        original = fpw._unflatten_params_as_views
-
         def unflatten_and_guard() -> None:
-            original()
+            _unflatten_as_views(fpw)
             for flat in fpw.flat_params:
                 self.runtime.guard_skipped(flat)
 
@@ -322,3 +321,22 @@ class FairscaleAdapter(Adapter):
                 raise undeclared_units(undeclared)
 
         return wait_for_post_backward
+
+
+def _unflatten_as_views(fpw: Any) -> None:
+    """fairscale's ``FlattenParamsWrapper._unflatten_params_as_views``: each original
+    parameter's compute tensor (a view of its flat parameter, from fairscale's own
+    ``get_param_views``) set on its submodule, the list of them kept on the wrapped
+    module (fairscale's activation checkpointing reads it), then each tied name set to
+    its owner's; in one store per tensor where ``setattr`` would come to that
+    (:mod:`~flatview.backends.compute_tensors`), once per tensor and forward."""
+    assert fpw.is_flattened
+    views = list(fpw.get_param_views())
+    for (_, module, name), view in zip(fpw._param_infos, views, strict=True):
+        if not set_directly(module, name, view):
+            setattr(module, name, view)
+    fpw._fpw_module._unflattened_param_views = views
+    for _, _, module, name, shared_module, shared_name in fpw._shared_param_infos:
+        tensor = getattr(shared_module, shared_name)
+        if not set_directly(module, name, tensor):
+            setattr(module, name, tensor)

@@ -81,7 +81,18 @@ _ROOT_PRIVATES = (
     "world_size",
     *ROOT_LENDING_METHODS,
 )
-_FPW_PRIVATES = ("flat_params", "flat_param_names", "_unflatten_params_as_views", "module")
+_FPW_PRIVATES = (
+    "flat_params",
+    "flat_param_names",
+    "_unflatten_params_as_views",
+    "module",
+    # What flatview's own unflattening reads (fairscale.py: _unflatten_as_views).
+    "is_flattened",
+    "get_param_views",
+    "_fpw_module",
+    "_param_infos",
+    "_shared_param_infos",
+)
 _FLAT_PRIVATES = ("_is_sharded", "_param_shapes", "_param_infos", "_shared_param_infos")
 _STATES = ("IDLE", "BACKWARD_PRE", "BACKWARD_POST", "SUMMON_FULL_PARAMS")
 

@@ -53,6 +53,7 @@ from torch import nn
 
 from flatview.autograd import at_end_of_backward, in_backward
 from flatview.backends.base import Adapter, UnitSpec, end_root_forward
+from flatview.backends.compute_tensors import set_directly
 from flatview.backends.patches import Patches
 from flatview.backends.torch_fsdp_checks import TorchFSDPModel
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
@@ -84,13 +85,12 @@ except ImportError:  # another torch: its own is left as it is
 
 def _setattr_stepped_aside(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """torch's ``_safe_setattr_tensor_or_param`` (delete what is there, then set through
-    ``nn.Module``'s checks), asking the instance dictionary and the registered parameters
-    first: with the views stepped aside the name is in neither, and the ``hasattr`` torch
-    asks would raise and catch an ``AttributeError`` per parameter and forward (bare
-    FSDP finds its last compute tensor in the instance dictionary). A parameter's name is
-    no buffer, submodule or class attribute (``register_parameter`` refuses those), so
-    nothing else could be there to delete."""
-    if name in module.__dict__ or name in module._parameters:
+    ``nn.Module``'s checks), in one store where that is what they come to
+    (:mod:`~flatview.backends.compute_tensors`); with the views stepped aside its
+    ``hasattr`` would also raise and catch an ``AttributeError`` per tensor."""
+    if set_directly(module, name, tensor):
+        return
+    if hasattr(module, name):
         delattr(module, name)
     setattr(module, name, tensor)
 
