@@ -20,8 +20,8 @@ of four patterns, the same on every rank; the bare wrapper runs the same model w
 same layers left out; bare DDP then needs ``find_unused_parameters=True``).
 
 Per variant and step, rank 0 times the forward + backward (flatview's ``step()`` context
-included) and the optimizer step + ``zero_grad`` (SGD, momentum, ``foreach=True``)
-apart. Reported per size: the medians, flatview's extra over bare (median of per-step
+included) and the optimizer step + ``zero_grad`` (SGD, momentum, ``foreach=True``; FSDP2
+beyond 4,096 tensors ``foreach=False``, see ``FOREACH_DTENSORS``) apart. Reported per size: the medians, flatview's extra over bare (median of per-step
 differences) per tensor, the ratios of whole steps; per backend, the slope of a
 least-squares line through the forward + backward extra over 256-4,096 tensors (µs per
 tensor); wrap time, ``optim_state_dict`` time and resident memory added by the wrap, per
@@ -213,6 +213,18 @@ class Variant:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+FOREACH_DTENSORS = 4096
+"""Above this many tensors FSDP2's variants step with ``foreach=False``: torch 2.13's
+``foreach`` SGD over DTensors grows with the square of their number (sharding propagation
+per call; one process, SGD momentum over N ``8x8`` DTensors: 1.1 ms per tensor at 512,
+4.1 ms at 4,096, 16.7 s a step; ``foreach=False`` 36-59 µs per tensor at every size),
+bare and with flatview alike, so that 16,384 tensors would not finish in the budget."""
+
+
+def _foreach(backend: str, size: int) -> bool:
+    return not (backend == "fsdp2" and size > FOREACH_DTENSORS)
+
+
 def _sgd(params: Any, cfg: Config, **kind: Any) -> torch.optim.Optimizer:
     options = kind or {"foreach": True}
     return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, **options)
@@ -255,7 +267,7 @@ def _wrapped(cfg: Config, shape: str, size: int, backend: str, **options: Any) -
 
 def _bare(name: str, cfg: Config, shape: str, size: int, backend: str, **options: Any) -> Variant:
     model = _wrapped(cfg, shape, size, backend, **options)
-    return Variant(name, model, _sgd(model.parameters(), cfg))
+    return Variant(name, model, _sgd(model.parameters(), cfg, foreach=_foreach(backend, size)))
 
 
 def _flatview(cfg: Config, shape: str, size: int, backend: str) -> Variant:
@@ -267,7 +279,8 @@ def _flatview(cfg: Config, shape: str, size: int, backend: str) -> Variant:
     fv = flatview.wrap(model)
     wrap_s = time.perf_counter() - started
     rss = common._resident_mib() - before
-    return Variant("flatview", model, _sgd(fv.parameters(), cfg), fv, wrap_s, rss)
+    optimizer = _sgd(fv.parameters(), cfg, foreach=_foreach(backend, size))
+    return Variant("flatview", model, optimizer, fv, wrap_s, rss)
 
 
 def build_variants(cfg: Config, shape: str, size: int, backend: str) -> dict[str, list[Variant]]:
