@@ -12,7 +12,9 @@ skipped (``experts.<e>.*``), so ranks of different groups skip different experts
 The single-process reference (:func:`reference`, run inside each worker without any
 collective) holds every group's experts: the shared parameters' gradient is the mean of
 every rank's, an expert's the mean over the ranks of its group (what FSDP's reduction in
-each unit's own group gives), with the same optimizer per parameter.
+each unit's own group gives), with the same optimizer per parameter, the gradients
+zeroed as the case says (:attr:`MoECase.set_to_none`) and the same values written
+between steps (:func:`writes`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +68,23 @@ class MoECase:
     unwrap_after: int | None = None
     """flatview's run calls ``fv.unwrap()`` after this step and trains on bare (plain SGD:
     an optimizer built anew over the wrapper's parameters trains alike)."""
+    zero_grad_at: str = "after_step"
+    """Where the optimizer zeroes gradients, one of :data:`tests.scenarios.ZERO_GRAD_PLACES`:
+    right after each optimizer step, before each step's first forward, or between that
+    forward and its backward."""
+    set_to_none: bool = True
+    """``zero_grad(set_to_none=...)``: ``False`` leaves a skipped expert that had a
+    gradient a zero one, which Adam steps (its moments decay), unlike ``None``."""
+    writes: bool = False
+    """After each optimizer step, values written into parameters between steps
+    (:func:`writes`): ``.data = t`` on an expert's module attribute, ``.data.copy_(t)`` on
+    a view, ``p.mul_`` under ``no_grad`` (FSDP2: the in-place one only)."""
+
+    @property
+    def user_patterns(self) -> bool:
+        """Zeroing elsewhere than after the step, zeroing in place, or writes: compared
+        with the reference only (the plain wrapper has no views to write through)."""
+        return self.zero_grad_at != "after_step" or not self.set_to_none or self.writes
 
     @property
     def groups(self) -> int:
@@ -228,14 +247,25 @@ def _original(root: nn.Module) -> MoE:
     return module
 
 
-def train(case: MoECase, use_flatview: bool) -> dict[str, torch.Tensor]:
-    """Train the wrapped model; the parameters this rank holds, whole, by name."""
+def train(
+    case: MoECase,
+    use_flatview: bool,
+    provoke: Callable[[nn.Module, flatview.FlatView], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Train the wrapped model; the parameters this rank holds, whole, by name.
+    ``provoke`` runs once flatview has wrapped the model, before its optimizer is made."""
     rank = dist.get_rank()
     group = case.group_of(rank)
     root = wrap(case, MoE(case, group))
     fv = flatview.wrap(root) if use_flatview else None
+    assert fv is not None or not case.writes, "writes go through flatview's views"
+    if provoke is not None:
+        assert fv is not None
+        provoke(root, fv)
     opt = _optimizer(case, (fv.parameters() if fv is not None else root.parameters()))
     for step in range(case.steps):
+        if case.zero_grad_at == "before_forward":
+            opt.zero_grad(set_to_none=case.set_to_none)
         for m in range(case.micro):
             at = step * case.micro + m
             x, y = batch(case, rank, at)
@@ -244,14 +274,100 @@ def train(case: MoECase, use_flatview: bool) -> dict[str, torch.Tensor]:
             sync = no_sync(root) if m < case.micro - 1 else contextlib.nullcontext()
             with sync, scope:
                 loss = torch.nn.functional.mse_loss(root(x, rows), y)
+                if m == 0 and case.zero_grad_at == "between":
+                    opt.zero_grad(set_to_none=case.set_to_none)
                 loss.backward()
         opt.step()
-        opt.zero_grad()
+        if case.zero_grad_at == "after_step":
+            opt.zero_grad(set_to_none=case.set_to_none)
+        if fv is not None and case.writes:
+            write_through(case, root, fv, step)
         if fv is not None and step == case.unwrap_after:
             fv.unwrap()
             fv = None
             opt = _optimizer(case, root.parameters())
     return whole_parameters(case, root, fv)
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write into a parameter between steps: ``kind`` ``"assign"`` (``.data = t`` on
+    the module attribute), ``"copy"`` (``.data.copy_(t)`` on the view) or ``"scale"``
+    (``p.mul_(0.5)`` under ``no_grad``); ``t`` drawn from ``seed``."""
+
+    kind: str
+    name: str
+    seed: int = 0
+
+
+def writes(case: MoECase, group: int, step: int) -> list[Write]:
+    """The writes after optimizer step ``step`` on the ranks of expert group ``group``:
+    into two of the group's experts (in turn, so that one skipped in the next step or
+    the whole unit of one is written too) and, in place, into two shared parameters
+    (the same values on every rank; never assigned, which would untie the reference's
+    shared parameters)."""
+    layer = ".layer" if case.unit_per_expert else ""
+    first = _expert_name(case, step % case.experts) + layer
+    second = _expert_name(case, (step + 1) % case.experts) + layer
+    seed = case.seed * 7907 + step * 101
+    found = [
+        Write("scale", "router.weight"),
+        Write("copy", "out.bias", seed),
+        Write("assign", f"{first}.weight", seed + 1 + 10 * group),
+        Write("copy", f"{second}.bias", seed + 2 + 10 * group),
+        Write("scale", f"{second}.weight"),
+    ]
+    if case.backend == "fsdp2":
+        # FSDP2's parameters are the model's own sharded DTensors (no views): a user
+        # writes them in place.
+        return [w for w in found if w.kind == "scale"]
+    return found
+
+
+def _value(shape: Sequence[int], seed: int) -> torch.Tensor:
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed))
+
+
+def write_through(case: MoECase, root: nn.Module, fv: flatview.FlatView, step: int) -> None:
+    """:func:`writes` through flatview's views on this rank: ``.data = t`` with the whole
+    value (flatview keeps this rank's piece), ``.data.copy_`` with this rank's piece
+    (a sharded expert's view holds a part of it)."""
+    views = dict(fv.named_parameters())
+    model = _original(root)
+    for w in writes(case, case.group_of(dist.get_rank()), step):
+        view = views[w.name]
+        if w.kind == "scale":
+            with torch.no_grad():
+                view.mul_(0.5)
+            continue
+        whole = _value(fv.shape_of(view), w.seed)
+        start, end = fv.placement(view).param_interval
+        # This rank's piece (a partial view is 1-D, an empty one empty).
+        piece = whole.flatten()[start:end].view_as(view).clone()
+        if w.kind == "copy":
+            view.data.copy_(piece)
+        else:
+            # The whole value, as on the unwrapped model: flatview keeps this rank's
+            # piece. torch's own views (use_orig_params=True) take only their own shape,
+            # as without flatview (torch's writeback raises on another).
+            path, attr = w.name.rsplit(".", 1)
+            module: Any = model
+            for part in path.split("."):
+                module = getattr(module, part)
+            assert getattr(module, attr) is view, w.name
+            getattr(module, attr).data = piece if case.orig_params else whole
+
+
+def _write_whole(params: dict[str, nn.Parameter], write: Write) -> None:
+    """``write`` on the reference's (whole) parameter."""
+    param = params[write.name]
+    if write.kind == "scale":
+        with torch.no_grad():
+            param.mul_(0.5)
+    elif write.kind == "copy":
+        param.data.copy_(_value(param.shape, write.seed))
+    else:
+        param.data = _value(param.shape, write.seed)
 
 
 def whole_parameters(
@@ -295,6 +411,9 @@ def reference(case: MoECase) -> list[dict[str, torch.Tensor]]:
         params += [p for n, p in m.named_parameters() if n.startswith("experts")]
     opt = _optimizer(case, params)
     for step in range(case.steps):
+        # Wherever the distributed run zeroes (after the last step, before the forward
+        # or between it and its backward), no gradient of this step has arrived yet.
+        opt.zero_grad(set_to_none=case.set_to_none)
         grads: dict[int, torch.Tensor] = {}
         for rank, m in itertools.product(range(case.world_size), range(case.micro)):
             g = case.group_of(rank)
@@ -316,9 +435,17 @@ def reference(case: MoECase) -> list[dict[str, torch.Tensor]]:
                 key = id(shared[n]) if not n.startswith("experts") else id(p)
                 grads[key] = grads.get(key, 0) + grad / scale
         for p in params:
-            p.grad = grads.get(id(p))
+            grad = grads.get(id(p))
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad + grad
         opt.step()
-        opt.zero_grad()
+        if case.writes:
+            for g, model in enumerate(models):
+                named = dict(model.named_parameters())
+                for w in writes(case, g, step):
+                    # The shared parameters once (the models share their storage).
+                    if g == 0 or w.name.startswith("experts"):
+                        _write_whole(named, w)
     return [
         {n: p.detach().clone() for n, p in models[case.group_of(r)].named_parameters()}
         for r in range(case.world_size)
@@ -350,7 +477,10 @@ def _compare(case: MoECase) -> dict[str, float]:
     )
     # Plain FSDP2 leaves a parameter without a gradient out of its reduce-scatter and its
     # gradient None, as flatview does a skipped one: the same training for any optimizer.
-    if case.backend == "fsdp2" or ((case.optimizer == "sgd" or not case.skip) and not plain_fails):
+    comparable = case.backend == "fsdp2" or (
+        (case.optimizer == "sgd" or not case.skip) and not plain_fails
+    )
+    if comparable and not case.user_patterns:
         # A skipped expert gets no gradient under flatview, zeros under the plain
         # wrapper: the same training for plain SGD only.
         plain = train(case, False)
@@ -521,3 +651,38 @@ def hsdp_refusal_task(case: MoECase) -> str:
     except flatview.FlatViewError as err:
         return f"{type(err).__name__}: {err}"
     return "wrapped"
+
+
+def _error(action: Callable[[], Any]) -> str:
+    try:
+        action()
+    except flatview.FlatViewError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def one_rank_errors_task(case: MoECase) -> dict[str, Any]:
+    """Errors one rank alone makes in a step, each before any training: rank 1 names an
+    expert the model does not have, the last rank puts an item of the wrong type in its
+    skip set, and (expert groups of several ranks) rank 1 skips an expert its group's
+    other ranks use. Each must raise on every rank (``messages``); the training that
+    follows must then be the reference's (``reference``: the largest relative
+    difference)."""
+    messages: dict[str, str] = {}
+
+    def provoke(root: nn.Module, fv: flatview.FlatView) -> None:
+        rank, last = dist.get_rank(), dist.get_world_size() - 1
+        skip = skipped(case, case.group_of(rank), 0)
+        bad: dict[str, list[Any]] = {
+            "unknown": [*skip, _expert_name(case, case.experts)] if rank == 1 else skip,
+            "item": [*skip, 3] if rank == last else skip,
+        }
+        if case.group_size > 1:
+            bad["mismatch"] = [*skip, _first_used(case, 0)] if rank == 1 else skip
+        for kind, items in bad.items():
+            messages[kind] = _error(lambda items=items: _step(case, root, fv, 0, items))
+
+    with backend_context(case.backend):
+        mine = train(case, True, provoke)
+    expected = reference(case)[dist.get_rank()]
+    return {"messages": messages, "reference": _worst(mine, expected)}
