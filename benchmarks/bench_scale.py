@@ -214,11 +214,12 @@ class Variant:
 
 
 FOREACH_DTENSORS = 4096
-"""Above this many tensors FSDP2's variants step with ``foreach=False``: torch 2.13's
-``foreach`` SGD over DTensors grows with the square of their number (sharding propagation
-per call; one process, SGD momentum over N ``8x8`` DTensors: 1.1 ms per tensor at 512,
-4.1 ms at 4,096, 16.7 s a step; ``foreach=False`` 36-59 µs per tensor at every size),
-bare and with flatview alike, so that 16,384 tensors would not finish in the budget."""
+"""Above this many tensors FSDP2's variants step with ``foreach=False``: in torch 2.13 the
+first two steps of ``foreach`` SGD over DTensors (cold sharding-propagation cache: before
+and after the momentum buffers exist) take time growing with the square of their number
+(one process, N ``8x8`` DTensors: 0.37 and 0.16 s at 256, 12.7 and 11.3 s at 2,048; later
+steps 52-56 ms), bare and with flatview alike: at 16,384 tensors some 13 minutes each,
+and the second is a timed step there (one warm-up step)."""
 
 
 def _foreach(backend: str, size: int) -> bool:
