@@ -21,8 +21,9 @@ same layers left out; bare DDP then needs ``find_unused_parameters=True``).
 
 Per variant and step, rank 0 times the forward + backward (flatview's ``step()`` context
 included) and the optimizer step + ``zero_grad`` (SGD, momentum, ``foreach=True``; FSDP2
-beyond 4,096 tensors ``foreach=False``, see ``FOREACH_DTENSORS``) apart. Reported per size: the medians, flatview's extra over bare (median of per-step
-differences) per tensor, the ratios of whole steps; per backend, the slope of a
+beyond 4,096 tensors ``foreach=False``, see ``FOREACH_DTENSORS``) apart. Reported per
+size: the medians, flatview's extra over bare (median of per-step differences) per
+tensor, the ratios of whole steps; per backend, the slope of a
 least-squares line through the forward + backward extra over 256-4,096 tensors (µs per
 tensor); wrap time, ``optim_state_dict`` time and resident memory added by the wrap, per
 tensor. A second study (``--optim-world-size`` processes, torch FSDP1, dense 4,096): the
