@@ -68,8 +68,12 @@ _Place = tuple[dict[str, Any], dict[str, Any], str]
 parameters, the attribute."""
 
 
-def _refuse(name: str, grad: torch.Tensor) -> None:
-    raise skipped_used(name)
+def _refuse(name: str, grad: torch.Tensor | None) -> None:
+    # Put in the hook dictionary of a tensor that is one output of a node with several
+    # (a split output itself, not a view of one), the hook is also called, with None,
+    # when the node runs for another output's gradient: this one received none.
+    if grad is not None:
+        raise skipped_used(name)
 
 
 SPLITS = frozenset({"SplitWithSizesBackward0", "SplitBackward0"})

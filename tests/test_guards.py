@@ -103,3 +103,13 @@ def test_learnt_outputs_are_checked_each_forward() -> None:
     guards.guard_segments(record, ((0, "m0.weight"),))  # type: ignore[arg-type]
     with pytest.raises(SkippedParameterUsedError, match=r"m0\.weight"):
         _loss(holder, {0}).backward()
+
+
+def test_hooked_split_output_without_gradient_is_not_refused() -> None:
+    """A skipped segment whose compute tensor is a split output itself (no view), hooked
+    one by one because another segment's tensor is of another make, is not refused when
+    the split runs only for that other segment's gradient (its hook is called with
+    None then). Found by the thorough profile of the test above."""
+    guards, record, holder = _setup([1, 1], "one made apart", tied=False)
+    guards.guard_segments(record, ((0, "m0.weight"),))  # type: ignore[arg-type]
+    _loss(holder, {1}).backward()
