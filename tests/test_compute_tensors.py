@@ -28,7 +28,29 @@ class _Noting(nn.Linear):
             self.__dict__.setdefault("noted", []).append(name)
 
 
-def _module(before: str, noting: bool) -> nn.Module:
+class _Kept(nn.Linear):
+    """A module class with a property of the parameter's name (its setter keeps the value
+    elsewhere, as a parametrized module's class does)."""
+
+    @property
+    def weight(self) -> object:
+        return self.__dict__.get("kept")
+
+    @weight.setter
+    def weight(self, value: object) -> None:
+        self.__dict__["kept"] = value
+
+    @weight.deleter
+    def weight(self) -> None:
+        self.__dict__.pop("kept", None)
+
+
+def _module(before: str, noting: bool | str) -> nn.Module:
+    if noting == "property":
+        module = nn.Linear(2, 2)
+        del module.weight
+        module.__class__ = _Kept
+        return module
     module = _Noting(2, 2) if noting else nn.Linear(2, 2)
     module.__dict__.pop("noted", None)
     if before != "parameter":
@@ -59,7 +81,7 @@ def _state(module: nn.Module) -> tuple[object, ...]:
     )
 
 
-def _twins(before: str, noting: bool) -> tuple[nn.Module, nn.Module]:
+def _twins(before: str, noting: bool | str) -> tuple[nn.Module, nn.Module]:
     theirs, ours = _module(before, noting), _module(before, noting)
     # The same objects on both, so that ids compare.
     ours._parameters["bias"] = theirs._parameters["bias"]
@@ -70,11 +92,20 @@ def _twins(before: str, noting: bool) -> tuple[nn.Module, nn.Module]:
     return theirs, ours
 
 
+CASES = [
+    (before, kind, noting)
+    for before in BEFORE
+    for kind in VALUES
+    for noting in (False, True, "property")
+    # A class with a property of the name holds nothing else under it and takes no
+    # parameter there.
+    if noting != "property" or (before == "nothing" and kind != "parameter")
+]
+
+
 @pytest.mark.skipif(_SAFE_SETATTR is None, reason="torch without the setter")
-@pytest.mark.parametrize("noting", [False, True])
-@pytest.mark.parametrize("kind", VALUES)
-@pytest.mark.parametrize("before", BEFORE)
-def test_torch_setter_matches_torchs(before: str, kind: str, noting: bool) -> None:
+@pytest.mark.parametrize(("before", "kind", "noting"), CASES)
+def test_torch_setter_matches_torchs(before: str, kind: str, noting: bool | str) -> None:
     value = _value(kind)
     theirs, ours = _twins(before, noting)
     _SAFE_SETATTR(theirs, "weight", value)
