@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_MODULE_SETATTR = nn.Module.__setattr__
+_MODULE_SETATTR: object = nn.Module.__setattr__
 
 _plain: dict[tuple[type, str], bool] = {}
 """Per module class and name: whether ``setattr`` on an instance reaches the instance
