@@ -228,9 +228,10 @@ def _check_run(out: dict[str, Any], scenario: Scenario) -> None:
 @pytest.mark.parametrize(
     ("backend", "api"),
     [
-        # torch's functions on FULL_SHARD are routed to flatview's: CI runs those.
+        # torch's functions on FULL_SHARD are routed to flatview's: CI runs those
+        # (fairscale's, at another world size, through test_whole.py's checkpoint test).
         backend_param(FULL_SHARD, "flatview", slow=True),
-        backend_param(FAIRSCALE, "flatview"),
+        backend_param(FAIRSCALE, "flatview", slow=True),
         backend_param(FULL_SHARD, "torch"),
     ],
 )

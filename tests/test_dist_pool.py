@@ -109,6 +109,7 @@ def test_error_on_one_rank_is_reported_and_pool_survives(dist_pool: PoolFactory)
     assert _pids(dist_pool) == before
 
 
+@pytest.mark.slow  # restarts the pool; the hang test below covers the restart in CI
 def test_error_while_peer_is_stuck_restarts_pool(
     dist_pool: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

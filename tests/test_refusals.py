@@ -81,10 +81,11 @@ def test_one_rank_refusing_raises_on_every_rank(
 # ---------------------------------------------------------------- refused wraps
 
 NESTED = r"WrapError: flatview\.wrap was given a nested (FSDP unit|FSDP2 module)"
-# torch FSDP1 runs in CI through its auto-wrapped model; its other layouts, thorough.
+# CI runs FSDP2 and torch FSDP1 through its auto-wrapped model; torch FSDP1's other
+# layouts and fairscale (whose refusals CI also runs one rank at a time below) thorough.
 WRAP_CONFIGS = [
     *(
-        backend_param(c, {}, ci=c == FSDP2, slow=c.backend == "torch")
+        backend_param(c, {}, ci=c == FSDP2, slow=c.backend in ("torch", "fairscale"))
         for c in BACKEND_CONFIGS
         if not c.runtime
     ),
