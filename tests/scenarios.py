@@ -148,11 +148,15 @@ THOROUGH_CONFIGS: tuple[BackendConfig, ...] = (FSDP2, FSDP2_HSDP, *HYBRID_CONFIG
 FSDP1 hybrid sharding: in every parametrized suite, but (to keep CI under its time) only
 in the thorough profile, except where a suite asks for them in CI (``slow=False``)."""
 BACKEND_CONFIGS: tuple[BackendConfig, ...] = (*QUICK_CONFIGS, *THOROUGH_CONFIGS)
-SAMPLED_IN_CI: tuple[BackendConfig, ...] = (BackendConfig("torch", "SHARD_GRAD_OP"),)
+SAMPLED_IN_CI: tuple[BackendConfig, ...] = (
+    BackendConfig("torch", "SHARD_GRAD_OP"),
+    TORCH_NO_SHARD_RUNTIME,
+)
 """Quick configurations that are close variants of another (``SHARD_GRAD_OP`` is
-``FULL_SHARD`` kept unsharded from forward to backward): in the CI profile only where a
-suite asks for them (``ci=True``) or draws them, in every suite in the thorough profile
-(to keep CI under its time)."""
+``FULL_SHARD`` kept unsharded from forward to backward; ``NO_SHARD`` on torch's runtime
+is the opt-out ``compute_on_views=False`` of ``NO_SHARD`` computed on views): in the CI
+profile only where a suite asks for them (``ci=True``) or draws them, in every suite in
+the thorough profile (to keep CI under its time)."""
 
 
 def torch_backend_tested() -> bool:
