@@ -38,6 +38,7 @@ Results go to ``results/scale/`` (markdown, JSON, PNG). See ``benchmarks/README.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -46,7 +47,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -343,13 +344,33 @@ def _timed(
     return times
 
 
+@contextlib.contextmanager
+def _reported(rank: int, result: dict[str, Any], out: str) -> Iterator[None]:
+    """A worker's body: ``result`` gets status ok (every rank got there) or crashed with
+    the error, rank 0 writes it to ``out``, and the process group ends either way."""
+    try:
+        yield
+        result["status"] = "ok"
+        dist.barrier()
+    except Exception as exc:
+        result.update(
+            status="crashed",
+            error=f"{type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc(limit=-8),
+        )
+    finally:
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
 def scale_worker(
     rank: int, backend: str, shape: str, size: int, cfg: Config, port: int, out: str
 ) -> None:
     """One backend, one model: the variants built side by side, then both modes."""
     common._init(rank, cfg, port, out)  # type: ignore[arg-type]
     result: dict[str, Any] = {"backend": backend, "shape": shape, "size": size, "modes": {}}
-    try:
+    with _reported(rank, result, out):
         context = common._runtime(backend == "fairscale")
         with context:
             built = build_variants(cfg, shape, size, backend)
@@ -370,18 +391,6 @@ def scale_worker(
                     "optim_state_dict_s": state_s,
                 }
                 del variants, fv_variant
-        result["status"] = "ok"
-        dist.barrier()
-    except Exception as exc:
-        result.update(
-            status="crashed",
-            error=f"{type(exc).__name__}: {exc}",
-            traceback=traceback.format_exc(limit=-8),
-        )
-    finally:
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-        dist.destroy_process_group()
 
 
 OPTIMIZERS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -406,7 +415,7 @@ def optim_worker(rank: int, cfg: Config, port: int, out: str) -> None:
 
     common._init(rank, cfg, port, out)  # type: ignore[arg-type]
     result: dict[str, Any] = {"world_size": dist.get_world_size(), "size": cfg.optim_size}
-    try:
+    with _reported(rank, result, out):
         model = _wrapped(cfg, "dense", cfg.optim_size, "torch")
         # Stand-ins of the wrapper's flat parameters (same shapes; flatview refuses an
         # optimizer over the flat parameters themselves), with gradients kept throughout.
@@ -448,18 +457,7 @@ def optim_worker(rank: int, cfg: Config, port: int, out: str) -> None:
             for p in views:
                 p.grad = None
         gc.unfreeze()
-        result.update(status="ok", times=times, cpu=cpu)
-        dist.barrier()
-    except Exception as exc:
-        result.update(
-            status="crashed",
-            error=f"{type(exc).__name__}: {exc}",
-            traceback=traceback.format_exc(limit=-8),
-        )
-    finally:
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-        dist.destroy_process_group()
+        result.update(times=times, cpu=cpu)
 
 
 # ------------------------------------------------------------------------------ summary
