@@ -4,7 +4,6 @@ the single-process references they are compared with."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from tests.scenarios import (
     _original_tree,
     backend_context,
     batch,
+    flatview_error,
     full_state,
     local_batch,
     loss_of,
@@ -33,14 +33,6 @@ from tests.workers import flats_and_shards
 
 def _value(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _message(action: Callable[[], Any]) -> str:
-    try:
-        action()
-    except flatview.FlatViewError as err:
-        return f"{type(err).__name__}: {err}"
-    return "accepted"
 
 
 def _state(model: nn.Module, scenario: Scenario) -> dict[str, np.ndarray] | None:
@@ -144,12 +136,12 @@ def write_back(scenario: Scenario) -> dict[str, Any] | None:
         stem = dict(fv.named_parameters())["stem.weight"]
         stem.data = torch.zeros(7, 3)
         x, _ = local_batch(scenario, 0)
-        out["bad_shape"] = _message(lambda: model(x))
+        out["bad_shape"] = flatview_error(lambda: model(x))
         out["phase"] = fv.phase.name
         if not _replaceable(scenario):
             stem.data = torch.zeros(tuple(make_net(scenario).stem.weight.shape))
             tree.head.weight = nn.Parameter(torch.zeros_like(tree.head.weight))
-            out["replaced"] = _message(lambda: model(x))
+            out["replaced"] = flatview_error(lambda: model(x))
     return out if dist.get_rank() == 0 else None
 
 
@@ -233,12 +225,12 @@ def refused_optimizers(scenario: Scenario) -> dict[str, Any]:
             for flat, _ in flats_and_shards(model, scenario.backend):
                 if flat.grad is None:
                     flat.grad = torch.zeros_like(flat)
-        out["flat"] = _message(early.step)
+        out["flat"] = flatview_error(early.step)
         out["flat_unchanged"] = all(torch.equal(before[k], v) for k, v in views.items())
         # A view swapped for the flat parameter it lives in: the group's length is kept.
         root_flat = flats_and_shards(model, scenario.backend)[0][0]
         params = opt.param_groups[0]["params"]
         names = list(views)
         params[names.index("head.bias")] = root_flat
-        out["swapped"] = _message(opt.step)
+        out["swapped"] = flatview_error(opt.step)
     return out

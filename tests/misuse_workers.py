@@ -4,7 +4,7 @@ rank finds alone, ranks that freeze differently, and training after flatview's e
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,21 +19,13 @@ from tests.scenarios import (
     backend_context,
     distributed_model,
     distributed_training,
+    flatview_error,
     full_state,
     local_batch,
     loss_of,
     make_net,
     wrap_fsdp,
 )
-
-
-def _error(call: Callable[[], Any]) -> str:
-    """``"ClassName: message"`` of the flatview error ``call`` raises, else ``"accepted"``."""
-    try:
-        call()
-    except FlatViewError as err:
-        return f"{type(err).__name__}: {err}"
-    return "accepted"
 
 
 def _last() -> int:
@@ -62,10 +54,10 @@ def local_errors(scenario: Scenario) -> dict[str, Any]:
         }
         out: dict[str, Any] = {}
         for kind, skip in cases.items():
-            out[kind] = _error(lambda skip=skip: _train_step(model, fv, scenario, skip))
-        out["norm_type"] = _error(lambda: fv.param_norms(norm_type=-1 if rank == 0 else 2))
+            out[kind] = flatview_error(lambda skip=skip: _train_step(model, fv, scenario, skip))
+        out["norm_type"] = flatview_error(lambda: fv.param_norms(norm_type=-1 if rank == 0 else 2))
         names = ["head.weight", "head.wieght" if rank == _last() else "head.bias"]
-        out["norm_name"] = _error(lambda: fv.grad_norms(names))
+        out["norm_name"] = flatview_error(lambda: fv.grad_norms(names))
         _train_step(model, fv, scenario, good)
         grads = {n: p.grad for n, p in fv.named_parameters()}
         out["skipped_none"] = all(g is None for n, g in grads.items() if n.startswith("body.1"))
@@ -81,9 +73,9 @@ def frozen_differently(scenario: Scenario) -> dict[str, Any]:
         view = dict(fv.named_parameters())["body.0.up.weight"]
         if dist.get_rank() == 0:
             view.requires_grad_(False)
-        out = {"mismatch": _error(lambda: _train_step(model, fv, scenario, ["body.1"]))}
+        out = {"mismatch": flatview_error(lambda: _train_step(model, fv, scenario, ["body.1"]))}
         view.requires_grad_(False)
-        out["alike"] = _error(lambda: _train_step(model, fv, scenario, ["body.1"]))
+        out["alike"] = flatview_error(lambda: _train_step(model, fv, scenario, ["body.1"]))
         out["frozen_grad"] = view.grad is None
         return out
 
@@ -175,7 +167,7 @@ def wrap_mid_iteration(scenario: Scenario) -> dict[str, Any]:
         model = wrap_fsdp(scenario, make_net(scenario))
         x, y = local_batch(scenario, 0)
         loss = loss_of(model(x), y)
-        out: dict[str, Any] = {"error": _error(lambda: flatview.wrap(model))}
+        out: dict[str, Any] = {"error": flatview_error(lambda: flatview.wrap(model))}
         loss.backward()
         if out["error"] == "accepted":
             grads = [p.grad for p in model.parameters()]

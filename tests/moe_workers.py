@@ -32,7 +32,7 @@ from torch import nn
 
 import flatview
 import flatview.optim
-from tests.scenarios import backend_context, no_sync
+from tests.scenarios import backend_context, flatview_error, no_sync
 
 D_IN, WIDTH, D_OUT, BATCH = 5, 6, 3, 4
 
@@ -653,14 +653,6 @@ def hsdp_refusal_task(case: MoECase) -> str:
     return "wrapped"
 
 
-def _error(action: Callable[[], Any]) -> str:
-    try:
-        action()
-    except flatview.FlatViewError as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def one_rank_errors_task(case: MoECase) -> dict[str, Any]:
     """Errors one rank alone makes in a step, each before any training: rank 1 names an
     expert the model does not have, the last rank puts an item of the wrong type in its
@@ -680,7 +672,7 @@ def one_rank_errors_task(case: MoECase) -> dict[str, Any]:
         if case.group_size > 1:
             bad["mismatch"] = [*skip, _first_used(case, 0)] if rank == 1 else skip
         for kind, items in bad.items():
-            messages[kind] = _error(lambda items=items: _step(case, root, fv, 0, items))
+            messages[kind] = flatview_error(lambda items=items: _step(case, root, fv, 0, items))
 
     with backend_context(case.backend):
         mine = train(case, True, provoke)

@@ -727,6 +727,18 @@ def run_reference(scenario: Scenario) -> Outcome:
 # ---------------------------------------------------------------- distributed side
 
 
+def flatview_error(call: Callable[[], Any]) -> str:
+    """``"ClassName: message"`` of the flatview error ``call`` raises, else
+    ``"accepted"`` (what workers send back for tests to match)."""
+    import flatview
+
+    try:
+        call()
+    except flatview.FlatViewError as err:
+        return f"{type(err).__name__}: {err}"
+    return "accepted"
+
+
 @contextlib.contextmanager
 def backend_context(backend: str) -> Iterator[None]:
     if backend == "fairscale":
