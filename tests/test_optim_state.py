@@ -208,6 +208,7 @@ def test_consolidated_state_equals_the_reference(
     check_against_reference(dist_pool, scenario)
 
 
+@pytest.mark.slow  # drawn; the fixed cases above run in CI
 @settings(max_examples=max(4, settings().max_examples))
 @given(data=st.data())
 def test_consolidated_state_equals_the_reference_on_drawn_scenarios(
@@ -370,6 +371,7 @@ def check_round_trip(
         assert_same_state(got, want, ("checkpoint", index))
 
 
+@pytest.mark.slow  # drawn; the fixed cases above run in CI
 @settings(max_examples=max(2, settings().max_examples // 2))
 @given(data=st.data())
 def test_resume_drawn_scenarios_elsewhere(dist_pool: PoolFactory, data: st.DataObject) -> None:
