@@ -1,0 +1,670 @@
+"""An optimizer over views that steps neighbouring views as one tensor: :class:`Coalesced`.
+
+A torch optimizer runs Python per parameter tensor (``_init_group``; its foreach and fused
+kernels take lists), so one over N views costs N times what one over the wrapper's few
+flat parameters costs, for the same elementwise arithmetic. :class:`Coalesced` keeps the
+views as its parameters and their state per view, and steps *runs* of views that lie end
+to end in one storage, with gradients and state laid out the same way, as one tensor
+through an unmodified inner instance of the optimizer class.
+
+Why the numbers are the same
+----------------------------
+SGD, Adam and AdamW are elementwise: each element's update reads only that element of
+the parameter, the gradient and the state, and the group's hyperparameters. Stepping a
+run therefore computes what stepping each view computes, provided every view of the run
+has the same hyperparameters (one parameter group), the same kind of state (all without
+state, or all with the same keys) and, for Adam, the same step count (its bias
+corrections). Two places where torch's CPU kernels are not elementwise in the bits are
+kept apart: the fused kernels compute the last elements of each tensor (the tail that
+does not fill a vector register) with scalar code that rounds differently, so under
+``fused`` a view ends a run unless its size is a multiple of 64 bytes (the fused
+kernels' work unit); and a subclass of the three classes may compute per-parameter
+quantities (norms: LARS, LAMB), so only the three classes themselves are taken.
+
+State
+-----
+Per-element state (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``,
+``max_exp_avg_sq``) lives in buffers this optimizer owns, one per (parameter storage,
+dtype, state key), each covering the span of this optimizer's parameters in that storage
+(parameters of other optimizers in between take room too). Each view's
+``state[view][key]`` is its slice of the buffer, shaped like the view, so
+``state_dict()``, ``load_state_dict()``, :meth:`flatview.FlatView.optim_state_dict` and
+:mod:`flatview.checkpoint` see torch's usual per-parameter layout. State that the inner
+optimizer creates (first steps) or that comes from outside (``load_state_dict``) is
+copied into the buffers at the next step; which tensors were handed out is checked by
+identity at every step.
+
+Adam's ``step`` is one 0-dim tensor shared by the views of a run: ``opt.state[v]["step"]``
+may be the same tensor object for neighbouring views (``state_dict()`` gives each
+parameter its own copy, so that a plain optimizer loading it does not count one step many
+times). A run is stepped with a step tensor that belongs to exactly its views (a view
+left out of the run, skipped, keeps its own copy); neighbours whose step tensors hold the
+same value (on the CPU, where reading it costs no synchronisation) are given one again.
+
+Every step checks the memory it steps: each view's data pointer, contiguity and size,
+each gradient's pointer and contiguity, each state tensor's identity; a view that fails
+any check is stepped on its own, as the plain optimizer would step it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import compress, repeat
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Coalesced"]
+
+ELEMENTWISE: dict[type, tuple[str, ...]] = {
+    torch.optim.SGD: ("momentum_buffer",),
+    torch.optim.Adam: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.AdamW: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+}
+"""The supported classes and their state shaped like the parameter."""
+SCALARS: dict[type, tuple[str, ...]] = {
+    torch.optim.SGD: (),
+    torch.optim.Adam: ("step",),
+    torch.optim.AdamW: ("step",),
+}
+"""Their 0-dim state, one value per run."""
+FUSED_UNIT_BYTES = 64
+"""Under ``fused``, a view continues a run only if its size is a multiple of this."""
+
+_GRAD = operator.attrgetter("grad")
+_PTR = Tensor.data_ptr
+_NUMEL = Tensor.numel
+_CONTIGUOUS = Tensor.is_contiguous
+_SOLO = -1
+_EMPTY: dict[str, Any] = {}
+"""The state of a view that has none (never written)."""
+_NO_GRAD = torch.empty(0)
+"""Stands in for a missing gradient in the pointer arithmetic (which it never joins)."""
+"""A view's state signature when its state cannot join a run (not in the buffers)."""
+
+
+def _eligible(p: Tensor) -> bool:
+    """Whether ``p`` can be part of a run: dense, contiguous, real floating point, not
+    empty (its state then fits a buffer slice)."""
+    return (
+        p.layout == torch.strided
+        and p.numel() > 0
+        and p.is_floating_point()
+        and p.is_contiguous()
+    )
+
+
+@dataclass
+class _Buffer:
+    """Where the state of one storage's parameters lives: one tensor per state key."""
+
+    length: int
+    dtype: torch.dtype
+    device: torch.device
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+    def get(self, key: str) -> Tensor:
+        found = self.tensors.get(key)
+        if found is None:
+            found = self.tensors[key] = torch.zeros(self.length, dtype=self.dtype, device=self.device)
+        return found
+
+
+@dataclass
+class _Plan:
+    """One parameter group, its runnable views in address order: what is fixed until the
+    views change size or layout (:meth:`Coalesced._layout`)."""
+
+    order: list[Tensor]
+    """Eligible views, by address."""
+    alone: list[Tensor]
+    """Views that are never part of a run (empty, non-contiguous, overlapping, ...)."""
+    ptrs: tuple[int, ...]
+    numels: tuple[int, ...]
+    link: list[bool]
+    """``link[i]``: views ``i`` and ``i + 1`` are end to end in one storage and buffer."""
+    fused_link: list[bool]
+    """``link`` where view ``i`` also fills whole fused work units."""
+    buffers: list[_Buffer]
+    offsets: list[int]
+    """Each view's offset in its buffer."""
+    handed: dict[str, list[Any]]
+    """Per state key, what each view's state holds as handed out (``None``: nothing)."""
+    sig: list[int]
+    """Per view, which state keys it holds (a bit each), or ``_SOLO``."""
+    slices: dict[str, list[Tensor | None]]
+    """Per elementwise key, each view's slice of its buffer (made when first needed)."""
+    runs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    """Run ``a:b``'s alias of the views' memory, while they stay where they are."""
+    spans: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)
+    """A run's state ``key``: its span of the buffer."""
+
+    joins: dict[bool, list[bool]] = field(default_factory=dict)
+    """Per ``fused``: the links between neighbours with the same state in the buffers."""
+
+    def joinable(self, fused: bool) -> list[bool]:
+        found = self.joins.get(fused)
+        if found is None:
+            sig = self.sig
+            found = self.joins[fused] = [
+                ok and x == y and x >= 0
+                for ok, x, y in zip(self.fused_link if fused else self.link, sig, sig[1:])
+            ]
+        return found
+
+    def set_sig(self, i: int, sig: int) -> None:
+        if self.sig[i] != sig:
+            self.sig[i] = sig
+            self.joins.clear()
+
+    def span(self, key: str, a: int, total: int) -> Tensor:
+        found = self.spans.get((key, a, total))
+        if found is None:
+            start = self.offsets[a]
+            found = self.spans[(key, a, total)] = self.buffers[a].get(key)[start : start + total]
+        return found
+
+    def slice_of(self, key: str, i: int) -> Tensor:
+        found = self.slices[key][i]
+        if found is None:
+            p = self.order[i]
+            start = self.offsets[i]
+            found = self.buffers[i].get(key)[start : start + p.numel()].view(p.shape)
+            self.slices[key][i] = found
+        return found
+
+
+class Coalesced(torch.optim.Optimizer):
+    """``optimizer_class(params, **defaults)``, stepping neighbouring views as one tensor.
+
+    Gives exactly (bit for bit) the parameters and state that ``optimizer_class(params,
+    **defaults)`` gives, at the cost of an optimizer over a few tensors where views of
+    one flat parameter lie end to end (see the module docstring for how and when). Its
+    ``param_groups`` hold ``params`` and its ``state`` is keyed by them as torch keeps
+    it: learning-rate schedulers, ``zero_grad``, ``state_dict()`` and
+    ``load_state_dict()``, :meth:`flatview.FlatView.optim_state_dict` and
+    :mod:`flatview.checkpoint` work as with the plain optimizer.
+
+    What differs, visibly: per-element state tensors are slices of buffers this optimizer
+    owns (views of one storage share a buffer covering them); Adam's
+    ``state[view]["step"]`` may be one tensor shared by neighbouring views (each stepped
+    view's count is right; ``state_dict()`` copies them apart). State tensors replaced
+    from outside are copied into the buffers at the next step.
+
+    Args:
+        optimizer_class: exactly ``torch.optim.SGD``, ``torch.optim.Adam`` or
+            ``torch.optim.AdamW`` (not a subclass: it may compute per-parameter
+            quantities, which a run would mix).
+        params: the parameters (views) or parameter groups, as for ``optimizer_class``.
+        **defaults: its hyperparameters; ``foreach`` and ``fused`` as for it.
+            ``differentiable=True`` is refused.
+
+    Raises:
+        TypeError: another class, or a closure given to :meth:`step`.
+        ValueError: ``differentiable=True``.
+    """
+
+    def __init__(self, optimizer_class: type, params: Iterable[Any], **defaults: Any) -> None:
+        if optimizer_class not in ELEMENTWISE or not isinstance(optimizer_class, type):
+            base = [c.__name__ for c in ELEMENTWISE if isinstance(optimizer_class, type) and issubclass(optimizer_class, c)]
+            why = (
+                f" (a subclass of {base[0]}: it may compute per-parameter quantities, such as "
+                "norms, that stepping neighbouring views as one tensor would mix)"
+                if base
+                else ""
+            )
+            raise TypeError(
+                f"flatview.optim.Coalesced steps exactly torch.optim.SGD, Adam or AdamW, "
+                f"not {getattr(optimizer_class, '__qualname__', optimizer_class)!r}{why}; "
+                "use the class itself over the views instead"
+            )
+        _refuse_differentiable(defaults)
+        self._layout_made = False
+        self._plans: list[_Plan] = []
+        self._holders: dict[int, int] = {}
+        # The inner optimizer checks the hyperparameters as the plain one would.
+        self._inner: torch.optim.Optimizer = optimizer_class(
+            [torch.zeros(0, requires_grad=True)], **defaults
+        )
+        self._inner_step = getattr(type(self._inner).step, "__wrapped__", type(self._inner).step)
+        self._elementwise = ELEMENTWISE[optimizer_class]
+        self._scalars = SCALARS[optimizer_class]
+        self._keys = (*self._elementwise, *self._scalars)
+        self.stepped_tensors = 0
+        """How many tensors the last :meth:`step` handed to the inner optimizer (runs
+        and views stepped alone): what its per-tensor work was proportional to."""
+        self._class = optimizer_class
+        super().__init__(params, dict(self._inner.defaults))
+        if getattr(self._inner, "_step_supports_amp_scaling", False):
+            self._step_supports_amp_scaling = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's; the runs are worked out again at the next step."""
+        _refuse_differentiable(param_group)
+        super().add_param_group(param_group)
+        self._layout_made = False
+
+    def __repr__(self) -> str:
+        return f"Coalesced({self._class.__name__}, {super().__repr__()})"
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # torch's Adam turns a step saved as a number into a tensor when it loads it.
+        for group in self.param_groups:
+            for key, value in self._inner.defaults.items():
+                group.setdefault(key, value)
+            for p in group["params"]:
+                entry = self.state.get(p)
+                for key in self._scalars if entry else ():
+                    if key in entry and not torch.is_tensor(entry[key]):
+                        on_device = group.get("fused") or group.get("capturable")
+                        entry[key] = torch.tensor(
+                            float(entry[key]),
+                            dtype=torch.float32 if on_device else torch.get_default_dtype(),
+                            device=p.device if on_device else None,
+                        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict()``, with a step tensor of its own for every parameter
+        (neighbours share one here; a plain optimizer loading a shared one would count
+        every step once per parameter sharing it)."""
+        saved = super().state_dict()
+        seen: set[int] = set()
+        unshared = {}
+        for position, entry in saved["state"].items():
+            entry = dict(entry)  # torch's entries are the live state dicts
+            for key in self._scalars:
+                value = entry.get(key)
+                if isinstance(value, Tensor):
+                    if id(value) in seen:
+                        entry[key] = value.clone()
+                    else:
+                        seen.add(id(value))
+            unshared[position] = entry
+        saved["state"] = unshared
+        return saved
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Step every view with a gradient, runs of neighbours as one tensor."""
+        if closure is not None:
+            raise TypeError(
+                "flatview.optim.Coalesced.step takes no closure: call the closure (forward "
+                "and backward) first, then step()"
+            )
+        for group in self.param_groups:
+            _refuse_differentiable(group)
+        if not self._layout_made or not self._still_laid_out():
+            self._layout()
+        inner = self._inner
+        inner_groups = []
+        inner_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        posts: list[tuple[_Plan, int, int, Tensor, dict[str, Any] | None]] = []
+        fresh: list[Tensor] = []
+        for group, plan in zip(self.param_groups, self._plans, strict=True):
+            tensors = self._runs(group, plan, inner_state, posts, fresh)
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            hyper["params"] = tensors
+            inner_groups.append(hyper)
+        for name in ("grad_scale", "found_inf"):
+            if hasattr(self, name):
+                setattr(inner, name, getattr(self, name))
+        inner.param_groups = inner_groups
+        inner.state = inner_state
+        self.stepped_tensors = sum(len(g["params"]) for g in inner_groups)
+        try:
+            self._inner_step(inner)
+            for p in fresh:
+                if p in inner_state:
+                    self.state[p] = inner_state[p]
+            for plan, a, b, run, passed in posts:
+                after = inner_state.get(run)
+                # The inner optimizer updates the state it was given in place; what it
+                # made itself (first steps) goes into the buffers.
+                if passed is None or not (
+                    after is not None
+                    and len(after) == len(passed)
+                    and all(map(operator.is_, after.values(), passed.values()))
+                ):
+                    self._take_state(plan, a, b, after)
+        finally:
+            for _, _, _, run, _ in posts:
+                run.grad = None  # the gradients' memory is not held between steps
+            inner.param_groups = []
+            inner.state = defaultdict(dict)
+            for name in ("grad_scale", "found_inf"):
+                if hasattr(inner, name):
+                    delattr(inner, name)
+
+    # ------------------------------------------------------------------ layout
+
+    def _layout(self) -> None:
+        """Work out each group's order, links and buffers; hand the state out again."""
+        old = self._plans
+        everything = [p for group in self.param_groups for p in group["params"]]
+        by_storage: dict[tuple[Any, ...], list[Tensor]] = defaultdict(list)
+        for p in everything:
+            if _eligible(p):
+                key = (p.untyped_storage().data_ptr(), p.dtype, p.device)
+                by_storage[key].append(p)
+        home: dict[int, tuple[_Buffer, int]] = {}
+        for (_, dtype, device), members in by_storage.items():
+            members.sort(key=Tensor.storage_offset)
+            starts = [p.storage_offset() for p in members]
+            ends = [s + p.numel() for s, p in zip(starts, members, strict=True)]
+            # Overlapping views (aliases) would share state: they keep their own.
+            clash = {i for i in range(1, len(members)) if starts[i] < max(ends[:i])}
+            clash |= {i - 1 for i in clash}
+            kept = [i for i in range(len(members)) if i not in clash]
+            if not kept:
+                continue
+            low = starts[kept[0]]
+            buffer = _Buffer(max(ends[i] for i in kept) - low, dtype, device)
+            for i in kept:
+                home[id(members[i])] = (buffer, starts[i] - low)
+        plans = []
+        for group in self.param_groups:
+            params = group["params"]
+            order = sorted((p for p in params if id(p) in home), key=_PTR)
+            alone = [p for p in params if id(p) not in home]
+            buffers = [home[id(p)][0] for p in order]
+            offsets = [home[id(p)][1] for p in order]
+            numels = [p.numel() for p in order]
+            link = [
+                buffers[i] is buffers[i + 1] and offsets[i] + numels[i] == offsets[i + 1]
+                for i in range(len(order) - 1)
+            ]
+            fused_link = [
+                ok and (numels[i] * order[i].element_size()) % FUSED_UNIT_BYTES == 0
+                for i, ok in enumerate(link)
+            ]
+            n = len(order)
+            plans.append(
+                _Plan(
+                    order=order,
+                    alone=alone,
+                    ptrs=tuple(map(_PTR, order)),
+                    numels=tuple(numels),
+                    link=link,
+                    fused_link=fused_link,
+                    buffers=buffers,
+                    offsets=offsets,
+                    handed={k: [None] * n for k in (*self._elementwise, *self._scalars)},
+                    sig=[0] * n,
+                    slices={k: [None] * n for k in self._elementwise},
+                )
+            )
+        # Nothing is handed out in the new plans: every view's state is taken in again
+        # (copied from the old buffers into the new ones) at its first check.
+        for plan in old:
+            for key in self._scalars:
+                for value in plan.handed[key]:
+                    if value is not None:
+                        self._release(value)
+        self._plans = plans
+        self._layout_made = True
+
+    def _still_laid_out(self) -> bool:
+        """Whether the views still have the sizes and contiguity of the layout (their
+        addresses may move: :meth:`_moved`)."""
+        for plan in self._plans:
+            order = plan.order
+            if tuple(map(_NUMEL, order)) != plan.numels or not all(map(_CONTIGUOUS, order)):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ state
+
+    def _hand(self, plan: _Plan, key: str, i: int, value: Any) -> None:
+        """Record ``value`` as view ``i``'s state ``key``, counting step holders."""
+        old = plan.handed[key][i]
+        if old is value:
+            return
+        if key in self._scalars:
+            if old is not None:
+                self._release(old)
+            if value is not None:
+                self._holders[id(value)] = self._holders.get(id(value), 0) + 1
+        plan.handed[key][i] = value
+
+    def _release(self, value: Any) -> None:
+        count = self._holders[id(value)] - 1
+        if count:
+            self._holders[id(value)] = count
+        else:
+            del self._holders[id(value)]
+
+    def _check_state(self, plan: _Plan) -> None:
+        """Take in state that is not what was handed out (the inner optimizer's first
+        state of a view stepped alone, ``load_state_dict``, a user's assignment)."""
+        states = list(map(self.state.get, plan.order, repeat(_EMPTY)))
+        changed: set[int] = set()
+        for key, handed in plan.handed.items():
+            if not all(map(operator.is_, map(dict.get, states, repeat(key)), handed)):
+                values = map(dict.get, states, repeat(key))
+                changed.update(
+                    i for i, (v, h) in enumerate(zip(values, handed, strict=True)) if v is not h
+                )
+        for i in sorted(changed):
+            self._take_view(plan, i, states[i])
+
+    def _take_view(self, plan: _Plan, i: int, state: dict[str, Any] | None) -> None:
+        """View ``i``'s state into the buffers (copied), or the view marked to step alone."""
+        p = plan.order[i]
+        sig = 0
+        for bit, key in enumerate((*self._elementwise, *self._scalars)):
+            value = state.get(key) if state else None
+            if value is None:
+                self._hand(plan, key, i, None)
+                continue
+            sig |= 1 << bit
+            if key in self._scalars:
+                if not (isinstance(value, Tensor) and value.dim() == 0):
+                    sig = _SOLO
+                self._hand(plan, key, i, value)
+                continue
+            if not (
+                isinstance(value, Tensor)
+                and value.shape == p.shape
+                and value.dtype == p.dtype
+                and value.device == p.device
+                and value.layout == torch.strided
+            ):
+                sig = _SOLO
+                self._hand(plan, key, i, value)
+                continue
+            piece = plan.slice_of(key, i)
+            if value is not piece:
+                piece.copy_(value)
+                assert state is not None
+                state[key] = piece
+            self._hand(plan, key, i, piece)
+        if state:
+            extra = set(state) - set(self._elementwise) - set(self._scalars)
+            if extra:
+                sig = _SOLO  # unknown state: only the inner optimizer's own handling
+        plan.set_sig(i, sig if sig >= 0 else _SOLO)
+
+    def _take_state(self, plan: _Plan, a: int, b: int, state: dict[str, Any] | None) -> None:
+        """After a run ``a:b`` stepped: state the inner optimizer created for it goes
+        into the buffers and into each view's state."""
+        if not state:
+            return
+        sig = 0
+        order = plan.order
+        keys = (*self._elementwise, *self._scalars)
+        for key, value in state.items():
+            sig |= 1 << keys.index(key)
+            if key in self._scalars:
+                for i in range(a, b):
+                    self.state[order[i]][key] = value
+                    self._hand(plan, key, i, value)
+                continue
+            span = plan.span(key, a, value.numel())
+            if value is not span:
+                span.copy_(value)
+            for i in range(a, b):
+                piece = plan.slice_of(key, i)
+                self.state[order[i]][key] = piece
+                self._hand(plan, key, i, piece)
+        for i in range(a, b):
+            plan.set_sig(i, sig)
+
+    # ------------------------------------------------------------------ runs
+
+    def _moved(self, plan: _Plan, ptrs: tuple[int, ...]) -> None:
+        """The views moved (a new storage): links hold where neighbours moved alike."""
+        shift = list(map(operator.sub, ptrs, plan.ptrs))
+        plan.link = [ok and x == y for ok, x, y in zip(plan.link, shift, shift[1:])]
+        plan.fused_link = [ok and x for ok, x in zip(plan.fused_link, plan.link)]
+        plan.ptrs = ptrs
+        plan.runs.clear()
+        plan.joins.clear()
+
+    def _runs(
+        self,
+        group: dict[str, Any],
+        plan: _Plan,
+        inner_state: defaultdict[Tensor, dict[str, Any]],
+        posts: list[tuple[_Plan, int, int, Tensor, dict[str, Any] | None]],
+        fresh: list[Tensor],
+    ) -> list[Tensor]:
+        """The tensors the inner optimizer steps for ``group``: each run's alias, each
+        view stepped alone; their inner state set up."""
+        order = plan.order
+        out: list[Tensor] = []
+        alone = [p for p in plan.alone if p.grad is not None]
+        if order:
+            ptrs = tuple(map(_PTR, order))
+            if ptrs != plan.ptrs:
+                self._moved(plan, ptrs)
+            self._check_state(plan)
+            grads = list(map(_GRAD, order))
+            # Neighbours join where the layout links them with the same kind of state
+            # (``plan.joinable``), both have a contiguous gradient, at the same distance
+            # from the view (the gradients lie end to end too).
+            if all(map(operator.is_not, grads, repeat(None))):
+                present: list[bool] | None = None
+                filled = grads
+            else:
+                present = list(map(operator.is_not, grads, repeat(None)))
+                filled = [_NO_GRAD if g is None else g for g in grads]
+            shift = list(map(operator.sub, map(_PTR, filled), ptrs))
+            joined = map(
+                operator.and_,
+                plan.joinable(bool(group.get("fused"))),
+                map(operator.eq, shift, shift[1:]),
+            )
+            if present is not None or not all(map(_CONTIGUOUS, filled)):
+                ok = list(
+                    map(operator.and_, present or repeat(True), map(_CONTIGUOUS, filled))
+                )
+                joined = map(operator.and_, map(operator.and_, joined, ok), ok[1:])
+            breaks = list(compress(range(1, len(order)), map(operator.not_, joined)))
+            for a, b in zip([0, *breaks], [*breaks, len(order)], strict=True):
+                if b - a == 1:
+                    if present is None or present[a]:
+                        self._own_step(plan, a)
+                        alone.append(order[a])
+                    continue
+                for sa, sb, step in self._step_runs(plan, a, b):
+                    if sb - sa == 1:
+                        self._own_step(plan, sa)
+                        alone.append(order[sa])
+                    else:
+                        out.append(self._run(plan, sa, sb, step, grads[sa], inner_state, posts))
+        state = self.state
+        for p in alone:
+            out.append(p)
+            if p in state:
+                inner_state[p] = state[p]
+            else:
+                fresh.append(p)
+        return out
+
+    def _own_step(self, plan: _Plan, i: int) -> None:
+        """View ``i`` steps alone: a step tensor shared with others becomes its own."""
+        for key in self._scalars:
+            value = plan.handed[key][i]
+            if value is not None and self._holders[id(value)] > 1:
+                mine = value.clone()
+                self.state[plan.order[i]][key] = mine
+                self._hand(plan, key, i, mine)
+
+    def _step_runs(self, plan: _Plan, a: int, b: int) -> list[tuple[int, int, Tensor | None]]:
+        """Run ``a:b`` cut where step counts differ, each piece with the step tensor that
+        belongs to exactly its views."""
+        if not self._scalars or not plan.sig[a]:
+            return [(a, b, None)]
+        key = self._scalars[0]
+        handed = plan.handed[key]
+        first = handed[a]
+        if first is None:
+            return [(a, b, None)]
+        ids = list(map(id, handed[a:b]))
+        if ids.count(ids[0]) == b - a and self._holders[ids[0]] == b - a:
+            return [(a, b, first)]
+        # Different tensors, or one shared beyond the run: pieces of equal count get a
+        # tensor of their own (values read only on the CPU: no device synchronisation).
+        pieces: list[tuple[int, int]] = []
+        start = a
+        for i in range(a + 1, b):
+            x, y = handed[i - 1], handed[i]
+            if x is y:
+                continue
+            if x.device.type == "cpu" and y.device.type == "cpu" and x.item() == y.item():
+                continue
+            pieces.append((start, i))
+            start = i
+        pieces.append((start, b))
+        out: list[tuple[int, int, Tensor | None]] = []
+        for sa, sb in pieces:
+            step = handed[sa]
+            if not all(h is step for h in handed[sa:sb]) or self._holders[id(step)] != sb - sa:
+                step = step.clone()
+                for i in range(sa, sb):
+                    self.state[plan.order[i]][key] = step
+                    self._hand(plan, key, i, step)
+            out.append((sa, sb, step))
+        return out
+
+    def _run(
+        self,
+        plan: _Plan,
+        a: int,
+        b: int,
+        step: Tensor | None,
+        grad: Tensor,
+        inner_state: defaultdict[Tensor, dict[str, Any]],
+        posts: list[tuple[_Plan, int, int, Tensor, dict[str, Any] | None]],
+    ) -> Tensor:
+        """The alias of views ``a:b`` (one tensor over their memory, its gradient over
+        theirs) and its inner state: the views' buffer span. Aliases are kept per run
+        until the views move (:meth:`_moved`); gradients are aliased every step."""
+        run = plan.runs.get((a, b))
+        if run is None:
+            total = sum(plan.numels[a:b])
+            run = plan.runs[(a, b)] = torch.as_strided(plan.order[a].detach(), (total,), (1,))
+        run.grad = torch.as_strided(grad, run.shape, (1,))
+        sig = plan.sig[a]
+        state: dict[str, Any] | None = None
+        if sig:
+            state = {}
+            for bit, key in enumerate(self._keys):
+                if sig & (1 << bit):
+                    state[key] = step if key in self._scalars else plan.span(key, a, run.numel())
+            inner_state[run] = dict(state)
+        posts.append((plan, a, b, run, state))
+        return run
+
+
+def _refuse_differentiable(options: dict[str, Any]) -> None:
+    if options.get("differentiable"):
+        raise ValueError(
+            "flatview.optim.Coalesced refuses differentiable=True: its step writes the "
+            "runs' memory in place, outside autograd; use the optimizer class itself"
+        )
