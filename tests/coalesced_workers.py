@@ -27,20 +27,20 @@ SCENARIO = replace(GATED, backend="torch", strategy="FULL_SHARD", world_size=2)
 OPTIONS = {"lr": 0.05, "betas": (0.9, 0.99), "weight_decay": 0.1, "foreach": True}
 
 
-def train() -> tuple[dict[str, np.ndarray] | None, State, int, int]:
-    """Rank 0's full parameters, the consolidated state, and at the last step how many
-    tensors the inner optimizer stepped against how many views had a gradient."""
+def train() -> tuple[dict[str, np.ndarray] | None, State, list[int], list[int]]:
+    """Rank 0's full parameters, the consolidated state, and per step how many tensors
+    the inner optimizer stepped and how many views had a gradient."""
     scenario = SCENARIO
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         fv = flatview.wrap(model)
         opt = flatview.optim.Coalesced(torch.optim.AdamW, fv.parameters(), **OPTIONS)
-        stepped = views = 0
+        stepped, views = [], []
         for micros in optimizer_steps(scenario):
             synced_backward(scenario, model, fv, micros)
-            views = sum(p.grad is not None for p in fv.parameters())
+            views.append(sum(p.grad is not None for p in fv.parameters()))
             opt.step()
-            stepped = opt.stepped_tensors
+            stepped.append(opt.stepped_tensors)
             opt.zero_grad(set_to_none=True)
         state = as_numpy(fv.optim_state_dict(opt))
         return full_state(model, scenario), state, stepped, views
