@@ -319,7 +319,6 @@ def test_coalesced_trains_like_adamw_on_the_unwrapped_model(dist_pool: PoolFacto
         if params is not None:
             assert sorted(params) == sorted(want_params)
             for name, value in want_params.items():
-                print(name, np.abs(params[name] - value).max())
                 np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
         assert state["param_groups"] == want_state["param_groups"]
         assert sorted(state["state"]) == sorted(want_state["state"])
