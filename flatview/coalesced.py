@@ -51,12 +51,13 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from itertools import compress, repeat
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from flatview.coalesced_plan import SOLO, RunPlan, plan_groups
 
 __all__ = ["Coalesced"]
 
@@ -72,110 +73,14 @@ SCALARS: dict[type, tuple[str, ...]] = {
     torch.optim.AdamW: ("step",),
 }
 """Their 0-dim state, one value per run."""
-FUSED_UNIT_BYTES = 64
-"""Under ``fused``, a view continues a run only if its size is a multiple of this."""
 
 _GRAD = operator.attrgetter("grad")
 _PTR = Tensor.data_ptr
-_NUMEL = Tensor.numel
 _CONTIGUOUS = Tensor.is_contiguous
-_SOLO = -1
 _EMPTY: dict[str, Any] = {}
 """The state of a view that has none (never written)."""
 _NO_GRAD = torch.empty(0)
 """Stands in for a missing gradient in the pointer arithmetic (which it never joins)."""
-"""A view's state signature when its state cannot join a run (not in the buffers)."""
-
-
-def _eligible(p: Tensor) -> bool:
-    """Whether ``p`` can be part of a run: dense, contiguous, real floating point, not
-    empty (its state then fits a buffer slice)."""
-    return (
-        p.layout == torch.strided
-        and p.numel() > 0
-        and p.is_floating_point()
-        and p.is_contiguous()
-    )
-
-
-@dataclass
-class _Buffer:
-    """Where the state of one storage's parameters lives: one tensor per state key."""
-
-    length: int
-    dtype: torch.dtype
-    device: torch.device
-    tensors: dict[str, Tensor] = field(default_factory=dict)
-
-    def get(self, key: str) -> Tensor:
-        found = self.tensors.get(key)
-        if found is None:
-            found = self.tensors[key] = torch.zeros(self.length, dtype=self.dtype, device=self.device)
-        return found
-
-
-@dataclass
-class _Plan:
-    """One parameter group, its runnable views in address order: what is fixed until the
-    views change size or layout (:meth:`Coalesced._layout`)."""
-
-    order: list[Tensor]
-    """Eligible views, by address."""
-    alone: list[Tensor]
-    """Views that are never part of a run (empty, non-contiguous, overlapping, ...)."""
-    ptrs: tuple[int, ...]
-    numels: tuple[int, ...]
-    link: list[bool]
-    """``link[i]``: views ``i`` and ``i + 1`` are end to end in one storage and buffer."""
-    fused_link: list[bool]
-    """``link`` where view ``i`` also fills whole fused work units."""
-    buffers: list[_Buffer]
-    offsets: list[int]
-    """Each view's offset in its buffer."""
-    handed: dict[str, list[Any]]
-    """Per state key, what each view's state holds as handed out (``None``: nothing)."""
-    sig: list[int]
-    """Per view, which state keys it holds (a bit each), or ``_SOLO``."""
-    slices: dict[str, list[Tensor | None]]
-    """Per elementwise key, each view's slice of its buffer (made when first needed)."""
-    runs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
-    """Run ``a:b``'s alias of the views' memory, while they stay where they are."""
-    spans: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)
-    """A run's state ``key``: its span of the buffer."""
-
-    joins: dict[bool, list[bool]] = field(default_factory=dict)
-    """Per ``fused``: the links between neighbours with the same state in the buffers."""
-
-    def joinable(self, fused: bool) -> list[bool]:
-        found = self.joins.get(fused)
-        if found is None:
-            sig = self.sig
-            found = self.joins[fused] = [
-                ok and x == y and x >= 0
-                for ok, x, y in zip(self.fused_link if fused else self.link, sig, sig[1:])
-            ]
-        return found
-
-    def set_sig(self, i: int, sig: int) -> None:
-        if self.sig[i] != sig:
-            self.sig[i] = sig
-            self.joins.clear()
-
-    def span(self, key: str, a: int, total: int) -> Tensor:
-        found = self.spans.get((key, a, total))
-        if found is None:
-            start = self.offsets[a]
-            found = self.spans[(key, a, total)] = self.buffers[a].get(key)[start : start + total]
-        return found
-
-    def slice_of(self, key: str, i: int) -> Tensor:
-        found = self.slices[key][i]
-        if found is None:
-            p = self.order[i]
-            start = self.offsets[i]
-            found = self.buffers[i].get(key)[start : start + p.numel()].view(p.shape)
-            self.slices[key][i] = found
-        return found
 
 
 class Coalesced(torch.optim.Optimizer):
@@ -210,7 +115,11 @@ class Coalesced(torch.optim.Optimizer):
 
     def __init__(self, optimizer_class: type, params: Iterable[Any], **defaults: Any) -> None:
         if optimizer_class not in ELEMENTWISE or not isinstance(optimizer_class, type):
-            base = [c.__name__ for c in ELEMENTWISE if isinstance(optimizer_class, type) and issubclass(optimizer_class, c)]
+            base = [
+                c.__name__
+                for c in ELEMENTWISE
+                if isinstance(optimizer_class, type) and issubclass(optimizer_class, c)
+            ]
             why = (
                 f" (a subclass of {base[0]}: it may compute per-parameter quantities, such as "
                 "norms, that stepping neighbouring views as one tensor would mix)"
@@ -224,7 +133,7 @@ class Coalesced(torch.optim.Optimizer):
             )
         _refuse_differentiable(defaults)
         self._layout_made = False
-        self._plans: list[_Plan] = []
+        self._plans: list[RunPlan] = []
         self._holders: dict[int, int] = {}
         # The inner optimizer checks the hyperparameters as the plain one would.
         self._inner: torch.optim.Optimizer = optimizer_class(
@@ -258,8 +167,8 @@ class Coalesced(torch.optim.Optimizer):
             for key, value in self._inner.defaults.items():
                 group.setdefault(key, value)
             for p in group["params"]:
-                entry = self.state.get(p)
-                for key in self._scalars if entry else ():
+                entry: dict[str, Any] = self.state.get(p) or {}
+                for key in self._scalars:
                     if key in entry and not torch.is_tensor(entry[key]):
                         on_device = group.get("fused") or group.get("capturable")
                         entry[key] = torch.tensor(
@@ -298,12 +207,12 @@ class Coalesced(torch.optim.Optimizer):
             )
         for group in self.param_groups:
             _refuse_differentiable(group)
-        if not self._layout_made or not self._still_laid_out():
+        if not self._layout_made or not all(plan.still_laid_out() for plan in self._plans):
             self._layout()
         inner = self._inner
         inner_groups = []
         inner_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
-        posts: list[tuple[_Plan, int, int, Tensor, dict[str, Any] | None]] = []
+        posts: list[tuple[RunPlan, int, int, Tensor, dict[str, Any] | None]] = []
         fresh: list[Tensor] = []
         for group, plan in zip(self.param_groups, self._plans, strict=True):
             tensors = self._runs(group, plan, inner_state, posts, fresh)
@@ -343,83 +252,19 @@ class Coalesced(torch.optim.Optimizer):
     # ------------------------------------------------------------------ layout
 
     def _layout(self) -> None:
-        """Work out each group's order, links and buffers; hand the state out again."""
-        old = self._plans
-        everything = [p for group in self.param_groups for p in group["params"]]
-        by_storage: dict[tuple[Any, ...], list[Tensor]] = defaultdict(list)
-        for p in everything:
-            if _eligible(p):
-                key = (p.untyped_storage().data_ptr(), p.dtype, p.device)
-                by_storage[key].append(p)
-        home: dict[int, tuple[_Buffer, int]] = {}
-        for (_, dtype, device), members in by_storage.items():
-            members.sort(key=Tensor.storage_offset)
-            starts = [p.storage_offset() for p in members]
-            ends = [s + p.numel() for s, p in zip(starts, members, strict=True)]
-            # Overlapping views (aliases) would share state: they keep their own.
-            clash = {i for i in range(1, len(members)) if starts[i] < max(ends[:i])}
-            clash |= {i - 1 for i in clash}
-            kept = [i for i in range(len(members)) if i not in clash]
-            if not kept:
-                continue
-            low = starts[kept[0]]
-            buffer = _Buffer(max(ends[i] for i in kept) - low, dtype, device)
-            for i in kept:
-                home[id(members[i])] = (buffer, starts[i] - low)
-        plans = []
-        for group in self.param_groups:
-            params = group["params"]
-            order = sorted((p for p in params if id(p) in home), key=_PTR)
-            alone = [p for p in params if id(p) not in home]
-            buffers = [home[id(p)][0] for p in order]
-            offsets = [home[id(p)][1] for p in order]
-            numels = [p.numel() for p in order]
-            link = [
-                buffers[i] is buffers[i + 1] and offsets[i] + numels[i] == offsets[i + 1]
-                for i in range(len(order) - 1)
-            ]
-            fused_link = [
-                ok and (numels[i] * order[i].element_size()) % FUSED_UNIT_BYTES == 0
-                for i, ok in enumerate(link)
-            ]
-            n = len(order)
-            plans.append(
-                _Plan(
-                    order=order,
-                    alone=alone,
-                    ptrs=tuple(map(_PTR, order)),
-                    numels=tuple(numels),
-                    link=link,
-                    fused_link=fused_link,
-                    buffers=buffers,
-                    offsets=offsets,
-                    handed={k: [None] * n for k in (*self._elementwise, *self._scalars)},
-                    sig=[0] * n,
-                    slices={k: [None] * n for k in self._elementwise},
-                )
-            )
-        # Nothing is handed out in the new plans: every view's state is taken in again
-        # (copied from the old buffers into the new ones) at its first check.
-        for plan in old:
+        """Plan every group again; the state is handed out again (copied from the old
+        buffers into the new ones) at each view's next check."""
+        for plan in self._plans:
             for key in self._scalars:
                 for value in plan.handed[key]:
                     if value is not None:
                         self._release(value)
-        self._plans = plans
+        self._plans = plan_groups(self.param_groups, self._elementwise, self._scalars)
         self._layout_made = True
-
-    def _still_laid_out(self) -> bool:
-        """Whether the views still have the sizes and contiguity of the layout (their
-        addresses may move: :meth:`_moved`)."""
-        for plan in self._plans:
-            order = plan.order
-            if tuple(map(_NUMEL, order)) != plan.numels or not all(map(_CONTIGUOUS, order)):
-                return False
-        return True
 
     # ------------------------------------------------------------------ state
 
-    def _hand(self, plan: _Plan, key: str, i: int, value: Any) -> None:
+    def _hand(self, plan: RunPlan, key: str, i: int, value: Any) -> None:
         """Record ``value`` as view ``i``'s state ``key``, counting step holders."""
         old = plan.handed[key][i]
         if old is value:
@@ -438,7 +283,7 @@ class Coalesced(torch.optim.Optimizer):
         else:
             del self._holders[id(value)]
 
-    def _check_state(self, plan: _Plan) -> None:
+    def _check_state(self, plan: RunPlan) -> None:
         """Take in state that is not what was handed out (the inner optimizer's first
         state of a view stepped alone, ``load_state_dict``, a user's assignment)."""
         states = list(map(self.state.get, plan.order, repeat(_EMPTY)))
@@ -452,7 +297,7 @@ class Coalesced(torch.optim.Optimizer):
         for i in sorted(changed):
             self._take_view(plan, i, states[i])
 
-    def _take_view(self, plan: _Plan, i: int, state: dict[str, Any] | None) -> None:
+    def _take_view(self, plan: RunPlan, i: int, state: dict[str, Any] | None) -> None:
         """View ``i``'s state into the buffers (copied), or the view marked to step alone."""
         p = plan.order[i]
         sig = 0
@@ -464,7 +309,7 @@ class Coalesced(torch.optim.Optimizer):
             sig |= 1 << bit
             if key in self._scalars:
                 if not (isinstance(value, Tensor) and value.dim() == 0):
-                    sig = _SOLO
+                    sig = SOLO
                 self._hand(plan, key, i, value)
                 continue
             if not (
@@ -474,7 +319,7 @@ class Coalesced(torch.optim.Optimizer):
                 and value.device == p.device
                 and value.layout == torch.strided
             ):
-                sig = _SOLO
+                sig = SOLO
                 self._hand(plan, key, i, value)
                 continue
             piece = plan.slice_of(key, i)
@@ -486,10 +331,10 @@ class Coalesced(torch.optim.Optimizer):
         if state:
             extra = set(state) - set(self._elementwise) - set(self._scalars)
             if extra:
-                sig = _SOLO  # unknown state: only the inner optimizer's own handling
-        plan.set_sig(i, sig if sig >= 0 else _SOLO)
+                sig = SOLO  # unknown state: only the inner optimizer's own handling
+        plan.set_sig(i, sig if sig >= 0 else SOLO)
 
-    def _take_state(self, plan: _Plan, a: int, b: int, state: dict[str, Any] | None) -> None:
+    def _take_state(self, plan: RunPlan, a: int, b: int, state: dict[str, Any] | None) -> None:
         """After a run ``a:b`` stepped: state the inner optimizer created for it goes
         into the buffers and into each view's state."""
         if not state:
@@ -516,21 +361,12 @@ class Coalesced(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ runs
 
-    def _moved(self, plan: _Plan, ptrs: tuple[int, ...]) -> None:
-        """The views moved (a new storage): links hold where neighbours moved alike."""
-        shift = list(map(operator.sub, ptrs, plan.ptrs))
-        plan.link = [ok and x == y for ok, x, y in zip(plan.link, shift, shift[1:])]
-        plan.fused_link = [ok and x for ok, x in zip(plan.fused_link, plan.link)]
-        plan.ptrs = ptrs
-        plan.runs.clear()
-        plan.joins.clear()
-
     def _runs(
         self,
         group: dict[str, Any],
-        plan: _Plan,
+        plan: RunPlan,
         inner_state: defaultdict[Tensor, dict[str, Any]],
-        posts: list[tuple[_Plan, int, int, Tensor, dict[str, Any] | None]],
+        posts: list[tuple[RunPlan, int, int, Tensor, dict[str, Any] | None]],
         fresh: list[Tensor],
     ) -> list[Tensor]:
         """The tensors the inner optimizer steps for ``group``: each run's alias, each
@@ -541,7 +377,7 @@ class Coalesced(torch.optim.Optimizer):
         if order:
             ptrs = tuple(map(_PTR, order))
             if ptrs != plan.ptrs:
-                self._moved(plan, ptrs)
+                plan.moved(ptrs)
             self._check_state(plan)
             grads = list(map(_GRAD, order))
             # Neighbours join where the layout links them with the same kind of state
@@ -560,9 +396,7 @@ class Coalesced(torch.optim.Optimizer):
                 map(operator.eq, shift, shift[1:]),
             )
             if present is not None or not all(map(_CONTIGUOUS, filled)):
-                ok = list(
-                    map(operator.and_, present or repeat(True), map(_CONTIGUOUS, filled))
-                )
+                ok = list(map(operator.and_, present or repeat(True), map(_CONTIGUOUS, filled)))
                 joined = map(operator.and_, map(operator.and_, joined, ok), ok[1:])
             breaks = list(compress(range(1, len(order)), map(operator.not_, joined)))
             for a, b in zip([0, *breaks], [*breaks, len(order)], strict=True):
@@ -586,7 +420,7 @@ class Coalesced(torch.optim.Optimizer):
                 fresh.append(p)
         return out
 
-    def _own_step(self, plan: _Plan, i: int) -> None:
+    def _own_step(self, plan: RunPlan, i: int) -> None:
         """View ``i`` steps alone: a step tensor shared with others becomes its own."""
         for key in self._scalars:
             value = plan.handed[key][i]
@@ -595,7 +429,7 @@ class Coalesced(torch.optim.Optimizer):
                 self.state[plan.order[i]][key] = mine
                 self._hand(plan, key, i, mine)
 
-    def _step_runs(self, plan: _Plan, a: int, b: int) -> list[tuple[int, int, Tensor | None]]:
+    def _step_runs(self, plan: RunPlan, a: int, b: int) -> list[tuple[int, int, Tensor | None]]:
         """Run ``a:b`` cut where step counts differ, each piece with the step tensor that
         belongs to exactly its views."""
         if not self._scalars or not plan.sig[a]:
@@ -634,17 +468,17 @@ class Coalesced(torch.optim.Optimizer):
 
     def _run(
         self,
-        plan: _Plan,
+        plan: RunPlan,
         a: int,
         b: int,
         step: Tensor | None,
         grad: Tensor,
         inner_state: defaultdict[Tensor, dict[str, Any]],
-        posts: list[tuple[_Plan, int, int, Tensor, dict[str, Any] | None]],
+        posts: list[tuple[RunPlan, int, int, Tensor, dict[str, Any] | None]],
     ) -> Tensor:
         """The alias of views ``a:b`` (one tensor over their memory, its gradient over
         theirs) and its inner state: the views' buffer span. Aliases are kept per run
-        until the views move (:meth:`_moved`); gradients are aliased every step."""
+        until the views move (:meth:`RunPlan.moved`); gradients are aliased every step."""
         run = plan.runs.get((a, b))
         if run is None:
             total = sum(plan.numels[a:b])

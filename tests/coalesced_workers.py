@@ -6,6 +6,7 @@ over the unwrapped model in one process."""
 from __future__ import annotations
 
 from dataclasses import replace
+
 import numpy as np
 import torch
 

@@ -285,7 +285,9 @@ def test_errors_name_the_culprit() -> None:
     class LARS(torch.optim.SGD):
         pass
 
-    with pytest.raises(TypeError, match="not 'test_errors_name_the_culprit.<locals>.LARS'.*subclass of SGD"):
+    with pytest.raises(
+        TypeError, match=r"not 'test_errors_name_the_culprit\.<locals>\.LARS'.*subclass of SGD"
+    ):
         Coalesced(LARS, params, lr=0.1)
     with pytest.raises(TypeError, match="not 'RMSprop'"):
         Coalesced(torch.optim.RMSprop, params, lr=0.1)
@@ -343,7 +345,11 @@ def test_a_view_moved_alone_leaves_its_run() -> None:
         params = [nn.Parameter(t) for t in both[:total].split(sizes)]
         for p, g in zip(params, both[total:].split(sizes), strict=True):
             p.grad = g
-        make = torch.optim.SGD if kind == "plain" else lambda ps, **kw: Coalesced(torch.optim.SGD, ps, **kw)
+        make = (
+            torch.optim.SGD
+            if kind == "plain"
+            else lambda ps, **kw: Coalesced(torch.optim.SGD, ps, **kw)
+        )
         opt = make(params, lr=0.1, momentum=0.9, foreach=True)
         opt.step()
         other = both.clone()
