@@ -143,6 +143,7 @@ class Coalesced(torch.optim.Optimizer):
         self._elementwise = ELEMENTWISE[optimizer_class]
         self._scalars = SCALARS[optimizer_class]
         self._keys = (*self._elementwise, *self._scalars)
+        self._sig_keys: dict[int, tuple[tuple[str, bool], ...]] = {}
         self.stepped_tensors = 0
         """How many tensors the last :meth:`step` handed to the inner optimizer (runs
         and views stepped alone): what its per-tensor work was proportional to."""
@@ -399,16 +400,21 @@ class Coalesced(torch.optim.Optimizer):
                 ok = list(map(operator.and_, present or repeat(True), map(_CONTIGUOUS, filled)))
                 joined = map(operator.and_, map(operator.and_, joined, ok), ok[1:])
             breaks = list(compress(range(1, len(order)), map(operator.not_, joined)))
+            # A run costs about what two tensors cost the fused kernels (~10 µs): under
+            # fused, two views are stepped as they are.
+            shortest = 3 if group.get("fused") else 2
             for a, b in zip([0, *breaks], [*breaks, len(order)], strict=True):
-                if b - a == 1:
-                    if present is None or present[a]:
-                        self._own_step(plan, a)
-                        alone.append(order[a])
+                if b - a < shortest:
+                    for i in range(a, b):
+                        if present is None or present[i]:
+                            self._own_step(plan, i)
+                            alone.append(order[i])
                     continue
-                for sa, sb, step in self._step_runs(plan, a, b):
-                    if sb - sa == 1:
-                        self._own_step(plan, sa)
-                        alone.append(order[sa])
+                for sa, sb, step in self._step_runs(plan, a, b, shortest):
+                    if sb - sa < shortest:
+                        for i in range(sa, sb):
+                            self._own_step(plan, i)
+                            alone.append(order[i])
                     else:
                         out.append(self._run(plan, sa, sb, step, grads[sa], inner_state, posts))
         state = self.state
@@ -429,9 +435,12 @@ class Coalesced(torch.optim.Optimizer):
                 self.state[plan.order[i]][key] = mine
                 self._hand(plan, key, i, mine)
 
-    def _step_runs(self, plan: RunPlan, a: int, b: int) -> list[tuple[int, int, Tensor | None]]:
+    def _step_runs(
+        self, plan: RunPlan, a: int, b: int, shortest: int
+    ) -> list[tuple[int, int, Tensor | None]]:
         """Run ``a:b`` cut where step counts differ, each piece with the step tensor that
-        belongs to exactly its views."""
+        belongs to exactly its views (pieces shorter than ``shortest`` are stepped view
+        by view, with their own)."""
         if not self._scalars or not plan.sig[a]:
             return [(a, b, None)]
         key = self._scalars[0]
@@ -458,6 +467,9 @@ class Coalesced(torch.optim.Optimizer):
         out: list[tuple[int, int, Tensor | None]] = []
         for sa, sb in pieces:
             step = handed[sa]
+            if sb - sa < shortest:
+                out.append((sa, sb, None))
+                continue
             if not all(h is step for h in handed[sa:sb]) or self._holders[id(step)] != sb - sa:
                 step = step.clone()
                 for i in range(sa, sb):
@@ -465,6 +477,17 @@ class Coalesced(torch.optim.Optimizer):
                     self._hand(plan, key, i, step)
             out.append((sa, sb, step))
         return out
+
+    def _keys_of(self, sig: int) -> tuple[tuple[str, bool], ...]:
+        """The state keys a signature holds, each with whether it is per-element."""
+        found = self._sig_keys.get(sig)
+        if found is None:
+            found = self._sig_keys[sig] = tuple(
+                (key, key in self._elementwise)
+                for bit, key in enumerate(self._keys)
+                if sig & (1 << bit)
+            )
+        return found
 
     def _run(
         self,
@@ -487,10 +510,11 @@ class Coalesced(torch.optim.Optimizer):
         sig = plan.sig[a]
         state: dict[str, Any] | None = None
         if sig:
-            state = {}
-            for bit, key in enumerate(self._keys):
-                if sig & (1 << bit):
-                    state[key] = step if key in self._scalars else plan.span(key, a, run.numel())
+            total = run.numel()
+            state = {
+                key: plan.span(key, a, total) if elementwise else step
+                for key, elementwise in self._keys_of(sig)
+            }
             inner_state[run] = dict(state)
         posts.append((plan, a, b, run, state))
         return run

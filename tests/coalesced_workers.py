@@ -1,7 +1,8 @@
 """Worker and reference of ``tests/test_coalesced.py``'s distributed test:
 ``flatview.optim.Coalesced(torch.optim.AdamW, ...)`` over torch FSDP1's views, trained
-with the skip sequence of :data:`tests.scenarios.GATED`, against ``torch.optim.AdamW``
-over the unwrapped model in one process."""
+with the skip sequence of :data:`tests.scenarios.GATED` and a DCP checkpoint halfway
+(``flatview.checkpoint``), against ``torch.optim.AdamW`` over the unwrapped model in one
+process."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 
 import flatview
+import flatview.checkpoint as fcp
 import flatview.optim
 from tests.optim_workers import State, as_numpy
 from tests.scenarios import (
@@ -28,23 +31,50 @@ SCENARIO = replace(GATED, backend="torch", strategy="FULL_SHARD", world_size=2)
 OPTIONS = {"lr": 0.05, "betas": (0.9, 0.99), "weight_decay": 0.1, "foreach": True}
 
 
-def train() -> tuple[dict[str, np.ndarray] | None, State, list[int], list[int]]:
-    """Rank 0's full parameters, the consolidated state, and per step how many tensors
-    the inner optimizer stepped and how many views had a gradient."""
-    scenario = SCENARIO
-    with backend_context(scenario.backend):
-        model = wrap_fsdp(scenario, make_net(scenario))
-        fv = flatview.wrap(model)
-        opt = flatview.optim.Coalesced(torch.optim.AdamW, fv.parameters(), **OPTIONS)
-        stepped, views = [], []
-        for micros in optimizer_steps(scenario):
-            synced_backward(scenario, model, fv, micros)
-            views.append(sum(p.grad is not None for p in fv.parameters()))
-            opt.step()
-            stepped.append(opt.stepped_tensors)
-            opt.zero_grad(set_to_none=True)
+def _build() -> tuple[torch.nn.Module, flatview.FlatView, flatview.optim.Coalesced]:
+    model = wrap_fsdp(SCENARIO, make_net(SCENARIO))
+    fv = flatview.wrap(model)
+    return model, fv, flatview.optim.Coalesced(torch.optim.AdamW, fv.parameters(), **OPTIONS)
+
+
+def _train(
+    model: torch.nn.Module,
+    fv: flatview.FlatView,
+    opt: flatview.optim.Coalesced,
+    steps: list[range],
+    stepped: list[int],
+    views: list[int],
+) -> None:
+    for micros in steps:
+        synced_backward(SCENARIO, model, fv, micros)
+        views.append(sum(p.grad is not None for p in fv.parameters()))
+        opt.step()
+        stepped.append(opt.stepped_tensors)
+        opt.zero_grad(set_to_none=True)
+
+
+def train(path: str) -> tuple[dict[str, np.ndarray] | None, State, list[int], list[int]]:
+    """Train the first steps, save a DCP checkpoint through ``flatview.checkpoint`` to
+    ``path``, resume a fresh model and optimizer from it and train the other steps.
+    Returns rank 0's full parameters, the consolidated optimizer state, and per step
+    how many tensors the inner optimizer stepped and how many views had a gradient."""
+    steps = optimizer_steps(SCENARIO)
+    split = len(steps) // 2
+    stepped: list[int] = []
+    views: list[int] = []
+    with backend_context(SCENARIO.backend):
+        model, fv, opt = _build()
+        _train(model, fv, opt, steps[:split], stepped, views)
+        model_sd, optim_sd = fcp.get_state_dict(fv, model, [opt])
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        fv.unwrap()
+        model, fv, opt = _build()
+        model_sd, optim_sd = fcp.get_state_dict(fv, model, [opt])
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        fcp.set_state_dict(fv, model, [opt], model_state_dict=model_sd, optim_state_dict=optim_sd)
+        _train(model, fv, opt, steps[split:], stepped, views)
         state = as_numpy(fv.optim_state_dict(opt))
-        return full_state(model, scenario), state, stepped, views
+        return full_state(model, SCENARIO), state, stepped, views
 
 
 def reference() -> tuple[dict[str, np.ndarray], State]:
