@@ -374,7 +374,9 @@ class Coalesced(torch.optim.Optimizer):
         view stepped alone; their inner state set up."""
         order = plan.order
         out: list[Tensor] = []
-        alone = [p for p in plan.alone if p.grad is not None]
+        alone = list(
+            compress(plan.alone, map(operator.is_not, map(_GRAD, plan.alone), repeat(None)))
+        )
         if order:
             ptrs = tuple(map(_PTR, order))
             if ptrs != plan.ptrs:
