@@ -384,3 +384,34 @@ def test_fused_numbers_are_the_plain_optimizers(kind: type) -> None:
     options = {"momentum": 0.9} if kind is torch.optim.SGD else {"weight_decay": 0.1}
     coalesced = train_both(layout, kind, {**options, "fused": True})
     assert coalesced.opt.stepped_tensors < len(sizes)
+
+
+def test_a_group_added_later_takes_the_state_along() -> None:
+    """``add_param_group`` after some steps: the state moves to new buffers, unchanged."""
+    sizes = [16, 8, 32, 8]
+    results = []
+    for kind in ("plain", "coalesced"):
+        params = _end_to_end(sizes)
+        torch.manual_seed(0)
+        for p in params:
+            p.data.copy_(torch.randn(p.shape))
+            p.grad.copy_(torch.randn(p.shape))
+        first, later = params[:2], params[2:]
+        opt: torch.optim.Optimizer = (
+            torch.optim.Adam(first, lr=0.1)
+            if kind == "plain"
+            else Coalesced(torch.optim.Adam, first, lr=0.1)
+        )
+        opt.step()
+        opt.add_param_group({"params": later, "lr": 0.05})
+        opt.step()
+        opt.step()
+        if kind == "coalesced":
+            assert opt.stepped_tensors == 2  # a run per group
+        results.append((params, opt.state_dict()))
+    (mine, got), (plain, want) = results[1], results[0]
+    for a, b in zip(plain, mine, strict=True):
+        assert torch.equal(a, b)
+    for index, entry in want["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
