@@ -319,6 +319,9 @@ class Coalesced(torch.optim.Optimizer):
                 and value.dtype == p.dtype
                 and value.device == p.device
                 and value.layout == torch.strided
+                # Another layout stays as it is: torch's fused kernels read state in
+                # memory order (a momentum buffer made like a transposed gradient).
+                and value.is_contiguous()
             ):
                 sig = SOLO
                 self._hand(plan, key, i, value)

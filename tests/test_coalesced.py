@@ -54,6 +54,7 @@ class Layout:
     load: tuple[int, str] | None
     """After which step, which way state is loaded (``"into"`` Coalesced from the plain
     optimizer, ``"from"`` it into the plain one, ``"self"`` its own)."""
+    dtype: torch.dtype = torch.float32
 
     @property
     def sizes(self) -> list[int]:
@@ -82,7 +83,8 @@ def layouts(draw: st.DrawFn, first_step_whole: bool = False) -> Layout:
     load = None
     if draw(st.booleans()):
         load = (draw(st.integers(0, steps - 2)), draw(st.sampled_from(["into", "from", "self"])))
-    return Layout(shapes, groups, skips, odd, moves, load)
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float64]))
+    return Layout(shapes, groups, skips, odd, moves, load, dtype)
 
 
 @st.composite
@@ -129,7 +131,9 @@ class Side:
     """One optimizer over its own copy of the parameters."""
 
     def __init__(self, layout: Layout, make: Any, seed: int) -> None:
-        flat = torch.randn(sum(layout.sizes), generator=torch.Generator().manual_seed(seed))
+        flat = torch.randn(
+            sum(layout.sizes), generator=torch.Generator().manual_seed(seed), dtype=layout.dtype
+        )
         self.layout = layout
         self.params = [nn.Parameter(v) for v in _views(flat, layout)]
         self.opt = make(_groups(self.params, layout))
@@ -190,7 +194,9 @@ def train_both(layout: Layout, kind: type, options: dict[str, Any]) -> Side:
         which = step % len(layout.shapes)
         for side in (plain, coalesced):
             side.move(layout.moves[step], which)
-        grad = torch.randn(total, generator=torch.Generator().manual_seed(100 + step))
+        grad = torch.randn(
+            total, generator=torch.Generator().manual_seed(100 + step), dtype=layout.dtype
+        )
         for side in (plain, coalesced):
             side.grads(step, grad)
             side.step()
