@@ -132,8 +132,8 @@ class Coalesced(torch.optim.Optimizer):
                 "use the class itself over the views instead"
             )
         _refuse_differentiable(defaults)
-        self._layout_made = False
-        self._plans: list[RunPlan] = []
+        self._plans: list[RunPlan] | None = None
+        """Per group, its plan; ``None`` until the next step makes them."""
         self._holders: dict[int, int] = {}
         # The inner optimizer checks the hyperparameters as the plain one would.
         self._inner: torch.optim.Optimizer = optimizer_class(
@@ -156,7 +156,7 @@ class Coalesced(torch.optim.Optimizer):
         """As torch's; the runs are worked out again at the next step."""
         _refuse_differentiable(param_group)
         super().add_param_group(param_group)
-        self._layout_made = False
+        self._drop_plans()
 
     def __repr__(self) -> str:
         return f"Coalesced({self._class.__name__}, {super().__repr__()})"
@@ -208,14 +208,16 @@ class Coalesced(torch.optim.Optimizer):
             )
         for group in self.param_groups:
             _refuse_differentiable(group)
-        if not self._layout_made or not all(plan.still_laid_out() for plan in self._plans):
-            self._layout()
+        plans = self._plans
+        if plans is None or not all(plan.still_laid_out() for plan in plans):
+            self._drop_plans()
+            plans = self._plans = plan_groups(self.param_groups, self._elementwise, self._scalars)
         inner = self._inner
         inner_groups = []
         inner_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
         posts: list[tuple[RunPlan, int, int, Tensor, dict[str, Any] | None]] = []
         fresh: list[Tensor] = []
-        for group, plan in zip(self.param_groups, self._plans, strict=True):
+        for group, plan in zip(self.param_groups, plans, strict=True):
             tensors = self._runs(group, plan, inner_state, posts, fresh)
             hyper = {k: v for k, v in group.items() if k != "params"}
             hyper["params"] = tensors
@@ -250,18 +252,17 @@ class Coalesced(torch.optim.Optimizer):
                 if hasattr(inner, name):
                     delattr(inner, name)
 
-    # ------------------------------------------------------------------ layout
+    # ------------------------------------------------------------------ plans
 
-    def _layout(self) -> None:
-        """Plan every group again; the state is handed out again (copied from the old
-        buffers into the new ones) at each view's next check."""
-        for plan in self._plans:
+    def _drop_plans(self) -> None:
+        """Forget the plans: the next step plans every group again, and each view's state
+        is taken in again (copied from the old buffers into new ones) at its check."""
+        for plan in self._plans or ():
             for key in self._scalars:
                 for value in plan.handed[key]:
                     if value is not None:
                         self._release(value)
-        self._plans = plan_groups(self.param_groups, self._elementwise, self._scalars)
-        self._layout_made = True
+        self._plans = None
 
     # ------------------------------------------------------------------ state
 
