@@ -1,49 +1,29 @@
 """An optimizer over views that steps neighbouring views as one tensor: :class:`Coalesced`.
 
-A torch optimizer runs Python per parameter tensor (``_init_group``; its foreach and fused
-kernels take lists), so one over N views costs N times what one over the wrapper's few
-flat parameters costs, for the same elementwise arithmetic. :class:`Coalesced` keeps the
-views as its parameters and their state per view, and steps *runs* of views that lie end
-to end in one storage, with gradients and state laid out the same way, as one tensor
-through an unmodified inner instance of the optimizer class.
+A torch optimizer runs Python per parameter tensor (``_init_group``, for foreach and
+fused alike), so one over N views costs N times one over the wrapper's few flat
+parameters, for the same arithmetic. :class:`Coalesced` keeps the views as its
+parameters, with their state per view, and steps *runs* of views that lie end to end in
+one storage, gradients and state laid out alike, as one tensor through an unmodified
+inner instance of the optimizer class (user guide: ``docs/recipes.md``).
 
-Why the numbers are the same
-----------------------------
-SGD, Adam and AdamW are elementwise: each element's update reads only that element of
-the parameter, the gradient and the state, and the group's hyperparameters. Stepping a
-run therefore computes what stepping each view computes, provided every view of the run
-has the same hyperparameters (one parameter group), the same kind of state (all without
-state, or all with the same keys) and, for Adam, the same step count (its bias
-corrections). Two places where torch's CPU kernels are not elementwise in the bits are
-kept apart: the fused kernels compute the last elements of each tensor (the tail that
-does not fill a vector register) with scalar code that rounds differently, so under
-``fused`` a view ends a run unless its size is a multiple of 64 bytes (the fused
-kernels' work unit); and a subclass of the three classes may compute per-parameter
-quantities (norms: LARS, LAMB), so only the three classes themselves are taken.
+Why the numbers are the same: SGD, Adam and AdamW are elementwise, so a run computes
+what its views compute when they share the hyperparameters (one group), the kind of
+state and, for Adam, the step count (bias corrections). Not elementwise in the bits:
+torch's fused CPU kernels round a tensor's last partial vector differently (under
+``fused`` a view ends its run unless it fills whole 64-byte units: ``coalesced_plan``),
+and a subclass may compute per-parameter quantities (LARS, LAMB), so only the three
+classes themselves are taken.
 
-State
------
-Per-element state (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``,
-``max_exp_avg_sq``) lives in buffers this optimizer owns, one per (parameter storage,
-dtype, state key), each covering the span of this optimizer's parameters in that storage
-(parameters of other optimizers in between take room too). Each view's
-``state[view][key]`` is its slice of the buffer, shaped like the view, so
-``state_dict()``, ``load_state_dict()``, :meth:`flatview.FlatView.optim_state_dict` and
-:mod:`flatview.checkpoint` see torch's usual per-parameter layout. State that the inner
+State: per-element state lives in buffers this optimizer owns (``coalesced_plan``);
+each view's ``state[view][key]`` is its slice, shaped like the view. State the inner
 optimizer creates (first steps) or that comes from outside (``load_state_dict``) is
-copied into the buffers at the next step; which tensors were handed out is checked by
-identity at every step.
-
-Adam's ``step`` is one 0-dim tensor shared by the views of a run: ``opt.state[v]["step"]``
-may be the same tensor object for neighbouring views (``state_dict()`` gives each
-parameter its own copy, so that a plain optimizer loading it does not count one step many
-times). A run is stepped with a step tensor that belongs to exactly its views (a view
-left out of the run, skipped, keeps its own copy); neighbours whose step tensors hold the
-same value (on the CPU, where reading it costs no synchronisation) are given one again.
-
-Every step checks the memory it steps: each view's data pointer, contiguity and size,
-each gradient's pointer and contiguity, each state tensor's identity; a view that fails
-any check is stepped on its own, as the plain optimizer would step it.
+copied into the buffers at the next check; what was handed out is checked by identity
+at every step. Adam's ``step`` is one 0-dim tensor per run, which belongs to exactly the
+run's views when it steps (a view left out keeps a copy); neighbours whose counts are
+equal (read on the CPU only) share one again. Every step also checks each view's
+pointer (``RunPlan.moved``), size and contiguity and each gradient's pointer and
+contiguity: a view failing a check is stepped on its own, as the plain optimizer would.
 """
 
 from __future__ import annotations
