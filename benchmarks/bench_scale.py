@@ -27,10 +27,12 @@ tensor, the ratios of whole steps; per backend, the slope of a
 least-squares line through the forward + backward extra over 256-4,096 tensors (µs per
 tensor); wrap time, ``optim_state_dict`` time and resident memory added by the wrap, per
 tensor. A second study (``--optim-world-size`` processes, torch FSDP1, dense 4,096): the
-optimizer step over every view, over only this rank's non-empty views and over the
-wrapper's flat parameters, foreach and fused, interleaved.
+optimizer step over every view, over only this rank's non-empty views, over every view
+through ``flatview.optim.Coalesced`` and over the wrapper's flat parameters, foreach and
+fused, interleaved.
 
     python benchmarks/bench_scale.py [--quick] [--only fairscale,ddp] [--sizes 64,256]
+    python benchmarks/bench_scale.py --optim-only     # the optimizer study alone
 
 Results go to ``results/scale/`` (markdown, JSON, PNG). See ``benchmarks/README.md``.
 """
@@ -399,13 +401,25 @@ OPTIMIZERS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("AdamW foreach", "adamw", {"foreach": True}),
     ("AdamW fused", "adamw", {"fused": True}),
 )
-TARGETS = ("flat parameters", "views, all", "views, non-empty")
+TARGETS = ("flat parameters", "views, all", "views, non-empty", "Coalesced, all views")
+"""What each optimizer steps: stand-ins of the wrapper's flat parameters, every view,
+this rank's non-empty views, and every view through ``flatview.optim.Coalesced``."""
+COALESCED = "Coalesced, all views"
 
 
-def _optimizer(kind: str, params: list[nn.Parameter], cfg: Config, **options: Any) -> Any:
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, **options)
-    return torch.optim.AdamW(params, lr=1e-4, **options)
+def _optimizer(
+    kind: str, params: list[nn.Parameter], cfg: Config, coalesced: bool = False, **options: Any
+) -> Any:
+    import flatview.optim
+
+    cls, hyper = (
+        (torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9})
+        if kind == "sgd"
+        else (torch.optim.AdamW, {"lr": 1e-4})
+    )
+    if coalesced:
+        return flatview.optim.Coalesced(cls, params, **hyper, **options)
+    return cls(params, **hyper, **options)
 
 
 def optim_worker(rank: int, cfg: Config, port: int, out: str) -> None:
@@ -428,12 +442,16 @@ def optim_worker(rank: int, cfg: Config, port: int, out: str) -> None:
             "flat parameters": flats,
             "views, all": views,
             "views, non-empty": [p for p in views if p.numel()],
+            COALESCED: views,
         }
         result["counts"] = {k: len(v) for k, v in targets.items()}
         plans = skip_plans(cfg, "dense", cfg.optim_size, 1, False)
         x = torch.randn(cfg.batch, WIDTH)
         optimizers = [
-            (f"{label} | {target}", _optimizer(kind, params, cfg, **options))
+            (
+                f"{label} | {target}",
+                _optimizer(kind, params, cfg, coalesced=target == COALESCED, **options),
+            )
             for label, kind, options in OPTIMIZERS
             for target, params in targets.items()
         ]
@@ -457,6 +475,11 @@ def optim_worker(rank: int, cfg: Config, port: int, out: str) -> None:
             for p in views:
                 p.grad = None
         gc.unfreeze()
+        result["inner_tensors"] = {
+            name: optimizer.stepped_tensors
+            for name, optimizer in optimizers
+            if name.endswith(COALESCED)
+        }
         result.update(times=times, cpu=cpu)
 
 
@@ -663,15 +686,22 @@ def optim_markdown(optim: dict[str, Any]) -> list[str]:
         + ", ".join(f"{k} {v}" for k, v in counts.items())
         + "; ms of CPU time (wall in brackets), medians of interleaved steps:",
         "",
-        "| optimizer | " + " | ".join(TARGETS) + " | all / non-empty |",
-        "|---|" + "---:|" * (len(TARGETS) + 1),
+        "| optimizer | "
+        + " | ".join(TARGETS)
+        + " | all / non-empty | Coalesced / flat | Coalesced / all | Coalesced's tensors |",
+        "|---|" + "---:|" * (len(TARGETS) + 4),
     ]
     times, wall = optim["cpu"], optim["times"]
+    inner = optim.get("inner_tensors", {})
     for label, _, _ in OPTIMIZERS:
         meds = [statistics.median(times[f"{label} | {t}"]) for t in TARGETS]
         walls = [statistics.median(wall[f"{label} | {t}"]) for t in TARGETS]
         cells = " | ".join(f"{m:.2f} ({w:.2f})" for m, w in zip(meds, walls, strict=True))
-        lines.append(f"| {label} | {cells} | {meds[1] / meds[2]:.2f} |")
+        flat, every, nonempty, coalesced = meds
+        lines.append(
+            f"| {label} | {cells} | {every / nonempty:.2f} | {coalesced / flat:.2f} | "
+            f"{coalesced / every:.3f} | {inner.get(f'{label} | {COALESCED}', '?')} |"
+        )
     return lines
 
 
@@ -732,6 +762,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Name
     parser.add_argument("--world-size", type=int, default=Config.world_size)
     parser.add_argument("--optim-world-size", type=int, default=Config.optim_world_size)
     parser.add_argument("--no-optim", action="store_true", help="skip the optimizer study")
+    parser.add_argument(
+        "--optim-only", action="store_true", help="only the optimizer study (no model sizes)"
+    )
     parser.add_argument("--timeout", type=float, default=Config.timeout)
     parser.add_argument("--out", default="results/scale")
     args = parser.parse_args(argv)
@@ -752,6 +785,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Name
         cfg = replace(cfg, dense_sizes=tuple(int(s) for s in args.sizes.split(",") if s))
     if args.moe_sizes is not None:
         cfg = replace(cfg, moe_sizes=tuple(int(s) for s in args.moe_sizes.split(",") if s))
+    if args.optim_only:
+        if args.no_optim:
+            parser.error("--optim-only and --no-optim exclude each other")
+        cfg = replace(cfg, dense_sizes=(), moe_sizes=())
     for key in ("steps", "warmup"):
         if getattr(args, key) is not None:
             cfg = replace(cfg, **{key: getattr(args, key)})

@@ -7,6 +7,10 @@ NVIDIA apex's ``LARC`` does, but takes the norms of whole parameters from
 all-reduce per step for all of them. :func:`trust_ratios` gives the same local learning
 rates for your own optimizer code.
 
+:class:`Coalesced` steps SGD, Adam or AdamW over views at the cost of an optimizer over
+a few tensors: neighbouring views of one flat parameter are stepped as one tensor, with
+exactly the numbers of the plain optimizer.
+
 :class:`Deferred` stands in for several optimizers that can only be built after
 wrapping, where a wrapper takes exactly one when it is built (DeepSpeed's engine).
 
@@ -25,13 +29,14 @@ import torch
 from torch import nn
 
 from flatview import norms
+from flatview.coalesced import Coalesced
 from flatview.deferred import Deferred
 from flatview.whole import Whole
 
 if TYPE_CHECKING:
     from flatview.handle import FlatView
 
-__all__ = ["LARC", "Deferred", "Whole", "param_and_grad_norms", "trust_ratios"]
+__all__ = ["LARC", "Coalesced", "Deferred", "Whole", "param_and_grad_norms", "trust_ratios"]
 
 
 def param_groups(

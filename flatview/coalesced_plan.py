@@ -1,0 +1,201 @@
+"""Where :class:`flatview.coalesced.Coalesced` may step neighbouring views as one tensor,
+and where their state lives: a :class:`RunPlan` per parameter group.
+
+Views *link* when they lie end to end in one storage and their state slices lie end to
+end in one :class:`StateBuffer` (one per storage, dtype and device, covering the span of
+the optimizer's views there); under ``fused`` a view also has to fill whole work units
+of the fused kernels (:data:`FUSED_UNIT_BYTES`), whose scalar tail rounds differently.
+Which linked neighbours *join* a run at a step also depends on their gradients and state
+(:class:`~flatview.coalesced.Coalesced`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+FUSED_UNIT_BYTES = 64
+"""Under ``fused``, a view continues a run only if its size is a multiple of this."""
+SOLO = -1
+"""A view's state signature when its state cannot join a run (not in the buffers)."""
+
+_PTR = Tensor.data_ptr
+_NUMEL = Tensor.numel
+_CONTIGUOUS = Tensor.is_contiguous
+
+
+def eligible(p: Tensor) -> bool:
+    """Whether ``p`` can be part of a run: dense, contiguous, real floating point, not
+    empty (its state then fits a buffer slice)."""
+    return (
+        p.layout == torch.strided and p.numel() > 0 and p.is_floating_point() and p.is_contiguous()
+    )
+
+
+@dataclass
+class StateBuffer:
+    """Where the state of one storage's parameters lives: one tensor per state key."""
+
+    length: int
+    dtype: torch.dtype
+    device: torch.device
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+    def get(self, key: str) -> Tensor:
+        found = self.tensors.get(key)
+        if found is None:
+            found = self.tensors[key] = torch.zeros(
+                self.length, dtype=self.dtype, device=self.device
+            )
+        return found
+
+
+@dataclass
+class RunPlan:
+    """One parameter group: its views that may join runs, in address order, how they
+    link, where their state lives, and what was handed out of it (made again when the
+    views change size or contiguity: :func:`plan_groups`)."""
+
+    order: list[Tensor]
+    """Eligible views, by address."""
+    alone: list[Tensor]
+    """Views that are never part of a run (empty, non-contiguous, overlapping, ...)."""
+    ptrs: tuple[int, ...]
+    numels: tuple[int, ...]
+    link: list[bool]
+    """``link[i]``: views ``i`` and ``i + 1`` are end to end in one storage and buffer."""
+    fused_link: list[bool]
+    """``link`` where view ``i`` also fills whole fused work units."""
+    buffers: list[StateBuffer]
+    offsets: list[int]
+    """Each view's offset in its buffer."""
+    handed: dict[str, list[Any]]
+    """Per state key, what each view's state holds as handed out (``None``: nothing)."""
+    sig: list[int]
+    """Per view, which state keys it holds (a bit each), or :data:`SOLO`."""
+    slices: dict[str, list[Tensor | None]]
+    """Per elementwise key, each view's slice of its buffer (made when first needed)."""
+    runs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    """Run ``a:b``'s alias of the views' memory, while they stay where they are."""
+    spans: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)
+    """A run's state ``key``: its span of the buffer."""
+
+    joins: dict[bool, list[bool]] = field(default_factory=dict)
+    """Per ``fused``: the links between neighbours with the same state in the buffers."""
+
+    def joinable(self, fused: bool) -> list[bool]:
+        found = self.joins.get(fused)
+        if found is None:
+            sig = self.sig
+            found = self.joins[fused] = [
+                ok and x == y and x >= 0
+                for ok, x, y in zip(
+                    self.fused_link if fused else self.link, sig, sig[1:], strict=False
+                )
+            ]
+        return found
+
+    def set_sig(self, i: int, sig: int) -> None:
+        if self.sig[i] != sig:
+            self.sig[i] = sig
+            self.joins.clear()
+
+    def span(self, key: str, a: int, total: int) -> Tensor:
+        found = self.spans.get((key, a, total))
+        if found is None:
+            start = self.offsets[a]
+            found = self.spans[(key, a, total)] = self.buffers[a].get(key)[start : start + total]
+        return found
+
+    def slice_of(self, key: str, i: int) -> Tensor:
+        found = self.slices[key][i]
+        if found is None:
+            p = self.order[i]
+            start = self.offsets[i]
+            found = self.buffers[i].get(key)[start : start + p.numel()].view(p.shape)
+            self.slices[key][i] = found
+        return found
+
+    def moved(self, ptrs: tuple[int, ...]) -> None:
+        """The views moved (a new storage): links hold where neighbours moved alike."""
+        shift = list(map(operator.sub, ptrs, self.ptrs))
+        self.link = [ok and x == y for ok, x, y in zip(self.link, shift, shift[1:], strict=False)]
+        self.fused_link = [ok and x for ok, x in zip(self.fused_link, self.link, strict=True)]
+        self.ptrs = ptrs
+        self.runs.clear()
+        self.joins.clear()
+
+    def still_laid_out(self) -> bool:
+        """Whether the views keep the sizes and contiguity of the plan (their addresses
+        may move: :meth:`moved`)."""
+        order = self.order
+        return tuple(map(_NUMEL, order)) == self.numels and all(map(_CONTIGUOUS, order))
+
+
+def plan_groups(
+    param_groups: list[dict[str, Any]], elementwise: tuple[str, ...], scalars: tuple[str, ...]
+) -> list[RunPlan]:
+    """A plan per parameter group: state buffers per (storage, dtype, device) covering
+    the span of all groups' views in that storage; nothing handed out yet."""
+    by_storage: dict[tuple[Any, ...], list[Tensor]] = defaultdict(list)
+    for group in param_groups:
+        for p in group["params"]:
+            if eligible(p):
+                by_storage[(p.untyped_storage().data_ptr(), p.dtype, p.device)].append(p)
+    home: dict[int, tuple[StateBuffer, int]] = {}
+    for (_, dtype, device), members in by_storage.items():
+        members.sort(key=Tensor.storage_offset)
+        starts = [int(p.storage_offset()) for p in members]
+        ends = [s + int(p.numel()) for s, p in zip(starts, members, strict=True)]
+        # Overlapping views (aliases) would share state: they keep their own.
+        clash: set[int] = set()
+        reach = ends[0]
+        for i in range(1, len(members)):
+            if starts[i] < reach:
+                clash.add(i)
+                clash.update(j for j in range(i) if ends[j] > starts[i])
+            reach = max(reach, ends[i])
+        kept = [i for i in range(len(members)) if i not in clash]
+        if not kept:
+            continue
+        low = starts[kept[0]]
+        buffer = StateBuffer(max(ends[i] for i in kept) - low, dtype, device)
+        for i in kept:
+            home[id(members[i])] = (buffer, starts[i] - low)
+    plans = []
+    for group in param_groups:
+        params = group["params"]
+        order = sorted((p for p in params if id(p) in home), key=_PTR)
+        buffers = [home[id(p)][0] for p in order]
+        offsets = [home[id(p)][1] for p in order]
+        numels = [int(p.numel()) for p in order]
+        link = [
+            buffers[i] is buffers[i + 1] and offsets[i] + numels[i] == offsets[i + 1]
+            for i in range(len(order) - 1)
+        ]
+        fused_link = [
+            ok and (numels[i] * order[i].element_size()) % FUSED_UNIT_BYTES == 0
+            for i, ok in enumerate(link)
+        ]
+        n = len(order)
+        plans.append(
+            RunPlan(
+                order=order,
+                alone=[p for p in params if id(p) not in home],
+                ptrs=tuple(map(_PTR, order)),
+                numels=tuple(numels),
+                link=link,
+                fused_link=fused_link,
+                buffers=buffers,
+                offsets=offsets,
+                handed={k: [None] * n for k in (*elementwise, *scalars)},
+                sig=[0] * n,
+                slices={k: [None] * n for k in elementwise},
+            )
+        )
+    return plans
