@@ -86,6 +86,8 @@ class Config:
     lr: float = 0.01
     timeout: float = 900.0
     """Seconds one run (one backend, one model, both modes) may take."""
+    coalesced: bool = True
+    """Also time flatview with its views stepped by ``flatview.optim.Coalesced``."""
 
 
 # ------------------------------------------------------------------------------ models
@@ -275,8 +277,13 @@ def _bare(name: str, cfg: Config, shape: str, size: int, backend: str, **options
     return Variant(name, model, _sgd(model.parameters(), cfg, foreach=_foreach(backend, size)))
 
 
-def _flatview(cfg: Config, shape: str, size: int, backend: str) -> Variant:
+def _flatview(
+    cfg: Config, shape: str, size: int, backend: str, *, coalesced: bool = False
+) -> Variant:
+    """flatview on the wrapper, its views stepped by ``torch.optim.SGD`` or (``coalesced``)
+    by ``flatview.optim.Coalesced`` over the same SGD."""
     import flatview
+    import flatview.optim
 
     model = _wrapped(cfg, shape, size, backend)
     before = common._resident_mib()
@@ -284,16 +291,25 @@ def _flatview(cfg: Config, shape: str, size: int, backend: str) -> Variant:
     fv = flatview.wrap(model)
     wrap_s = time.perf_counter() - started
     rss = common._resident_mib() - before
-    optimizer = _sgd(fv.parameters(), cfg, foreach=_foreach(backend, size))
+    foreach = _foreach(backend, size)
+    if coalesced:
+        optimizer = flatview.optim.Coalesced(
+            torch.optim.SGD, fv.parameters(), lr=cfg.lr, momentum=0.9, foreach=foreach
+        )
+        return Variant("coalesced", model, optimizer, fv, wrap_s, rss)
+    optimizer = _sgd(fv.parameters(), cfg, foreach=foreach)
     return Variant("flatview", model, optimizer, fv, wrap_s, rss)
 
 
 def build_variants(cfg: Config, shape: str, size: int, backend: str) -> dict[str, list[Variant]]:
-    """Per mode, the variants built side by side: bare first, then flatview; torch
-    FSDP1 adds bare ``use_orig_params=True``. Built once for both modes, except bare
-    DDP, which needs ``find_unused_parameters=True`` to skip anything."""
+    """Per mode, the variants built side by side: bare first, then flatview (and flatview
+    stepped by ``Coalesced``); torch FSDP1 adds bare ``use_orig_params=True``. Built once
+    for both modes, except bare DDP, which needs ``find_unused_parameters=True`` to skip
+    anything."""
     bare = _bare("bare", cfg, shape, size, backend)
     variants = [bare, _flatview(cfg, shape, size, backend)]
+    if cfg.coalesced:
+        variants.append(_flatview(cfg, shape, size, backend, coalesced=True))
     if backend == "torch":
         variants.append(_bare("orig_params", cfg, shape, size, backend, use_orig_params=True))
     half = list(variants)
@@ -302,9 +318,18 @@ def build_variants(cfg: Config, shape: str, size: int, backend: str) -> dict[str
     return {"none": variants, "half": half}
 
 
+SMALL_STEPS = 4
+"""At up to 1,024 tensors a step takes tens of milliseconds, where the other processes'
+scheduling moves one step by as much as flatview costs in all: this many times the timed
+steps there, for ratios as steady as at 4,096."""
+
+
 def steps_for(cfg: Config, size: int) -> tuple[int, int]:
-    """(warmup, timed) steps at ``size`` tensors: fewer beyond 4,096, where one step of
-    bare FSDP2 takes seconds on a loaded 2-core machine."""
+    """(warmup, timed) steps at ``size`` tensors: more at up to 1,024 (``SMALL_STEPS``),
+    fewer beyond 4,096, where one step of bare FSDP2 takes seconds on a loaded 2-core
+    machine."""
+    if size <= 1024:
+        return cfg.warmup, cfg.steps * SMALL_STEPS
     if size <= 4096:
         return cfg.warmup, cfg.steps
     return max(1, cfg.warmup // 2), max(4, cfg.steps // 3)
@@ -519,6 +544,9 @@ class Row:
     step_ratio: float
     orig_fb_ms: float | None = None
     orig_extra_fb_us_per_tensor: float | None = None
+    coalesced_opt_ms: float | None = None
+    coalesced_step_ratio: float | None = None
+    """Whole steps of flatview stepped by ``Coalesced`` over bare's."""
     wrap_s: float = 0.0
     wrap_rss_kib_per_tensor: float = 0.0
     optim_state_dict_s: float = 0.0
@@ -555,6 +583,11 @@ def rows_of(result: dict[str, Any], clock: str) -> list[Row]:
             wrap_rss_kib_per_tensor=data["wrap_rss_mib"] * 1024 / n,
             optim_state_dict_s=data["optim_state_dict_s"],
         )
+        if "coalesced" in t:
+            co = t["coalesced"]
+            total_c = [a + b for a, b in zip(co["fb"], co["opt"], strict=True)]
+            row.coalesced_opt_ms = statistics.median(co["opt"])
+            row.coalesced_step_ratio = statistics.median(total_c) / statistics.median(total_p)
         if "orig_params" in t:
             orig = t["orig_params"]
             row.orig_fb_ms = statistics.median(orig["fb"])
@@ -595,14 +628,16 @@ def _table(rows: Sequence[Row]) -> list[str]:
     lines = [
         "| backend | model | tensors | skipped | bare fb ms | flatview fb ms | "
         "extra fb µs/tensor | bare opt ms | flatview opt ms | extra opt µs/tensor | "
-        "step ratio | orig_params extra fb µs/tensor |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "step ratio | Coalesced opt ms | step ratio, Coalesced | "
+        "orig_params extra fb µs/tensor |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.backend} | {r.shape} | {r.tensors} | {r.mode} | {r.bare_fb_ms:.1f} | "
             f"{r.fv_fb_ms:.1f} | {r.extra_fb_us_per_tensor:.2f} | {r.bare_opt_ms:.2f} | "
             f"{r.fv_opt_ms:.2f} | {r.extra_opt_us_per_tensor:.2f} | {r.step_ratio:.3f} | "
+            f"{_f(r.coalesced_opt_ms, '.2f')} | {_f(r.coalesced_step_ratio, '.3f')} | "
             f"{_f(r.orig_extra_fb_us_per_tensor, '.2f')} |"
         )
     return lines
@@ -618,7 +653,8 @@ def markdown(
     lines = [
         f"# bench_scale: {cfg.world_size} processes (gloo), blocks of Linear({WIDTH}, {WIDTH}), "
         f"{cfg.blocks} units, batch {cfg.batch}, {cfg.steps} timed steps per variant and mode "
-        f"after {cfg.warmup}",
+        f"after {cfg.warmup} ({cfg.steps * SMALL_STEPS} at up to 1,024 tensors, "
+        f"{steps_for(cfg, 16384)[1]} beyond 4,096)",
         "",
         f"torch {meta['torch']}, Python {meta['python']}, {meta['cpus']} CPUs, load average "
         f"{meta['load_before']:.1f} before, {meta.get('load_after', 0):.1f} after; "
@@ -627,8 +663,10 @@ def markdown(
         "fb: forward + backward (flatview's step() included), opt: SGD momentum foreach "
         "step + zero_grad; ms are medians of rank 0's per-step times; extra: median of the "
         "per-step differences flatview - bare, per parameter tensor; step ratio: whole "
-        "steps (fb + opt), flatview / bare; orig_params: torch FSDP1 use_orig_params=True "
-        "over bare use_orig_params=False.",
+        "steps (fb + opt), flatview / bare; Coalesced: the same flatview, its views stepped "
+        "by flatview.optim.Coalesced over the same SGD (a model of its own, interleaved "
+        "alike); orig_params: torch FSDP1 use_orig_params=True over bare "
+        "use_orig_params=False.",
     ]
     for clock, title in (
         ("cpu", "rank 0's CPU time (the host work a step costs)"),
@@ -765,6 +803,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Name
     parser.add_argument(
         "--optim-only", action="store_true", help="only the optimizer study (no model sizes)"
     )
+    parser.add_argument(
+        "--no-coalesced", action="store_true", help="no flatview + Coalesced variant"
+    )
     parser.add_argument("--timeout", type=float, default=Config.timeout)
     parser.add_argument("--out", default="results/scale")
     args = parser.parse_args(argv)
@@ -792,7 +833,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Name
     for key in ("steps", "warmup"):
         if getattr(args, key) is not None:
             cfg = replace(cfg, **{key: getattr(args, key)})
-    return replace(cfg, timeout=args.timeout), args
+    return replace(cfg, timeout=args.timeout, coalesced=not args.no_coalesced), args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -836,6 +877,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(result)
             brief = "  ".join(
                 f"{r.mode}: fb +{r.extra_fb_us_per_tensor:.2f} µs/t, step x{r.step_ratio:.3f}"
+                + (
+                    f" (Coalesced x{r.coalesced_step_ratio:.3f})"
+                    if r.coalesced_step_ratio is not None
+                    else ""
+                )
                 + (
                     f", orig +{r.orig_extra_fb_us_per_tensor:.2f}"
                     if r.orig_extra_fb_us_per_tensor is not None

@@ -372,6 +372,52 @@ def check_whole_muon(cfg: bench.Config, device: torch.device, steps: int) -> dic
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
+def check_coalesced(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
+    """``flatview.optim.Coalesced`` (runs of adjacent views stepped as one tensor) against
+    the same torch optimizer stepping each view, on two copies of one torch FSDP1 per-block
+    model, same data and skips: on CUDA the foreach and fused kernels are the ones that
+    run, and each must give the same parameters (``bitwise`` says whether exactly)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import flatview.optim
+
+    masks = bench.skip_masks(cfg, steps)
+    batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, steps, 0)]
+    results: dict[str, Any] = {}
+    kinds: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+        "sgd_foreach": (torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9, "foreach": True}),
+        "adamw_foreach": (torch.optim.AdamW, {"lr": 1e-3, "foreach": True}),
+        "adamw_fused": (torch.optim.AdamW, {"lr": 1e-3, "fused": True}),
+    }
+    for name, (kind, options) in kinds.items():
+        try:
+            trained = []
+            for coalesced in (False, True):
+                model = TorchFSDP(
+                    bench.make_net(cfg).to(device),
+                    auto_wrap_policy=ModuleWrapPolicy({bench.Block}),
+                    device_id=device,
+                )
+                fv = flatview.wrap(model)
+                opt = (
+                    flatview.optim.Coalesced(kind, fv.parameters(), **options)
+                    if coalesced
+                    else kind(fv.parameters(), **options)
+                )
+                for (x, y), skip in zip(batches, masks, strict=True):
+                    _step(model, fv, opt, x, y, skip)
+                trained.append({n: p.detach().clone() for n, p in fv.named_parameters()})
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            plain, got = trained
+            worst = max(float((got[n] - p).abs().max()) for n, p in plain.items() if p.numel())
+            results[name] = {"ok": worst <= 1e-6, "max_abs_diff": worst, "bitwise": worst == 0}
+        except Exception as exc:  # reported, not raised
+            results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return results
+
+
 # ======================================================================================
 # Frameworks (issue #23): flatview where users train, through Lightning and accelerate.
 #
@@ -649,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg, device, args.steps
         )
         report["equivalence"]["whole_muon_torch_fsdp1"] = check_whole_muon(cfg, device, args.steps)
+        for kind, found in check_coalesced(cfg, device, args.steps).items():
+            report["equivalence"][f"coalesced_{kind}_torch_fsdp1"] = found
         report["agreement_readback"] = check_agreement_readback(device)
         report["frameworks"] = check_frameworks(cfg, device, args.steps)
         report["timing_ms"] = time_ddp(cfg, device, args.timed_steps)

@@ -13,7 +13,8 @@ state and, for Adam, the step count (bias corrections). Not elementwise in the b
 torch's fused CPU kernels round a tensor's last partial vector differently (under
 ``fused`` a view ends its run unless it fills whole 64-byte units: ``coalesced_plan``),
 and a subclass may compute per-parameter quantities (LARS, LAMB), so only the three
-classes themselves are taken.
+classes themselves are taken. Before runs form on a device, canaries check that grouping
+changes no bit there (``coalesced_check``).
 
 State: per-element state lives in buffers this optimizer owns (``coalesced_plan``);
 each view's ``state[view][key]`` is its slice, shaped like the view. State the inner
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flatview.coalesced_check import unlink_inexact
 from flatview.coalesced_plan import SOLO, RunPlan, plan_groups
 
 __all__ = ["Coalesced"]
@@ -112,6 +114,7 @@ class Coalesced(torch.optim.Optimizer):
                 "use the class itself over the views instead"
             )
         _refuse_differentiable(defaults)
+        self._defaults = dict(defaults)
         self._plans: list[RunPlan] | None = None
         """Per group, its plan; ``None`` until the next step makes them."""
         self._holders: dict[int, int] = {}
@@ -192,6 +195,7 @@ class Coalesced(torch.optim.Optimizer):
         if plans is None or not all(plan.still_laid_out() for plan in plans):
             self._drop_plans()
             plans = self._plans = plan_groups(self.param_groups, self._elementwise, self._scalars)
+            unlink_inexact(plans, self.param_groups, self._class, self._defaults)
         inner = self._inner
         inner_groups = []
         inner_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)

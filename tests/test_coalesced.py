@@ -26,6 +26,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import flatview.coalesced_check as cc
 from flatview.optim import Coalesced
 from tests import coalesced_workers as cw
 from tests.scenarios import only_on_tested_torch
@@ -421,3 +422,54 @@ def test_a_group_added_later_takes_the_state_along() -> None:
     for index, entry in want["state"].items():
         for key, value in entry.items():
             assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+CANARY_CASES = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "foreach": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
+    (torch.optim.Adam, {"lr": 1e-3, "amsgrad": True, "weight_decay": 0.01, "foreach": True}),
+    (torch.optim.AdamW, {"lr": 1e-3, "fused": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}),
+]
+
+
+@pytest.mark.parametrize(("kind", "options"), CANARY_CASES)
+def test_canaries_pass_where_runs_are_exact(kind: type, options: dict[str, Any]) -> None:
+    """On this CPU grouping is exact (the hypothesis test above): the canaries must say
+    so, or Coalesced would quietly step every view alone."""
+    for dtype in (torch.float32, torch.float64):
+        assert cc._canary(kind, options, options, torch.device("cpu"), dtype)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.SGD, torch.optim.AdamW])
+def test_canaries_see_a_fused_tail_inside_a_run(
+    kind: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rounding the fused rule avoids, let into the canaries (runs continued after
+    views of any size): they must see it."""
+    monkeypatch.setattr(cc, "FUSED_UNIT_BYTES", 4)
+    options = {"lr": 0.1, "fused": True, **({"momentum": 0.9} if kind is torch.optim.SGD else {})}
+    assert not cc._canary(kind, options, options, torch.device("cpu"), torch.float32)
+
+
+def test_a_failed_canary_steps_every_view_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the canaries see a difference, no run forms, a warning says so once, and the
+    numbers stay the plain optimizer's."""
+    monkeypatch.setattr(cc, "_checked", {})
+    monkeypatch.setattr(cc, "_canary", lambda *args: False)
+    sizes = [16, 8, 32, 4, 16, 8]
+    results = []
+    for coalesced in (False, True):
+        torch.manual_seed(0)
+        params = _end_to_end(sizes)
+        if coalesced:
+            with pytest.warns(RuntimeWarning, match="stepped one by one"):
+                opt: torch.optim.Optimizer = Coalesced(torch.optim.AdamW, params, lr=0.1)
+                opt.step()
+            assert opt.stepped_tensors == len(sizes)
+        else:
+            opt = torch.optim.AdamW(params, lr=0.1)
+            opt.step()
+        opt.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in params]))
+    assert torch.equal(*results)
