@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from flatview.coalesced_check import unlink_inexact
-from flatview.coalesced_plan import SOLO, RunPlan, plan_groups
+from flatview.coalesced_plan import SOLO, RunPlan, covers, plan_groups
 
 __all__ = ["Coalesced"]
 
@@ -401,7 +401,7 @@ class Coalesced(torch.optim.Optimizer):
                             alone.append(order[i])
                     continue
                 for sa, sb, step in self._step_runs(plan, a, b, shortest):
-                    if sb - sa < shortest:
+                    if sb - sa < shortest or not covers(grads[sa], plan.numels[sa:sb]):
                         for i in range(sa, sb):
                             self._own_step(plan, i)
                             alone.append(order[i])

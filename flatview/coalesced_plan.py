@@ -37,6 +37,14 @@ def eligible(p: Tensor) -> bool:
     )
 
 
+def covers(grad: Tensor, numels: tuple[int, ...]) -> bool:
+    """Whether the storage of ``grad``, a run's first gradient, holds the whole run: the
+    gradients lying end to end may be tensors of their own that an allocator placed
+    side by side (a GPU's caching allocator does), which one alias must not span."""
+    end = (grad.storage_offset() + sum(numels)) * grad.element_size()
+    return end <= grad.untyped_storage().nbytes()
+
+
 @dataclass
 class StateBuffer:
     """Where the state of one storage's parameters lives: one tensor per state key."""

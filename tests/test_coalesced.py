@@ -473,3 +473,30 @@ def test_a_failed_canary_steps_every_view_alone(monkeypatch: pytest.MonkeyPatch)
         opt.step()
         results.append(torch.cat([p.detach().reshape(-1) for p in params]))
     assert torch.equal(*results)
+
+
+def test_gradients_end_to_end_in_separate_storages_are_not_spanned() -> None:
+    """Gradients of their own that an allocator placed side by side (a GPU's caching
+    allocator may) lie end to end without one storage holding them all: the run is
+    stepped view by view, not through an alias that would overrun the first storage."""
+    sizes = [16, 8, 32]
+    results = []
+    for coalesced in (False, True):
+        torch.manual_seed(0)
+        params = _end_to_end(sizes)
+        grad = torch.cat([p.grad.reshape(-1) for p in params])
+        # The first gradient's storage is its own 64 bytes; the others follow it.
+        first = grad.untyped_storage()[0 : sizes[0] * grad.element_size()]
+        params[0].grad = torch.empty(0).set_(first, 0, (sizes[0],), (1,))
+        params[1].grad, params[2].grad = grad[16:24], grad[24:]
+        opt: torch.optim.Optimizer
+        if coalesced:
+            opt = Coalesced(torch.optim.SGD, params, lr=0.1, momentum=0.9)
+        else:
+            opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        opt.step()
+        opt.step()
+        if isinstance(opt, Coalesced):
+            assert opt.stepped_tensors == len(sizes)
+        results.append(torch.cat([p.detach().reshape(-1) for p in params]))
+    assert torch.equal(*results)
