@@ -30,10 +30,15 @@ _CONTIGUOUS = Tensor.is_contiguous
 
 
 def eligible(p: Tensor) -> bool:
-    """Whether ``p`` can be part of a run: dense, contiguous, real floating point, not
-    empty (its state then fits a buffer slice)."""
+    """Whether ``p`` can be part of a run: a plain tensor (not a subclass such as FSDP2's
+    ``DTensor``, whose memory is its local tensor's), dense, contiguous, real floating
+    point, not empty (its state then fits a buffer slice)."""
     return (
-        p.layout == torch.strided and p.numel() > 0 and p.is_floating_point() and p.is_contiguous()
+        type(p.data) is Tensor
+        and p.layout == torch.strided
+        and p.numel() > 0
+        and p.is_floating_point()
+        and p.is_contiguous()
     )
 
 
