@@ -271,9 +271,10 @@ class Coalesced(torch.optim.Optimizer):
 
     def _check_state(self, plan: RunPlan) -> None:
         """Take in state that is not what was handed out (the inner optimizer's first
-        state of a view stepped alone, ``load_state_dict``, a user's assignment)."""
+        state of a view stepped alone, ``load_state_dict``, a user's assignment, also
+        through ``.data``)."""
         states = list(map(self.state.get, plan.order, repeat(_EMPTY)))
-        changed: set[int] = set()
+        changed = {i for key in self._elementwise for i in plan.moved_slices(key)}
         for key, handed in plan.handed.items():
             if not all(map(operator.is_, map(dict.get, states, repeat(key)), handed)):
                 values = map(dict.get, states, repeat(key))

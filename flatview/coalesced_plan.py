@@ -93,6 +93,10 @@ class RunPlan:
     """Per view, which state keys it holds (a bit each), or :data:`SOLO`."""
     slices: dict[str, list[Tensor | None]]
     """Per elementwise key, each view's slice of its buffer (made when first needed)."""
+    slice_ptrs: dict[str, list[int]] = field(default_factory=dict)
+    """Where each slice's data was when made (0: none made): a slice given other data
+    since (``state[key].data = t``, as code that moves optimizer state to another device
+    does) no longer holds the buffer's elements."""
     runs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     """Run ``a:b``'s alias of the views' memory, while they stay where they are."""
     spans: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)
@@ -132,7 +136,24 @@ class RunPlan:
             start = self.offsets[i]
             found = self.buffers[i].get(key)[start : start + p.numel()].view(p.shape)
             self.slices[key][i] = found
+            self.slice_ptrs.setdefault(key, [0] * len(self.order))[i] = found.data_ptr()
         return found
+
+    def moved_slices(self, key: str) -> list[int]:
+        """The views whose slice of ``key`` was given other data since it was made; their
+        slices are forgotten (the next :meth:`slice_of` makes new ones)."""
+        made = self.slice_ptrs.get(key)
+        if made is None:
+            return []
+        slices = self.slices[key]
+        now = [0 if t is None else t.data_ptr() for t in slices]
+        if now == made:
+            return []
+        moved = [i for i, (x, y) in enumerate(zip(now, made, strict=True)) if x != y]
+        for i in moved:
+            slices[i] = None
+            made[i] = 0
+        return moved
 
     def moved(self, ptrs: tuple[int, ...]) -> None:
         """The views moved (a new storage): links hold where neighbours moved alike."""

@@ -512,3 +512,37 @@ def test_gradients_end_to_end_in_separate_storages_are_not_spanned() -> None:
             assert opt.stepped_tensors == len(sizes)
         results.append(torch.cat([p.detach().reshape(-1) for p in params]))
     assert torch.equal(*results)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.SGD, torch.optim.AdamW])
+def test_state_given_other_data_is_taken_in(kind: type) -> None:
+    """Code that moves optimizer state (``state[key].data = state[key].data.to(...)``, the
+    common "optimizer_to(device)" helper) gives the state tensors Coalesced handed out
+    other memory: the next step takes their values in, as the plain optimizer steps
+    them (here halved on the way, so that stepping the old buffers would show)."""
+    sizes = [16, 8, 32, 4]
+    results = []
+    for coalesced in (False, True):
+        torch.manual_seed(0)
+        params = _end_to_end(sizes)
+        options: dict[str, Any] = {"lr": 0.1, "foreach": True}
+        if kind is torch.optim.SGD:
+            options["momentum"] = 0.9
+        opt: torch.optim.Optimizer = (
+            Coalesced(kind, params, **options) if coalesced else kind(params, **options)
+        )
+        opt.step()
+        opt.step()
+        if isinstance(opt, Coalesced):
+            assert opt.stepped_tensors == 1
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    value.data = value.data * 0.5
+        opt.step()
+        opt.step()
+        if isinstance(opt, Coalesced):
+            assert opt.stepped_tensors == 1  # taken into the buffers: one run again
+        state_values = [v.reshape(-1) for p in params for v in opt.state[p].values() if v.dim()]
+        results.append(torch.cat([p.detach().reshape(-1) for p in params] + state_values))
+    assert torch.equal(*results)
