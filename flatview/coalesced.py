@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from flatview.coalesced_check import unlink_inexact
-from flatview.coalesced_plan import SOLO, RunPlan, covers, plan_groups
+from flatview.coalesced_plan import SOLO, RunPlan, covers, plan_groups, plans_hold
 
 __all__ = ["Coalesced"]
 
@@ -192,7 +192,7 @@ class Coalesced(torch.optim.Optimizer):
         for group in self.param_groups:
             _refuse_differentiable(group)
         plans = self._plans
-        if plans is None or not all(plan.still_laid_out() for plan in plans):
+        if plans is None or not plans_hold(plans, self.param_groups):
             self._drop_plans()
             plans = self._plans = plan_groups(self.param_groups, self._elementwise, self._scalars)
             unlink_inexact(plans, self.param_groups, self._class, self._defaults)

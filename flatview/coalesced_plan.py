@@ -93,6 +93,8 @@ class RunPlan:
     """Per view, which state keys it holds (a bit each), or :data:`SOLO`."""
     slices: dict[str, list[Tensor | None]]
     """Per elementwise key, each view's slice of its buffer (made when first needed)."""
+    members: tuple[int, ...] = ()
+    """The identities of the group's parameters when planned."""
     slice_ptrs: dict[str, list[int]] = field(default_factory=dict)
     """Where each slice's data was when made (0: none made): a slice given other data
     since (``state[key].data = t``, as code that moves optimizer state to another device
@@ -171,6 +173,20 @@ class RunPlan:
         return tuple(map(_NUMEL, order)) == self.numels and all(map(_CONTIGUOUS, order))
 
 
+def plans_hold(plans: list[RunPlan], param_groups: list[dict[str, Any]]) -> bool:
+    """Whether ``plans`` still describe ``param_groups``: the same parameters in each
+    group (code that re-points an optimizer's groups at other parameters, as wrappers'
+    integrations do, must not leave the old ones stepped), laid out as planned."""
+    return (
+        len(plans) == len(param_groups)
+        and all(
+            plan.members == tuple(map(id, group["params"]))
+            for plan, group in zip(plans, param_groups, strict=True)
+        )
+        and all(plan.still_laid_out() for plan in plans)
+    )
+
+
 def plan_groups(
     param_groups: list[dict[str, Any]], elementwise: tuple[str, ...], scalars: tuple[str, ...]
 ) -> list[RunPlan]:
@@ -221,6 +237,7 @@ def plan_groups(
             RunPlan(
                 order=order,
                 alone=[p for p in params if id(p) not in home],
+                members=tuple(map(id, params)),
                 ptrs=tuple(map(_PTR, order)),
                 numels=tuple(numels),
                 link=link,

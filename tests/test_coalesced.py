@@ -546,3 +546,26 @@ def test_state_given_other_data_is_taken_in(kind: type) -> None:
         state_values = [v.reshape(-1) for p in params for v in opt.state[p].values() if v.dim()]
         results.append(torch.cat([p.detach().reshape(-1) for p in params] + state_values))
     assert torch.equal(*results)
+
+
+def test_groups_re_pointed_at_other_parameters_step_those() -> None:
+    """Code that re-points an optimizer's group at other parameters after it stepped
+    (integrations that swap the optimizer's parameters for a wrapper's do this) must see
+    the new ones stepped, as the plain optimizer steps them, not the old ones."""
+    sizes = [16, 8, 32, 4]
+    results = []
+    for coalesced in (False, True):
+        torch.manual_seed(0)
+        old, new = _end_to_end(sizes), _end_to_end(sizes)
+        options = {"lr": 0.1, "momentum": 0.9, "foreach": True}
+        opt: torch.optim.Optimizer = (
+            Coalesced(torch.optim.SGD, old, **options)
+            if coalesced
+            else torch.optim.SGD(old, **options)
+        )
+        opt.step()
+        opt.param_groups[0]["params"] = new
+        opt.step()
+        opt.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in old + new]))
+    assert torch.equal(*results)
