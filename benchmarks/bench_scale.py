@@ -49,7 +49,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -232,9 +232,20 @@ def _foreach(backend: str, size: int) -> bool:
     return not (backend == "fsdp2" and size > FOREACH_DTENSORS)
 
 
-def _sgd(params: Any, cfg: Config, **kind: Any) -> torch.optim.Optimizer:
-    options = kind or {"foreach": True}
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, **options)
+def _optimizer(
+    kind: str, params: Iterable[nn.Parameter], cfg: Config, coalesced: bool = False, **options: Any
+) -> Any:
+    """Every optimizer the benchmark steps: SGD momentum or AdamW, plain or ``Coalesced``."""
+    import flatview.optim
+
+    cls, hyper = (
+        (torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9})
+        if kind == "sgd"
+        else (torch.optim.AdamW, {"lr": 1e-4})
+    )
+    if coalesced:
+        return flatview.optim.Coalesced(cls, params, **hyper, **options)
+    return cls(params, **hyper, **options)
 
 
 def _wrapped(cfg: Config, shape: str, size: int, backend: str, **options: Any) -> nn.Module:
@@ -274,7 +285,8 @@ def _wrapped(cfg: Config, shape: str, size: int, backend: str, **options: Any) -
 
 def _bare(name: str, cfg: Config, shape: str, size: int, backend: str, **options: Any) -> Variant:
     model = _wrapped(cfg, shape, size, backend, **options)
-    return Variant(name, model, _sgd(model.parameters(), cfg, foreach=_foreach(backend, size)))
+    optimizer = _optimizer("sgd", model.parameters(), cfg, foreach=_foreach(backend, size))
+    return Variant(name, model, optimizer)
 
 
 def _flatview(
@@ -283,7 +295,6 @@ def _flatview(
     """flatview on the wrapper, its views stepped by ``torch.optim.SGD`` or (``coalesced``)
     by ``flatview.optim.Coalesced`` over the same SGD."""
     import flatview
-    import flatview.optim
 
     model = _wrapped(cfg, shape, size, backend)
     before = common._resident_mib()
@@ -292,13 +303,8 @@ def _flatview(
     wrap_s = time.perf_counter() - started
     rss = common._resident_mib() - before
     foreach = _foreach(backend, size)
-    if coalesced:
-        optimizer = flatview.optim.Coalesced(
-            torch.optim.SGD, fv.parameters(), lr=cfg.lr, momentum=0.9, foreach=foreach
-        )
-        return Variant("coalesced", model, optimizer, fv, wrap_s, rss)
-    optimizer = _sgd(fv.parameters(), cfg, foreach=foreach)
-    return Variant("flatview", model, optimizer, fv, wrap_s, rss)
+    optimizer = _optimizer("sgd", fv.parameters(), cfg, coalesced=coalesced, foreach=foreach)
+    return Variant("coalesced" if coalesced else "flatview", model, optimizer, fv, wrap_s, rss)
 
 
 def build_variants(cfg: Config, shape: str, size: int, backend: str) -> dict[str, list[Variant]]:
@@ -430,21 +436,6 @@ TARGETS = ("flat parameters", "views, all", "views, non-empty", "Coalesced, all 
 """What each optimizer steps: stand-ins of the wrapper's flat parameters, every view,
 this rank's non-empty views, and every view through ``flatview.optim.Coalesced``."""
 COALESCED = "Coalesced, all views"
-
-
-def _optimizer(
-    kind: str, params: list[nn.Parameter], cfg: Config, coalesced: bool = False, **options: Any
-) -> Any:
-    import flatview.optim
-
-    cls, hyper = (
-        (torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9})
-        if kind == "sgd"
-        else (torch.optim.AdamW, {"lr": 1e-4})
-    )
-    if coalesced:
-        return flatview.optim.Coalesced(cls, params, **hyper, **options)
-    return cls(params, **hyper, **options)
 
 
 def optim_worker(rank: int, cfg: Config, port: int, out: str) -> None:
