@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flatview.coalesced_check import unlink_inexact
+from flatview.coalesced_check import unhooked_step, unlink_inexact
 from flatview.coalesced_plan import SOLO, RunPlan, covers, plan_groups, plans_hold
 
 __all__ = ["Coalesced"]
@@ -122,7 +122,7 @@ class Coalesced(torch.optim.Optimizer):
         self._inner: torch.optim.Optimizer = optimizer_class(
             [torch.zeros(0, requires_grad=True)], **defaults
         )
-        self._inner_step = getattr(type(self._inner).step, "__wrapped__", type(self._inner).step)
+        self._inner_step = unhooked_step(optimizer_class)
         self._elementwise = ELEMENTWISE[optimizer_class]
         self._scalars = SCALARS[optimizer_class]
         self._keys = (*self._elementwise, *self._scalars)

@@ -84,10 +84,7 @@ def _canary(
     # The run starts off any alignment, as a view inside a shard may.
     run = torch.empty(total + 3, device=device, dtype=dtype)[3:].copy_(start)
     alone = [piece.clone() for piece in start.split(sizes)]
-    # Its step as Coalesced runs it: without torch's global optimizer hooks (flatview's
-    # checks of optimizers over views have nothing to say about canaries).
-    plain_step: Any = optimizer_class.step  # type: ignore[attr-defined]
-    step = getattr(plain_step, "__wrapped__", plain_step)
+    step = unhooked_step(optimizer_class)
     with torch.no_grad():
         for tensors in ([run], alone):
             optimizer = optimizer_class(tensors, **defaults)
@@ -109,6 +106,14 @@ def _canary(
         for key, value in grouped.items()
         if isinstance(value, Tensor) and value.numel() == total
     )
+
+
+def unhooked_step(optimizer_class: type) -> Any:
+    """``optimizer_class.step`` as Coalesced runs it on its inner optimizer and on the
+    canaries: without the wrapper torch puts around it, which runs the global optimizer
+    hooks (flatview's checks of optimizers over views, which ran on Coalesced itself)."""
+    step: Any = optimizer_class.step  # type: ignore[attr-defined]
+    return getattr(step, "__wrapped__", step)
 
 
 def _frozen(hyper: dict[str, Any]) -> tuple[Any, ...]:
