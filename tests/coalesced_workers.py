@@ -2,7 +2,8 @@
 ``flatview.optim.Coalesced(torch.optim.AdamW, ...)`` over a wrapper's views, trained
 with the skip sequence of :data:`tests.scenarios.GATED` and a DCP checkpoint halfway
 (``flatview.checkpoint``), against ``torch.optim.AdamW`` over the unwrapped model in one
-process."""
+process; on fairscale with the gradients zeroed in place before each forward, the other
+placement users write."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ SCENARIOS = {
     "ddp": replace(GATED, backend="ddp", world_size=2),
 }
 OPTIONS = {"lr": 0.05, "betas": (0.9, 0.99), "weight_decay": 0.1, "foreach": True}
+ZEROED_BEFORE = {"fairscale"}
+"""Backends trained with ``zero_grad(set_to_none=False)`` before each forward (gradients
+zeroed in place, kept by parameters skipped since) instead of ``set_to_none=True`` after
+each step."""
 
 
 def _build(
@@ -55,12 +60,16 @@ def _train(
     stepped: list[int],
     views: list[int],
 ) -> None:
+    before = scenario.backend in ZEROED_BEFORE
     for micros in steps:
+        if before:
+            opt.zero_grad(set_to_none=False)
         synced_backward(scenario, model, fv, micros)
         views.append(sum(p.grad is not None for p in fv.parameters()))
         opt.step()
         stepped.append(opt.stepped_tensors)
-        opt.zero_grad(set_to_none=True)
+        if not before:
+            opt.zero_grad(set_to_none=True)
 
 
 def train(
@@ -96,10 +105,18 @@ def reference(backend: str) -> tuple[dict[str, np.ndarray], State]:
     net = make_net(scenario)
     named = list(net.named_parameters())
     opt = torch.optim.AdamW(net.parameters(), **OPTIONS)
-    for micros in optimizer_steps(scenario):
+    before = backend in ZEROED_BEFORE
+    steps = optimizer_steps(scenario)
+    for index, micros in enumerate(steps):
+        if index == len(steps) // 2:
+            # Where the run under test resumes from its checkpoint: without gradients.
+            opt.zero_grad(set_to_none=True)
+        if before:
+            opt.zero_grad(set_to_none=False)
         reference_backward(scenario, net, micros)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        if not before:
+            opt.zero_grad(set_to_none=True)
     names = {id(p): n for n, p in named}
     order = [names[id(p)] for group in opt.param_groups for p in group["params"]]
     saved = opt.state_dict()
