@@ -140,26 +140,31 @@ def hold_plan(
         return None
     accumulate: list[Accumulate] = []
     fresh: list[torch.Tensor] = []
-    dtypes: set[torch.dtype] = set()
+    dtype: torch.dtype | None = None
     start = 0
+    # Once per parameter every backward: each attribute is read once, into a local.
     for fsdp_param, numel in zip(group.fsdp_params, numels, strict=True):
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         if unsharded is None or (
-            fsdp_param.unsharded_accumulated_grad is None and unsharded.grad is None
+            unsharded.grad is None and fsdp_param.unsharded_accumulated_grad is None
         ):
             continue
         sharded = fsdp_param.sharded_param
         if getattr(sharded, "_post_accumulate_grad_hooks", None):
             return None
-        dtypes.add(sharded.dtype)
-        if sharded.grad is not None:
-            accumulate.append(Accumulate(local_tensor(sharded.grad), start))
+        if dtype is None:
+            dtype = sharded.dtype
+        elif sharded.dtype != dtype:
+            return None
+        grad = sharded.grad
+        if grad is not None:
+            accumulate.append(Accumulate(local_tensor(grad), start))
         else:
             fresh.append(sharded)
         start += numel
-    if len(dtypes) != 1:
+    if dtype is None:
         return None
-    return HoldPlan(start, dtypes.pop(), tuple(accumulate), tuple(fresh), small_numel)
+    return HoldPlan(start, dtype, tuple(accumulate), tuple(fresh), small_numel)
 
 
 def shard_numels(group: Any, world_size: int) -> tuple[int, ...]:
@@ -243,15 +248,16 @@ def unreduced(
     when the root's forward returns: a backward inside that forward reached no nested
     unit, so none of FSDP2's backward hooks ran (they hang on the units' inputs and
     outputs; the root's outputs do not exist yet) and nothing reduces them."""
-    return [
-        fsdp_param
-        for entries in params_of
-        for fsdp_param, index in entries
-        if index is not None
-        and contributions.fresh(
-            getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None), index
-        )
-    ]
+    found = []
+    for entries in params_of:
+        for fsdp_param, index in entries:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is None or index is None:
+                continue
+            grad = unsharded.grad
+            if grad is not None and contributions.fresh(grad, index):
+                found.append(fsdp_param)
+    return found
 
 
 def count_collectives(
@@ -311,25 +317,28 @@ class Contributions:
         runtime = self.runtime
         used = runtime.plain_used()
         reducing = bool(group.reduce_grads)
+        gave = self.gave
+        fresh_of = self.fresh
+        # Once per parameter every backward: each attribute is read once, into a local.
         for fsdp_param, sharded, param_index in self._known[id(group)]:
             if not sharded.requires_grad:
                 continue
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            grad = unsharded.grad if unsharded is not None else None
-            fresh = self.fresh(grad, param_index)
+            grad = None if unsharded is None else unsharded.grad
+            fresh = fresh_of(grad, param_index)
             if param_index not in used:
                 if fresh:
                     raise skipped_used(runtime.name(param_index))
                 continue
             if fresh:
-                self.gave.add(param_index)
+                gave.add(param_index)
             elif (
                 ran
                 and reducing
                 and unsharded is not None
                 and grad is None
                 and fsdp_param.unsharded_accumulated_grad is None
-                and param_index not in self.gave
+                and param_index not in gave
             ):
                 # Zeros, what this rank contributes: its reduce-scatter keeps the layout
                 # the other ranks give theirs.
