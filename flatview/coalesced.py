@@ -493,10 +493,7 @@ class Coalesced(torch.optim.Optimizer):
         """The alias of views ``a:b`` (one tensor over their memory, its gradient over
         theirs) and its inner state: the views' buffer span. Aliases are kept per run
         until the views move (:meth:`RunPlan.moved`); gradients are aliased every step."""
-        run = plan.runs.get((a, b))
-        if run is None:
-            total = sum(plan.numels[a:b])
-            run = plan.runs[(a, b)] = torch.as_strided(plan.order[a].detach(), (total,), (1,))
+        run = plan.run_alias(a, b)
         run.grad = torch.as_strided(grad, run.shape, (1,))
         sig = plan.sig[a]
         state: dict[str, Any] | None = None

@@ -21,6 +21,10 @@ from torch import Tensor
 
 FUSED_UNIT_BYTES = 64
 """Under ``fused``, a view continues a run only if its size is a multiple of this."""
+CACHED_PER_VIEW = 4
+"""Run aliases and state spans a plan keeps, per view: with skips drawn at random every
+step makes runs of its own, and a cache of every run ever stepped would grow with the
+number of steps (it is cleared when full; steady runs are kept, and are made again)."""
 SOLO = -1
 """A view's state signature when its state cannot join a run (not in the buffers)."""
 
@@ -124,9 +128,23 @@ class RunPlan:
             self.sig[i] = sig
             self.joins.clear()
 
+    def run_alias(self, a: int, b: int) -> Tensor:
+        """Run ``a:b``'s alias: one tensor over the views' memory (kept while they stay
+        where they are, up to :data:`CACHED_PER_VIEW` per view)."""
+        found = self.runs.get((a, b))
+        if found is None:
+            if len(self.runs) >= CACHED_PER_VIEW * len(self.order):
+                self.runs.clear()
+            total = sum(self.numels[a:b])
+            found = torch.as_strided(self.order[a].detach(), (total,), (1,))
+            self.runs[(a, b)] = found
+        return found
+
     def span(self, key: str, a: int, total: int) -> Tensor:
         found = self.spans.get((key, a, total))
         if found is None:
+            if len(self.spans) >= CACHED_PER_VIEW * len(self.order) * len(self.handed):
+                self.spans.clear()
             start = self.offsets[a]
             found = self.spans[(key, a, total)] = self.buffers[a].get(key)[start : start + total]
         return found

@@ -569,3 +569,33 @@ def test_groups_re_pointed_at_other_parameters_step_those() -> None:
         opt.step()
         results.append(torch.cat([p.detach().reshape(-1) for p in old + new]))
     assert torch.equal(*results)
+
+
+def test_runs_of_random_skips_keep_a_bounded_cache() -> None:
+    """Skips drawn at random every step (layer dropout) make runs never seen before at
+    every step: the run aliases and state spans kept must stay bounded, not grow with
+    the number of steps, and the numbers stay the plain optimizer's meanwhile. (SGD with
+    momentum: under Adam such skips make the step counts of neighbours differ, which
+    cuts runs anyway.)"""
+    from flatview.coalesced_plan import CACHED_PER_VIEW
+
+    sizes = [4, 2, 3] * 16  # uneven views, each used or not on its own
+    start = torch.randn(sum(sizes))
+    params = [[nn.Parameter(t) for t in start.clone().split(sizes)] for _ in range(2)]
+    grad = torch.randn(sum(sizes))
+    options = {"lr": 0.01, "momentum": 0.9}
+    opts = [torch.optim.SGD(params[0], **options), Coalesced(torch.optim.SGD, params[1], **options)]
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        used = rng.random(len(sizes)) < 0.7
+        for group in params:
+            # A flat gradient per step, as a wrapper's backward leaves one.
+            for p, g, u in zip(group, grad.clone().split(sizes), used, strict=True):
+                p.grad = g if u else None
+        for opt in opts:
+            opt.step()
+        assert opts[1].stepped_tensors < used.sum()  # type: ignore[attr-defined]
+    plan = opts[1]._plans[0]  # type: ignore[attr-defined]
+    assert len(plan.runs) <= CACHED_PER_VIEW * len(sizes)
+    assert len(plan.spans) <= CACHED_PER_VIEW * len(sizes) * len(plan.handed)
+    assert torch.equal(torch.cat(params[0]).detach(), torch.cat(params[1]).detach())
