@@ -91,7 +91,7 @@ from flatview.backends.fsdp2_reduce import (
     count_collectives,
     decide_bucketing,
     drop_unreduced_grads,
-    hold_plan,
+    hold_planner,
     shard_numels,
     stop_counting,
     unreduced,
@@ -247,7 +247,7 @@ class FSDP2Adapter(Adapter):
             for i, u in enumerate(self.units)
             for g in u.groups
         }
-        """Per group (by id), its parameters' shard sizes (:func:`hold_plan`)."""
+        """Per group (by id), its parameters' shard sizes (:class:`HoldPlanner`)."""
         count_collectives(self.units, runtime.ledger, self.hybrid, self._held)
 
     def uninstall(self) -> None:
@@ -305,7 +305,17 @@ class FSDP2Adapter(Adapter):
             counting = isinstance(comm, CountingReduceScatter)
             try:
                 self.runtime.check_backward_binding()
-                self._contributions.before_reduce(group, index in self._ran)
+                # Only the root mesh's reduce-scatters are held: they run as one at the
+                # end on every rank alike, whichever experts a rank's group skipped.
+                own = index in self.model.groups
+                planner = None
+                if counting and self._holds is not None and not own and group.reduce_grads:
+                    small = self.options.in_place_min_numel
+                    numels = self._numels[id(group)]
+                    planner = hold_planner(group, comm.inner, numels, small, self._holds)
+                self._contributions.before_reduce(group, index in self._ran, planner)
+                if planner is not None:
+                    comm.plan = planner.plan()
                 unfinished = self._unfinished
                 last = unfinished is not None and id(group) in unfinished
                 if unfinished is not None and last:
@@ -313,13 +323,6 @@ class FSDP2Adapter(Adapter):
                     last = not unfinished
                 # flatview decides which unused parameters get zeros (skipped ones don't).
                 group.reduce_scatter_unused_params = False
-                # Only the root mesh's reduce-scatters are held: they run as one at the
-                # end on every rank alike, whichever experts a rank's group skipped.
-                own = index in self.model.groups
-                if counting and self._holds is not None and not own and group.reduce_grads:
-                    small = self.options.in_place_min_numel
-                    numels = self._numels[id(group)]
-                    comm.plan = hold_plan(group, comm.inner, numels, small, self._holds)
                 original(*unused)
                 if last:
                     # After this group's reduce-scatter, not alongside it: which group

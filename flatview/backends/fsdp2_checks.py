@@ -103,7 +103,7 @@ def refuse_reduce_options(options: ReduceOptions) -> None:
         )
 
 
-@functools.cache  # frozen and asked again every backward (hold_plan)
+@functools.cache  # frozen and asked again every backward (HoldPlanner)
 def shard_layout(shape: tuple[int, ...], shards: int) -> FlatLayout:
     """The layout of a parameter FSDP2 shards on dim 0 over ``shards`` ranks: rank ``r``
     holds rows ``[r * c, (r + 1) * c)`` with ``c = ceil(rows / shards)`` (fewer, or none, at

@@ -3,7 +3,7 @@ reduce-scatter (:class:`Contributions`: zeros for a used parameter its backward 
 reach, an error for a skipped one it did), each parameter group's all-gather and
 reduce-scatter objects wrapped to count bytes at the collective, and small
 reduce-scatters held and run as one at the end of the backward (:mod:`flatview.comm.held`)
-where nothing reads their output before (:func:`hold_plan`).
+where nothing reads their output before (:class:`HoldPlanner`).
 
 torch privates touched: the ``allocate`` / ``__call__`` protocol of FSDP2's ``AllGather``
 and ``ReduceScatter`` objects (``torch.distributed.fsdp._fully_shard._fsdp_api``, which
@@ -125,46 +125,80 @@ class HoldPlan:
         )
 
 
-def hold_plan(
-    group: Any, inner: Any, numels: Sequence[int], small_numel: int, default: type
-) -> HoldPlan | None:
-    """The plan for ``group``'s reduce-scatter, computed just before its ``post_backward``
-    (which picks the same parameters: those with an unsharded or accumulated gradient),
-    or ``None`` where something would read its output before the held run: an
-    all-reduce hook, a post-accumulate-grad hook, a custom reduce-scatter (the user's own
-    collective, which must not be bypassed) or sharded gradients of another dtype.
-    ``inner`` is the reduce-scatter object the counting one delegates to, ``default``
-    FSDP2's own class (:func:`decide_bucketing`); ``numels``, per parameter of the
-    group, the elements of its shard (:func:`shard_numels`, worked out once)."""
-    if type(inner) is not default or group._all_reduce_hook is not None:
-        return None
-    accumulate: list[Accumulate] = []
-    fresh: list[torch.Tensor] = []
-    dtype: torch.dtype | None = None
-    start = 0
-    # Once per parameter every backward: each attribute is read once, into a local.
-    for fsdp_param, numel in zip(group.fsdp_params, numels, strict=True):
-        unsharded = getattr(fsdp_param, "_unsharded_param", None)
-        if unsharded is None or (
-            unsharded.grad is None and fsdp_param.unsharded_accumulated_grad is None
-        ):
-            continue
+class HoldPlanner:
+    """Builds one parameter group's :class:`HoldPlan`, parameter by parameter in the
+    group's order, from each parameter as its ``post_backward`` will find it (which
+    picks those with an unsharded or accumulated gradient): :meth:`add` is the rule,
+    called by :meth:`Contributions.before_reduce` as it settles each parameter (one
+    pass over them), or by :meth:`scan`."""
+
+    def __init__(self, numels: Sequence[int], small_numel: int) -> None:
+        self.numels = numels
+        self.small_numel = small_numel
+        self.refused = False
+        """Something would read the output before the held run (a post-accumulate-grad
+        hook), or the sharded gradients differ in dtype."""
+        self._accumulate: list[Accumulate] = []
+        self._fresh: list[torch.Tensor] = []
+        self._dtype: torch.dtype | None = None
+        self._start = 0
+
+    def add(self, position: int, fsdp_param: Any, unsharded: Any, grad: Any) -> None:
+        """The group's ``position``-th parameter, with its unsharded parameter and that
+        one's gradient as they are now."""
+        if self.refused or unsharded is None:
+            return
+        if grad is None and fsdp_param.unsharded_accumulated_grad is None:
+            return
         sharded = fsdp_param.sharded_param
         if getattr(sharded, "_post_accumulate_grad_hooks", None):
-            return None
-        if dtype is None:
-            dtype = sharded.dtype
-        elif sharded.dtype != dtype:
-            return None
-        grad = sharded.grad
-        if grad is not None:
-            accumulate.append(Accumulate(local_tensor(grad), start))
+            self.refused = True
+            return
+        if self._dtype is None:
+            self._dtype = sharded.dtype
+        elif sharded.dtype != self._dtype:
+            self.refused = True
+            return
+        sharded_grad = sharded.grad
+        if sharded_grad is not None:
+            self._accumulate.append(Accumulate(local_tensor(sharded_grad), self._start))
         else:
-            fresh.append(sharded)
-        start += numel
-    if dtype is None:
+            self._fresh.append(sharded)
+        self._start += self.numels[position]
+
+    def scan(self, group: Any) -> None:
+        """:meth:`add` every parameter of ``group``."""
+        for position, fsdp_param in enumerate(group.fsdp_params):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            self.add(position, fsdp_param, unsharded, getattr(unsharded, "grad", None))
+
+    def plan(self) -> HoldPlan | None:
+        """The plan, or ``None`` where the call cannot be held."""
+        if self.refused or self._dtype is None:
+            return None
+        return HoldPlan(
+            self._start,
+            self._dtype,
+            tuple(self._accumulate),
+            tuple(self._fresh),
+            self.small_numel,
+        )
+
+
+def hold_planner(
+    group: Any, inner: Any, numels: Sequence[int], small_numel: int, default: type
+) -> HoldPlanner | None:
+    """A planner of ``group``'s coming reduce-scatter, computed just before its
+    ``post_backward``, or ``None`` where something would read its output before the held
+    run: an all-reduce hook or a custom reduce-scatter (the user's own collective, which
+    must not be bypassed); the planner refuses a post-accumulate-grad hook and sharded
+    gradients of another dtype. ``inner`` is the reduce-scatter object the counting one
+    delegates to, ``default`` FSDP2's own class (:func:`decide_bucketing`); ``numels``,
+    per parameter of the group, the elements of its shard (:func:`shard_numels`, worked
+    out once)."""
+    if type(inner) is not default or group._all_reduce_hook is not None:
         return None
-    return HoldPlan(start, dtype, tuple(accumulate), tuple(fresh), small_numel)
+    return HoldPlanner(numels, small_numel)
 
 
 def shard_numels(group: Any, world_size: int) -> tuple[int, ...]:
@@ -296,14 +330,24 @@ class Contributions:
 
     def __init__(self, runtime: Runtime, groups: Iterable[Any]) -> None:
         self.runtime = runtime
-        self._known: dict[int, tuple[tuple[Any, Any, int], ...]] = {}
-        """Per group (by id): its FSDP parameters the runtime knows, with their sharded
-        parameter and runtime index (looked up once: the groups are fixed)."""
+        self._known: dict[int, tuple[tuple[int, Any, Any, int], ...]] = {}
+        """Per group (by id): its FSDP parameters the runtime knows, with their position
+        in the group, sharded parameter and runtime index (looked up once: the groups
+        are fixed)."""
+        self._whole: set[int] = set()
+        """The groups (by id) whose every parameter the runtime knows."""
         for group in groups:
-            found = (
-                (f, f.sharded_param, runtime.index_of(f.sharded_param)) for f in group.fsdp_params
+            found = tuple(
+                (position, f, f.sharded_param, runtime.index_of(f.sharded_param))
+                for position, f in enumerate(group.fsdp_params)
             )
-            self._known[id(group)] = tuple((f, s, i) for f, s, i in found if i is not None)
+            self._known[id(group)] = tuple(
+                (position, f, sharded, index)
+                for position, f, sharded, index in found
+                if index is not None
+            )
+            if len(self._known[id(group)]) == len(found):
+                self._whole.add(id(group))
         self.gave: set[int] = set()
         """Runtime indices of the parameters this rank's backwards gave a gradient since
         the last synchronising one."""
@@ -311,38 +355,44 @@ class Contributions:
         """Per parameter, its unsharded gradient (identity and version) at the end of
         the last backward under ``no_sync()``."""
 
-    def before_reduce(self, group: Any, ran: bool) -> None:
+    def before_reduce(self, group: Any, ran: bool, planner: HoldPlanner | None = None) -> None:
         """Settle ``group``'s gradients before its ``post_backward`` (``ran``: its unit's
-        forward ran in this iteration)."""
+        forward ran in this iteration); with ``planner``, give it each parameter as
+        settled (in the same pass where every parameter is known here, else after)."""
         runtime = self.runtime
         used = runtime.plain_used()
         reducing = bool(group.reduce_grads)
         gave = self.gave
         fresh_of = self.fresh
-        # Once per parameter every backward: each attribute is read once, into a local.
-        for fsdp_param, sharded, param_index in self._known[id(group)]:
-            if not sharded.requires_grad:
-                continue
+        planning = planner is not None and id(group) in self._whole
+        # Once per parameter every backward, the largest per-tensor cost of flatview on
+        # FSDP2: each attribute is read once, into a local.
+        for position, fsdp_param, sharded, param_index in self._known[id(group)]:
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             grad = None if unsharded is None else unsharded.grad
-            fresh = fresh_of(grad, param_index)
-            if param_index not in used:
-                if fresh:
-                    raise skipped_used(runtime.name(param_index))
-                continue
-            if fresh:
-                gave.add(param_index)
-            elif (
-                ran
-                and reducing
-                and unsharded is not None
-                and grad is None
-                and fsdp_param.unsharded_accumulated_grad is None
-                and param_index not in gave
-            ):
-                # Zeros, what this rank contributes: its reduce-scatter keeps the layout
-                # the other ranks give theirs.
-                unsharded.grad = torch.zeros_like(unsharded)
+            if sharded.requires_grad:
+                fresh = fresh_of(grad, param_index)
+                if param_index not in used:
+                    if fresh:
+                        raise skipped_used(runtime.name(param_index))
+                elif fresh:
+                    gave.add(param_index)
+                elif (
+                    ran
+                    and reducing
+                    and unsharded is not None
+                    and grad is None
+                    and fsdp_param.unsharded_accumulated_grad is None
+                    and param_index not in gave
+                ):
+                    # Zeros, what this rank contributes: its reduce-scatter keeps the
+                    # layout the other ranks give theirs.
+                    grad = unsharded.grad = torch.zeros_like(unsharded)
+            if planning:
+                assert planner is not None
+                planner.add(position, fsdp_param, unsharded, grad)
+        if planner is not None and not planning:
+            planner.scan(group)
 
     def fresh(self, grad: torch.Tensor | None, index: int) -> bool:
         """Whether ``grad`` (parameter ``index``'s unsharded gradient) is this backward's:
