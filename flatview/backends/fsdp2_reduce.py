@@ -17,6 +17,7 @@ reduce-scatters ``_fsdp_collectives.DefaultReduceScatter``,
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 from flatview.local_tensors import local_tensor
 from flatview.skip import skipped_used
+from flatview.states import Transitions
 
 
 def decide_bucketing(
@@ -125,6 +127,16 @@ class HoldPlan:
         )
 
 
+class Planning(enum.Enum):
+    """Where a :class:`HoldPlanner` is: still taking parameters, or refused for good."""
+
+    OPEN = "taking the group's parameters in order"
+    REFUSED = (
+        "something would read the output before the held run (a post-accumulate-grad "
+        "hook), or the sharded gradients differ in dtype"
+    )
+
+
 class HoldPlanner:
     """Builds one parameter group's :class:`HoldPlan`, parameter by parameter in the
     group's order, from each parameter as its ``post_backward`` will find it (which
@@ -135,9 +147,7 @@ class HoldPlanner:
     def __init__(self, numels: Sequence[int], small_numel: int) -> None:
         self.numels = numels
         self.small_numel = small_numel
-        self.refused = False
-        """Something would read the output before the held run (a post-accumulate-grad
-        hook), or the sharded gradients differ in dtype."""
+        self.planning = Transitions(Planning.OPEN, {Planning.OPEN: (Planning.REFUSED,)})
         self._accumulate: list[Accumulate] = []
         self._fresh: list[torch.Tensor] = []
         self._dtype: torch.dtype | None = None
@@ -146,18 +156,18 @@ class HoldPlanner:
     def add(self, position: int, fsdp_param: Any, unsharded: Any, grad: Any) -> None:
         """The group's ``position``-th parameter, with its unsharded parameter and that
         one's gradient as they are now."""
-        if self.refused or unsharded is None:
+        if unsharded is None or self.planning.state is Planning.REFUSED:
             return
         if grad is None and fsdp_param.unsharded_accumulated_grad is None:
             return
         sharded = fsdp_param.sharded_param
         if getattr(sharded, "_post_accumulate_grad_hooks", None):
-            self.refused = True
+            self.planning.move(Planning.REFUSED)
             return
         if self._dtype is None:
             self._dtype = sharded.dtype
         elif sharded.dtype != self._dtype:
-            self.refused = True
+            self.planning.move(Planning.REFUSED)
             return
         sharded_grad = sharded.grad
         if sharded_grad is not None:
@@ -174,7 +184,7 @@ class HoldPlanner:
 
     def plan(self) -> HoldPlan | None:
         """The plan, or ``None`` where the call cannot be held."""
-        if self.refused or self._dtype is None:
+        if self.planning.state is Planning.REFUSED or self._dtype is None:
             return None
         return HoldPlan(
             self._start,
