@@ -148,19 +148,20 @@ class HoldPlanner:
         self.numels = numels
         self.small_numel = small_numel
         self.planning = Transitions(Planning.OPEN, {Planning.OPEN: (Planning.REFUSED,)})
-        self._accumulate: list[Accumulate] = []
+        self._accumulate: list[tuple[torch.Tensor, int]] = []
         self._fresh: list[torch.Tensor] = []
         self._dtype: torch.dtype | None = None
         self._start = 0
 
-    def add(self, position: int, fsdp_param: Any, unsharded: Any, grad: Any) -> None:
-        """The group's ``position``-th parameter, with its unsharded parameter and that
-        one's gradient as they are now."""
+    def add(self, position: int, fsdp_param: Any, sharded: Any, unsharded: Any, grad: Any) -> None:
+        """The group's ``position``-th parameter: its FSDP parameter, sharded parameter,
+        unsharded parameter and that one's gradient as they are now. Reads only
+        attributes (run under ``DisableTorchFunctionSubclass``, see
+        :meth:`Contributions.before_reduce`)."""
         if unsharded is None or self.planning.state is Planning.REFUSED:
             return
         if grad is None and fsdp_param.unsharded_accumulated_grad is None:
             return
-        sharded = fsdp_param.sharded_param
         if getattr(sharded, "_post_accumulate_grad_hooks", None):
             self.planning.move(Planning.REFUSED)
             return
@@ -171,16 +172,18 @@ class HoldPlanner:
             return
         sharded_grad = sharded.grad
         if sharded_grad is not None:
-            self._accumulate.append(Accumulate(local_tensor(sharded_grad), self._start))
+            self._accumulate.append((sharded_grad, self._start))
         else:
             self._fresh.append(sharded)
         self._start += self.numels[position]
 
     def scan(self, group: Any) -> None:
         """:meth:`add` every parameter of ``group``."""
-        for position, fsdp_param in enumerate(group.fsdp_params):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            self.add(position, fsdp_param, unsharded, getattr(unsharded, "grad", None))
+        with torch._C.DisableTorchFunctionSubclass():
+            for position, fsdp_param in enumerate(group.fsdp_params):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                grad = getattr(unsharded, "grad", None)
+                self.add(position, fsdp_param, fsdp_param.sharded_param, unsharded, grad)
 
     def plan(self) -> HoldPlan | None:
         """The plan, or ``None`` where the call cannot be held."""
@@ -189,7 +192,7 @@ class HoldPlanner:
         return HoldPlan(
             self._start,
             self._dtype,
-            tuple(self._accumulate),
+            tuple(Accumulate(local_tensor(grad), start) for grad, start in self._accumulate),
             tuple(self._fresh),
             self.small_numel,
         )
@@ -373,34 +376,40 @@ class Contributions:
         used = runtime.plain_used()
         reducing = bool(group.reduce_grads)
         gave = self.gave
-        fresh_of = self.fresh
+        versions = self._versions
         planning = planner is not None and id(group) in self._whole
         # Once per parameter every backward, the largest per-tensor cost of flatview on
-        # FSDP2: each attribute is read once, into a local.
-        for position, fsdp_param, sharded, param_index in self._known[id(group)]:
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            grad = None if unsharded is None else unsharded.grad
-            if sharded.requires_grad:
-                fresh = fresh_of(grad, param_index)
-                if param_index not in used:
-                    if fresh:
-                        raise skipped_used(runtime.name(param_index))
-                elif fresh:
-                    gave.add(param_index)
-                elif (
-                    ran
-                    and reducing
-                    and unsharded is not None
-                    and grad is None
-                    and fsdp_param.unsharded_accumulated_grad is None
-                    and param_index not in gave
-                ):
-                    # Zeros, what this rank contributes: its reduce-scatter keeps the
-                    # layout the other ranks give theirs.
-                    grad = unsharded.grad = torch.zeros_like(unsharded)
-            if planning:
-                assert planner is not None
-                planner.add(position, fsdp_param, unsharded, grad)
+        # FSDP2: each attribute is read once, into a local, and with torch functions off
+        # (an attribute of a DTensor otherwise goes through its dispatch: 3x the time).
+        # Nothing here calls an operation on a DTensor.
+        with torch._C.DisableTorchFunctionSubclass():
+            for position, fsdp_param, sharded, param_index in self._known[id(group)]:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                grad = None if unsharded is None else unsharded.grad
+                if sharded.requires_grad:
+                    # fresh(): inlined, as everything in this loop is per parameter.
+                    fresh = grad is not None and (
+                        not versions or versions.get(param_index) != (id(grad), grad._version)
+                    )
+                    if param_index not in used:
+                        if fresh:
+                            raise skipped_used(runtime.name(param_index))
+                    elif fresh:
+                        gave.add(param_index)
+                    elif (
+                        ran
+                        and reducing
+                        and unsharded is not None
+                        and grad is None
+                        and fsdp_param.unsharded_accumulated_grad is None
+                        and param_index not in gave
+                    ):
+                        # Zeros, what this rank contributes: its reduce-scatter keeps the
+                        # layout the other ranks give theirs.
+                        grad = unsharded.grad = torch.zeros_like(unsharded)
+                if planning:
+                    assert planner is not None
+                    planner.add(position, fsdp_param, sharded, unsharded, grad)
         if planner is not None and not planning:
             planner.scan(group)
 
