@@ -45,11 +45,12 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -506,6 +507,37 @@ def _median_diff(b: Sequence[float], a: Sequence[float]) -> float:
     return statistics.median(y - x for x, y in zip(a, b, strict=True))
 
 
+BOOTSTRAP = 1000
+"""Resamples behind each 95% interval. On this 2-core machine one step's CPU time moves by
+10-15% (the other rank runs on the sibling core), so a figure of a few µs per tensor is
+only as good as its interval: every extra, slope and ratio comes with one."""
+
+
+def _interval(
+    statistic: Callable[[Sequence[int]], float], steps: int, seed: int = 0
+) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of ``statistic`` over ``BOOTSTRAP`` resamples of
+    the step indices ``0 .. steps - 1`` with replacement (pairs stay pairs: a resampled
+    step brings every variant's time of that step)."""
+    rng = random.Random(seed)
+    values = sorted(
+        statistic([rng.randrange(steps) for _ in range(steps)]) for _ in range(BOOTSTRAP)
+    )
+    return values[int(0.025 * (BOOTSTRAP - 1))], values[int(0.975 * (BOOTSTRAP - 1))]
+
+
+def _median_of(values: Sequence[float], scale: float) -> Callable[[Sequence[int]], float]:
+    """The median of ``values`` over the chosen steps, times ``scale``."""
+    return lambda chosen: statistics.median(values[i] for i in chosen) * scale
+
+
+def _ratio(f: Sequence[float], b: Sequence[float]) -> Callable[[Sequence[int]], float]:
+    """The ratio of medians of ``f`` and ``b`` over the chosen steps."""
+    return lambda chosen: (
+        statistics.median(f[i] for i in chosen) / statistics.median(b[i] for i in chosen)
+    )
+
+
 def _fit(points: Sequence[tuple[int, float]]) -> float | None:
     """Least-squares slope of ``y`` over ``x``."""
     if len(points) < 2:
@@ -533,6 +565,12 @@ class Row:
     extra_fb_us_per_tensor: float
     extra_opt_us_per_tensor: float
     step_ratio: float
+    fb_diffs_us: list[float] = field(default_factory=list)
+    """Per timed step, flatview's forward + backward minus bare's (the slope's intervals
+    resample them)."""
+    extra_fb_interval: tuple[float, float] | None = None
+    step_ratio_interval: tuple[float, float] | None = None
+    coalesced_step_ratio_interval: tuple[float, float] | None = None
     orig_fb_ms: float | None = None
     orig_extra_fb_us_per_tensor: float | None = None
     coalesced_opt_ms: float | None = None
@@ -556,6 +594,8 @@ def rows_of(result: dict[str, Any], clock: str) -> list[Row]:
         n = data["tensors"]
         total_p = [a + b for a, b in zip(bare["fb"], bare["opt"], strict=True)]
         total_f = [a + b for a, b in zip(fv["fb"], fv["opt"], strict=True)]
+        diffs = [(f - b) * 1e3 for f, b in zip(fv["fb"], bare["fb"], strict=True)]
+        steps = len(diffs)
         row = Row(
             clock=clock,
             backend=result["backend"],
@@ -573,12 +613,16 @@ def rows_of(result: dict[str, Any], clock: str) -> list[Row]:
             wrap_s=data["wrap_s"],
             wrap_rss_kib_per_tensor=data["wrap_rss_mib"] * 1024 / n,
             optim_state_dict_s=data["optim_state_dict_s"],
+            fb_diffs_us=diffs,
+            extra_fb_interval=_interval(_median_of(diffs, 1 / n), steps),
+            step_ratio_interval=_interval(_ratio(total_f, total_p), steps),
         )
         if "coalesced" in t:
             co = t["coalesced"]
             total_c = [a + b for a, b in zip(co["fb"], co["opt"], strict=True)]
             row.coalesced_opt_ms = statistics.median(co["opt"])
             row.coalesced_step_ratio = statistics.median(total_c) / statistics.median(total_p)
+            row.coalesced_step_ratio_interval = _interval(_ratio(total_c, total_p), steps)
         if "orig_params" in t:
             orig = t["orig_params"]
             row.orig_fb_ms = statistics.median(orig["fb"])
@@ -587,10 +631,13 @@ def rows_of(result: dict[str, Any], clock: str) -> list[Row]:
     return rows
 
 
-def slopes(rows: Sequence[Row]) -> dict[tuple[str, str, str], dict[str, float | None]]:
+def slopes(
+    rows: Sequence[Row],
+) -> dict[tuple[str, str, str], dict[str, Any]]:
     """Per (clock, backend, mode): µs per tensor, the slope of the dense forward+backward
-    extra (per step) over the fit range; also for torch's ``use_orig_params=True``."""
-    found: dict[tuple[str, str, str], dict[str, float | None]] = {}
+    extra (per step) over the fit range, with its 95% interval (each size's steps
+    resampled on their own); also for torch's ``use_orig_params=True``."""
+    found: dict[tuple[str, str, str], dict[str, Any]] = {}
     for key in sorted({(r.clock, r.backend, r.mode) for r in rows}):
         chosen = [
             r
@@ -600,6 +647,23 @@ def slopes(rows: Sequence[Row]) -> dict[tuple[str, str, str], dict[str, float | 
             and FIT_RANGE[0] <= r.size <= FIT_RANGE[1]
         ]
         fv = _fit([(r.tensors, r.extra_fb_us_per_tensor * r.tensors) for r in chosen])
+        interval = None
+        if fv is not None and all(r.fb_diffs_us for r in chosen):
+            rng = random.Random(1)
+            fits = sorted(
+                _fit(
+                    [
+                        (
+                            r.tensors,
+                            statistics.median(rng.choices(r.fb_diffs_us, k=len(r.fb_diffs_us))),
+                        )
+                        for r in chosen
+                    ]
+                )
+                or 0.0
+                for _ in range(BOOTSTRAP)
+            )
+            interval = (fits[int(0.025 * (BOOTSTRAP - 1))], fits[int(0.975 * (BOOTSTRAP - 1))])
         orig = _fit(
             [
                 (r.tensors, r.orig_extra_fb_us_per_tensor * r.tensors)
@@ -607,12 +671,19 @@ def slopes(rows: Sequence[Row]) -> dict[tuple[str, str, str], dict[str, float | 
                 if r.orig_extra_fb_us_per_tensor is not None
             ]
         )
-        found[key] = {"flatview": fv, "orig_params": orig}
+        found[key] = {"flatview": fv, "interval": interval, "orig_params": orig}
     return found
 
 
 def _f(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _fi(value: float | None, interval: tuple[float, float] | None, spec: str) -> str:
+    """``value`` with its 95% interval in brackets, where it has one."""
+    if value is None or interval is None:
+        return _f(value, spec)
+    return f"{value:{spec}} [{interval[0]:{spec}}, {interval[1]:{spec}}]"
 
 
 def _table(rows: Sequence[Row]) -> list[str]:
@@ -626,9 +697,11 @@ def _table(rows: Sequence[Row]) -> list[str]:
     for r in rows:
         lines.append(
             f"| {r.backend} | {r.shape} | {r.tensors} | {r.mode} | {r.bare_fb_ms:.1f} | "
-            f"{r.fv_fb_ms:.1f} | {r.extra_fb_us_per_tensor:.2f} | {r.bare_opt_ms:.2f} | "
-            f"{r.fv_opt_ms:.2f} | {r.extra_opt_us_per_tensor:.2f} | {r.step_ratio:.3f} | "
-            f"{_f(r.coalesced_opt_ms, '.2f')} | {_f(r.coalesced_step_ratio, '.3f')} | "
+            f"{r.fv_fb_ms:.1f} | {_fi(r.extra_fb_us_per_tensor, r.extra_fb_interval, '.2f')} | "
+            f"{r.bare_opt_ms:.2f} | {r.fv_opt_ms:.2f} | {r.extra_opt_us_per_tensor:.2f} | "
+            f"{_fi(r.step_ratio, r.step_ratio_interval, '.3f')} | "
+            f"{_f(r.coalesced_opt_ms, '.2f')} | "
+            f"{_fi(r.coalesced_step_ratio, r.coalesced_step_ratio_interval, '.3f')} | "
             f"{_f(r.orig_extra_fb_us_per_tensor, '.2f')} |"
         )
     return lines
@@ -657,7 +730,8 @@ def markdown(
         "steps (fb + opt), flatview / bare; Coalesced: the same flatview, its views stepped "
         "by flatview.optim.Coalesced over the same SGD (a model of its own, interleaved "
         "alike); orig_params: torch FSDP1 use_orig_params=True over bare "
-        "use_orig_params=False.",
+        "use_orig_params=False. In brackets: 95% bootstrap intervals over the timed steps "
+        f"({BOOTSTRAP} resamples; pairs of steps kept together).",
     ]
     for clock, title in (
         ("cpu", "rank 0's CPU time (the host work a step costs)"),
@@ -675,7 +749,7 @@ def markdown(
         for (c, backend, mode), fit in slopes(rows).items():
             if c == clock:
                 lines.append(
-                    f"| {backend} | {mode} | {_f(fit['flatview'], '.2f')} | "
+                    f"| {backend} | {mode} | {_fi(fit['flatview'], fit['interval'], '.2f')} | "
                     f"{_f(fit['orig_params'], '.2f')} |"
                 )
     lines += [
@@ -867,7 +941,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             results.append(result)
             brief = "  ".join(
-                f"{r.mode}: fb +{r.extra_fb_us_per_tensor:.2f} µs/t, step x{r.step_ratio:.3f}"
+                f"{r.mode}: fb +{_fi(r.extra_fb_us_per_tensor, r.extra_fb_interval, '.2f')} "
+                f"µs/t, step x{_fi(r.step_ratio, r.step_ratio_interval, '.3f')}"
                 + (
                     f" (Coalesced x{r.coalesced_step_ratio:.3f})"
                     if r.coalesced_step_ratio is not None
