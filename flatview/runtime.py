@@ -377,9 +377,10 @@ class Runtime:
         self.check_backward_binding()
         return record.plan(self._used_so_far(record.index))
 
-    def gather_plan(self, flat: nn.Parameter) -> MaskPlan | None:
+    def gather_plan(self, flat: nn.Parameter, min_saved: int) -> MaskPlan | None:
         """The mask for all-gathering ``flat`` in this iteration, or ``None`` to gather it
-        whole (nothing skipped in it, or too little for masking to pay)."""
+        whole (nothing skipped in it, or too little for masking to pay: see
+        :func:`~flatview.comm.gather.masking_pays` for ``min_saved``)."""
         found = self._skipping(flat)
         if found is None or self._agreement.deferred:
             return None  # unchecked yet (no_sync()): whole, as the wrapper, on every rank
@@ -387,7 +388,7 @@ class Runtime:
         if iteration.binding.read_all[record.index]:
             return None
         plan = record.plan(iteration.read[record.index])
-        return plan if masking_pays(plan) else None
+        return plan if masking_pays(plan, min_saved) else None
 
     def gather_masked(
         self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan, unit: int

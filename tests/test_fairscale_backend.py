@@ -50,6 +50,27 @@ def test_partly_skipped_unit_gathers_only_used_segments(dist_pool: PoolFactory) 
     assert mostly["bytes"]["all_gather"] < whole["bytes"]["all_gather"]
 
 
+def test_small_units_are_gathered_whole_by_default(dist_pool: PoolFactory) -> None:
+    """By default a masked gather must leave out MASK_GATHER_MIN_SAVED elements: this
+    model's unit is far smaller, so with most of it skipped it is still gathered whole
+    (packing would cost more than the bytes save); the suite's scenarios lower the floor
+    to 0, and the test above masks."""
+    import flatview
+    from flatview.comm.options import MASK_GATHER_MIN_SAVED
+
+    named = list(make_net(SC).named_parameters())
+    total = sum(p.numel() for _, p in named)
+    assert total < MASK_GATHER_MIN_SAVED
+    padded = -(-total // 2) * 2
+    pool = dist_pool(2)
+    default = flatview.ReduceOptions()
+    mostly = pool.run(w.count_step, SC, (0, 2, 3), "auto", reduce_options=default, timeout=TIMEOUT)
+    assert mostly[0]["bytes"]["all_gather"] == padded * 4
+    floor = flatview.ReduceOptions(mask_gather_min_saved=total // 4)
+    masked = pool.run(w.count_step, SC, (0, 2, 3), "auto", reduce_options=floor, timeout=TIMEOUT)
+    assert masked[0]["bytes"]["all_gather"] < padded * 4
+
+
 @pytest.mark.parametrize(
     "options",
     [{"reshard_after_forward": False}, {"mixed_precision": True}],

@@ -208,6 +208,7 @@ def test_backward_prefetch_never_gathers_skipped_units(
         ("version", "torch 1[.]0[.]x; found torch .*FLATVIEW_ALLOW_UNTESTED_TORCH=1"),
         ("comm_hook", "already has a communication hook"),
         ("overlap_reduction", "overlap_reduction=False applies to DistributedDataParallel"),
+        ("mask_gather_min_saved", r"mask_gather_min_saved=0\) applies to fairscale models only"),
         ("hybrid_shard_of_one", "hybrid sharding with a shard group of one rank"),
         (
             "views_sharded",

@@ -241,6 +241,9 @@ def wrap_error_task(scenario: Scenario, case: str) -> str:
             os.environ.pop(torch_versions.UNTESTED_TORCH_ENV, None)
     elif case == "overlap_reduction":
         target, kwargs = wrap_fsdp(scenario, net), {"overlap_reduction": False}
+    elif case == "mask_gather_min_saved":
+        target = wrap_fsdp(scenario, net)
+        kwargs = {"reduce_options": flatview.ReduceOptions(mask_gather_min_saved=0)}
     elif case in ("views_sharded", "views_mixed_precision"):
         if case == "views_mixed_precision":
             options = {"mixed_precision": ("bfloat16", "float32")}

@@ -393,9 +393,12 @@ def plain_and_flatview(scenario: Scenario) -> tuple[dict[str, np.ndarray], ...] 
 # ------------------------------------------------------------------- skips
 
 
-def count_step(scenario: Scenario, skip: Sequence[int | str], strategy: str) -> dict[str, Any]:
+def count_step(
+    scenario: Scenario, skip: Sequence[int | str], strategy: str, **wrap_kwargs: Any
+) -> dict[str, Any]:
     """Collective bytes of one training step, counted at the calls, and fv.stats."""
-    with wrapped(scenario, reduce_strategy=strategy, check_skip_agreement=False) as (model, fv):
+    kwargs = {"reduce_strategy": strategy, "check_skip_agreement": False, **wrap_kwargs}
+    with wrapped(scenario, **kwargs) as (model, fv):
         train_step(model, fv, scenario, 0, ())  # warm up lazy init
         torch.optim.SGD(fv.parameters(), lr=0.0).zero_grad(set_to_none=True)
         with CollectiveCounter() as counter:

@@ -173,7 +173,7 @@ class Runtime(Protocol):
 
     def reduction_plan(self, flat: nn.Parameter) -> MaskPlan | None: ...
 
-    def gather_plan(self, flat: nn.Parameter) -> MaskPlan | None: ...
+    def gather_plan(self, flat: nn.Parameter, min_saved: int) -> MaskPlan | None: ...
 
     def gather_masked(
         self, rows: Sequence[torch.Tensor], local_shard: torch.Tensor, plan: MaskPlan, unit: int
@@ -244,6 +244,11 @@ class Adapter(Protocol):
     """The adapter reduces a replicating wrapper's gradients itself, so
     ``ReduceOptions.overlap`` applies (others reduce in the wrapper's own hooks and refuse
     it: :func:`flatview.backends.registry.detect`)."""
+
+    masks_gathers: bool = False
+    """The adapter has flatview all-gather partly skipped flat parameters masked, so
+    ``ReduceOptions.mask_gather_min_saved`` applies (others refuse anything but its
+    default: :func:`flatview.backends.registry.detect`)."""
 
     flattens: bool = False
     """The wrapper keeps the parameters in flat parameters, which flatview shows views of

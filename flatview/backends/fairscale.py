@@ -78,6 +78,7 @@ class FairscaleAdapter(Adapter):
     backend = "fairscale"
     clean_name = staticmethod(clean_name)
     flattens = True
+    masks_gathers = True
 
     def __init__(self, model: FairscaleModel, options: ReduceOptions) -> None:
         self.model = model
@@ -270,7 +271,7 @@ class FairscaleAdapter(Adapter):
             plans = {}
             if not force_full_precision:
                 for flat in unit._fsdp_wrapped_module.flat_params:
-                    plan = self.runtime.gather_plan(flat)
+                    plan = self.runtime.gather_plan(flat, self.options.mask_gather_min_saved)
                     if plan is not None:
                         plans[id(flat)] = (flat, plan)
             # fairscale reuses full parameters it still holds (no reshard after forward,

@@ -29,7 +29,7 @@ from flatview.backends.fsdp2 import FSDP2Adapter
 from flatview.backends.torch_fsdp import TorchFSDPAdapter
 from flatview.backends.torch_replicated import TorchReplicatedAdapter, ineligibility
 from flatview.backends.torch_versions import is_fsdp2, is_torch_fsdp, tested_torch
-from flatview.comm.options import ReduceOptions
+from flatview.comm.options import MASK_GATHER_MIN_SAVED, ReduceOptions
 from flatview.errors import WrapError
 
 
@@ -153,5 +153,12 @@ def detect(
             f"overlap_reduction={overlap!r} applies to DistributedDataParallel "
             "models and torch FSDP1 models computed on views only; this "
             f"{type(model).__name__} reduces gradients in its own hooks (leave it None)"
+        )
+    min_saved = options.mask_gather_min_saved
+    if min_saved != MASK_GATHER_MIN_SAVED and not adapter.masks_gathers:
+        raise WrapError(
+            f"ReduceOptions(mask_gather_min_saved={min_saved!r}) applies to fairscale "
+            f"models only, whose all-gathers flatview masks; this {type(model).__name__}'s "
+            "gathers are the wrapper's own (leave it at its default)"
         )
     return adapter

@@ -1,7 +1,9 @@
-"""Tuning options of flatview's gradient reduction, fixed when a model is wrapped.
+"""Tuning options of flatview's gradient reduction (and of the one gather it masks),
+fixed when a model is wrapped.
 
 :class:`ReduceOptions` gathers what the reduction objects (:mod:`flatview.comm.sharded`,
-:mod:`flatview.comm.replicated`) and the adapters that hold them may be told:
+:mod:`flatview.comm.replicated`), the masked all-gather (:mod:`flatview.comm.gather`)
+and the adapters that hold them may be told:
 ``flatview.wrap(model, reduce_options=ReduceOptions(...))`` passes it on, through
 :func:`flatview.backends.detect`, to the adapter's constructor. The defaults are what
 the measurements quoted below chose; tests and benchmarks change them to force one path.
@@ -34,6 +36,18 @@ collective each (:attr:`ReduceOptions.in_place_min_numel`). Measured with torch 
 ``NO_SHARD`` per block on 2 CPU cores over gloo (``benchmarks/README.md``): with 1 MiB
 gradients neither way won (within 10%, either way by load), with 4 MiB the unpacked way
 took 0.69-0.78x the time, with 16 MiB 0.53-0.68x."""
+
+MASK_GATHER_MIN_SAVED = 2**18
+"""Default fewest elements (1 MiB in float32) a masked all-gather of a partly skipped flat
+parameter must leave out to be chosen over gathering it whole
+(:attr:`ReduceOptions.mask_gather_min_saved`): packing and unpacking cost a few
+operations per gather whatever its size, which a small flat parameter does not repay.
+Measured on fairscale, 2 CPU processes over gloo, half of each unit's layers skipped,
+masked and whole gathers side by side in the same processes: units of 18 Ki elements
+(16 Ki saved per gather) took 0.33 ms more per masked gather, units of 264 Ki (132 Ki
+saved) within the noise either way, units of 1 Mi (525 Ki saved) 0.1 ms less; 12 MiB
+half skipped took 0.6-0.75x (``benchmarks/micro_allgather.py``). On an accelerator a
+small gather is bound by its latency, not its bytes, alike."""
 
 KEEP_BUFFER_BYTES = 2**25
 """Largest bucket buffer (bytes) kept from one reduction to the next
@@ -73,6 +87,11 @@ class ReduceOptions:
             size.
         keep_buffer_bytes: the largest bucket buffer kept from one reduction to the
             next (see :data:`KEEP_BUFFER_BYTES`); 0 keeps none.
+        mask_gather_min_saved: fairscale only (the one wrapper whose all-gathers flatview
+            masks): the fewest elements a masked all-gather of a partly skipped flat
+            parameter must leave out to be chosen (see :data:`MASK_GATHER_MIN_SAVED`);
+            0 masks wherever it moves at most 60% of the bytes. Others refuse anything
+            but the default.
         bucket_all_used: sharded wrappers only: whether small gradients all used (nothing
             of theirs skipped) share buckets across units (``True``: fewer collectives),
             or each is reduce-scattered on its own, in the wrapper's own layout
@@ -94,6 +113,7 @@ class ReduceOptions:
     in_place_min_numel: int
     keep_buffer_bytes: int
     bucket_all_used: bool | None
+    mask_gather_min_saved: int
 
     def __init__(
         self,
@@ -103,6 +123,7 @@ class ReduceOptions:
         in_place_min_numel: int = IN_PLACE_MIN_NUMEL,
         keep_buffer_bytes: int = KEEP_BUFFER_BYTES,
         bucket_all_used: bool | None = None,
+        mask_gather_min_saved: int = MASK_GATHER_MIN_SAVED,
         *,
         bucket_whole: bool | None = None,
     ) -> None:
@@ -121,14 +142,16 @@ class ReduceOptions:
         object.__setattr__(self, "in_place_min_numel", in_place_min_numel)
         object.__setattr__(self, "keep_buffer_bytes", keep_buffer_bytes)
         object.__setattr__(self, "bucket_all_used", bucket_all_used)
+        object.__setattr__(self, "mask_gather_min_saved", mask_gather_min_saved)
         if self.in_place_tolerance is not None and self.in_place_tolerance < 0:
             raise ValueError(
                 f"in_place_tolerance must be >= 0 or None, got {self.in_place_tolerance}"
             )
-        if self.in_place_min_numel < 0 or self.keep_buffer_bytes < 0:
+        if min(self.in_place_min_numel, self.keep_buffer_bytes, self.mask_gather_min_saved) < 0:
             raise ValueError(
-                f"in_place_min_numel and keep_buffer_bytes must be >= 0, got "
-                f"{self.in_place_min_numel} and {self.keep_buffer_bytes}"
+                f"in_place_min_numel, keep_buffer_bytes and mask_gather_min_saved must be "
+                f">= 0, got {self.in_place_min_numel}, {self.keep_buffer_bytes} and "
+                f"{self.mask_gather_min_saved}"
             )
 
     @property
