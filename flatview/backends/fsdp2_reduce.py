@@ -376,7 +376,7 @@ class Contributions:
         used = runtime.plain_used()
         reducing = bool(group.reduce_grads)
         gave = self.gave
-        versions = self._versions
+        fresh_of = self.fresh
         planning = planner is not None and id(group) in self._whole
         # Once per parameter every backward, the largest per-tensor cost of flatview on
         # FSDP2: each attribute is read once, into a local, and with torch functions off
@@ -387,10 +387,7 @@ class Contributions:
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 grad = None if unsharded is None else unsharded.grad
                 if sharded.requires_grad:
-                    # fresh(): inlined, as everything in this loop is per parameter.
-                    fresh = grad is not None and (
-                        not versions or versions.get(param_index) != (id(grad), grad._version)
-                    )
+                    fresh = fresh_of(grad, param_index)
                     if param_index not in used:
                         if fresh:
                             raise skipped_used(runtime.name(param_index))
