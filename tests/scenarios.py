@@ -397,6 +397,11 @@ class Scenario:
     ``no_grad`` inside a step: neither may change what training computes."""
     frozen: tuple[str, ...] = ()
     """Name prefixes of parameters frozen (``requires_grad_(False)``) before training."""
+    mask_gather_min_saved: int = 0
+    """fairscale: ``ReduceOptions.mask_gather_min_saved``. The suite's models are tiny:
+    with the library's default (``MASK_GATHER_MIN_SAVED``) every partly skipped unit
+    would be gathered whole and the masked gather go untested, so 0 unless a test asks
+    for the default."""
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     """Wrapper options, passed to the FSDP constructor; for torch by name (see
     :func:`_torch_kwargs`), plus ``auto_wrap`` (nest blocks with a wrap policy)."""
@@ -415,9 +420,7 @@ class Scenario:
         if "bucket_all_used" in self.options:
             reduce["bucket_all_used"] = self.options["bucket_all_used"]
         if self.backend == "fairscale":
-            # The suite's models are tiny: by default (MASK_GATHER_MIN_SAVED) every partly
-            # skipped unit would be gathered whole, and the masked gather go untested.
-            reduce["mask_gather_min_saved"] = 0
+            reduce["mask_gather_min_saved"] = self.mask_gather_min_saved
         if reduce:
             import flatview
 

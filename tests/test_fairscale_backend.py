@@ -71,6 +71,17 @@ def test_small_units_are_gathered_whole_by_default(dist_pool: PoolFactory) -> No
     assert masked[0]["bytes"]["all_gather"] < padded * 4
 
 
+def test_partly_skipped_units_gathered_whole_train_exactly(dist_pool: PoolFactory) -> None:
+    """With the library's floor, the partly skipped unit is gathered whole while parts of
+    it are skipped (the test above): training still matches the unwrapped model."""
+    from flatview.comm.options import MASK_GATHER_MIN_SAVED
+
+    scenario = FAIRSCALE.scenario(
+        SC, skips=((0, 2, 3), (1,), (), (0, 2)), mask_gather_min_saved=MASK_GATHER_MIN_SAVED
+    )
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
 @pytest.mark.parametrize(
     "options",
     [{"reshard_after_forward": False}, {"mixed_precision": True}],
