@@ -44,10 +44,10 @@ parameter must leave out to be chosen over gathering it whole
 operations per gather whatever its size, which a small flat parameter does not repay.
 Measured on fairscale, 2 CPU processes over gloo, half of each unit's layers skipped,
 masked and whole gathers side by side in the same processes: units of 18 Ki elements
-(16 Ki saved per gather) took 0.33 ms more per masked gather, units of 264 Ki (132 Ki
-saved) within the noise either way, units of 1 Mi (525 Ki saved) 0.1 ms less; 12 MiB
-half skipped took 0.6-0.75x (``benchmarks/micro_allgather.py``). On an accelerator a
-small gather is bound by its latency, not its bytes, alike."""
+(about 9 Ki saved per gather) took 0.3-0.5 ms more per masked gather, units of 264 Ki
+(132 Ki saved) within the noise either way, units of 1 Mi (525 Ki saved) 0.1 ms less;
+12 MiB half skipped took 0.6-0.75x (``benchmarks/micro_allgather.py``). Not measured on
+an accelerator, where a small gather is bound by its latency more than by its bytes."""
 
 KEEP_BUFFER_BYTES = 2**25
 """Largest bucket buffer (bytes) kept from one reduction to the next
