@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
 from typing import Any
 
@@ -387,20 +387,32 @@ class Coalesced(torch.optim.Optimizer):
                 plan.joinable(bool(group.get("fused"))),
                 map(operator.eq, shift, shift[1:]),
             )
+            # Only views that can join (a contiguous gradient) are walked: with half of
+            # them skipped, a walk over every view would cost Python per skipped one.
+            keep: Sequence[int] = range(len(order))
             if present is not None or not all(map(_CONTIGUOUS, filled)):
                 ok = list(map(operator.and_, present or repeat(True), map(_CONTIGUOUS, filled)))
                 joined = map(operator.and_, map(operator.and_, joined, ok), ok[1:])
-            breaks = list(compress(range(1, len(order)), map(operator.not_, joined)))
+                # A gradient that is there but not contiguous: that view steps alone.
+                for i in compress(range(len(order)), map(operator.gt, present or repeat(True), ok)):
+                    self._own_step(plan, i)
+                    alone.append(order[i])
+                keep = list(compress(range(len(order)), ok))
+            # Links between kept neighbours: a view between them is not kept, and the
+            # link from a view to a skipped neighbour is already False.
+            links = list(joined)
+            kept_links = map(links.__getitem__, keep[:-1])
+            breaks = list(compress(range(1, len(keep)), map(operator.not_, kept_links)))
             # A run costs about what two tensors cost the fused kernels (~10 µs): under
             # fused, two views are stepped as they are.
             shortest = 3 if group.get("fused") else 2
-            for a, b in zip([0, *breaks], [*breaks, len(order)], strict=True):
-                if b - a < shortest:
-                    for i in range(a, b):
-                        if present is None or present[i]:
-                            self._own_step(plan, i)
-                            alone.append(order[i])
+            for ka, kb in zip([0, *breaks], [*breaks, len(keep)], strict=True):
+                if kb - ka < shortest:
+                    for i in keep[ka:kb]:
+                        self._own_step(plan, i)
+                        alone.append(order[i])
                     continue
+                a, b = keep[ka], keep[kb - 1] + 1
                 for sa, sb, step in self._step_runs(plan, a, b, shortest):
                     if sb - sa < shortest or not covers(grads[sa], plan.numels[sa:sb]):
                         for i in range(sa, sb):
