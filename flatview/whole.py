@@ -26,9 +26,11 @@ unmodified torch optimizer on whole matrices over the shards:
   travel. Without it (the default on CPUs, where measured it gained nothing: gloo's
   threads and the owners' steps share the same cores) one exchange goes each way
   around the whole step.
-* Owners step same-shape matrices together: with ``torch.optim.Muon`` through
-  :func:`flatview.whole_stacked.stacked_muon_step` (one batched Newton-Schulz per shape,
-  torch's arithmetic; ``stacked=False`` runs ``Muon.step`` itself).
+* Owners step with the inner optimizer's own ``step()``, so each matrix gets torch's
+  arithmetic bit for bit. ``stacked=True`` (``torch.optim.Muon`` only) orthogonalises
+  same-shape matrices together instead
+  (:func:`flatview.whole_stacked.stacked_muon_step`): fewer, larger products, which round
+  otherwise than torch's, within bfloat16's rounding.
 * A tiny all-reduce first tells every rank which parameters with travelling matrices have a
   gradient anywhere (skipped and frozen ones have none: no communication, the inner
   optimizer leaves them alone, as torch's would) and whether any holder's piece changed
@@ -107,8 +109,10 @@ class Whole(torch.optim.Optimizer):
         overlap: pipeline the exchanges with the owners' steps (see the module
             docstring); by default on accelerators, not on CPUs.
         stacked: orthogonalise same-shape matrices together
-            (:mod:`flatview.whole_stacked`); by default for ``torch.optim.Muon``
-            itself, which is the only optimizer it applies to.
+            (:mod:`flatview.whole_stacked`; ``torch.optim.Muon`` only). Off by default:
+            its batched products are not torch's single ones and round otherwise
+            (within bfloat16's rounding, up to about ``lr / 30`` per element and step),
+            while the default steps ``Muon.step()`` itself, bit for bit.
         **optimizer_kwargs: the inner optimizer's arguments.
 
     Raises:
@@ -145,7 +149,7 @@ class Whole(torch.optim.Optimizer):
         self.fv = fv
         self.optimizer_cls = optimizer_cls
         self.overlap = fv.adapter.device.type != "cpu" if overlap is None else overlap
-        self.stacked = optimizer_cls is torch.optim.Muon if stacked is None else stacked
+        self.stacked = bool(stacked)
         self.ledger = Ledger()
         """Bytes and calls of the last :meth:`step`'s collectives."""
         adapter = fv.adapter

@@ -17,11 +17,13 @@ arithmetic as torch's ``_single_tensor_muon``, in the same order per matrix:
 3. ``param.mul_(1 - lr * weight_decay)``, then ``param.add_(update, alpha=-lr')`` with
    torch's learning-rate adjustment for the matrix's shape.
 
-Every step but the matrix products runs per matrix as torch's does; the batched products
-compute each matrix's products on their own, so on the CPUs this was tested on the result
-is torch's bit for bit (``tests/test_whole_stacked.py`` checks it against
-``torch.optim.Muon``). On an accelerator a batched kernel may round otherwise than a
-single one, within bfloat16's rounding, which torch's own kernels do not promise either.
+Every step but the matrix products runs per matrix as torch's does. The products are
+not torch's: ``torch.addmm`` on a CPU scales and adds its bfloat16 product in one
+rounding, ``torch.baddbmm`` does not, so now and then an element of an iteration's result
+is one bfloat16 rounding away from torch's, and the iteration carries that on (up to
+about ``lr / 30`` per element and step; found by ``tests/test_whole_stacked.py``, which
+bounds it). Hence opt-in (``Whole(stacked=True)``): :class:`flatview.optim.Whole` steps
+``Muon.step()`` itself by default.
 """
 
 from __future__ import annotations
@@ -43,10 +45,16 @@ def newton_schulz(
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
     a, b, c = coefficients
     x = updates.bfloat16()
+    if x is updates:
+        x = x.clone()  # divided in place below: never the caller's tensor
     tall = updates.size(-2) > updates.size(-1)
     if tall:
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    # Each matrix divided in place by its own 0-dim norm, as torch divides: a batched
+    # division by a (k, 1, 1) norm rounds some elements otherwise (torch's kernel takes a
+    # 0-dim divisor as a scalar).
+    for matrix in x:
+        matrix.div_(matrix.norm().clamp(min=eps))
     for _ in range(steps):
         gram = x @ x.mT
         gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)

@@ -1,21 +1,31 @@
-"""``flatview.whole_stacked``: Muon with same-shape matrices orthogonalised together is
-``torch.optim.Muon``, bit for bit on this CPU (one thread, as CI runs), over several
-steps, shapes (wide, tall, square, odd), Nesterov on and off, weight decay, both
-learning-rate adjustments and a tensor learning rate."""
+"""``flatview.whole_stacked``: Muon with same-shape matrices orthogonalised together
+stays within bfloat16's rounding of ``torch.optim.Muon`` (one thread, as CI runs) over
+several steps, shapes (wide, tall, square, odd), Nesterov on and off, weight decay, both
+learning-rate adjustments and a tensor learning rate; its momentum buffers are torch's
+bit for bit. Not bit for bit in the parameters: ``torch.addmm`` rounds its scaled
+product once, ``torch.baddbmm`` twice (hence ``Whole(stacked=True)`` is opt-in)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from flatview.whole_stacked import newton_schulz, stacked_muon_step
+from flatview.whole_stacked import adjusted_lr, newton_schulz, stacked_muon_step
 
 
 def _matrices(shapes: list[tuple[int, int]], seed: int) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+STACKED_TOLERANCE = 1 / 30
+"""Per step, how far (relative to the matrix's learning rate) an element of a stacked
+step may land from torch's: an element of one iteration one bfloat16 rounding away,
+carried through the rest (see ``tests/test_whole.py``'s ``BFLOAT16_TOLERANCE``). A
+wrong update (another matrix's, not orthogonalised, a missed step) moves elements by
+about the learning rate."""
 
 
 @settings(deadline=None)
@@ -31,7 +41,12 @@ def _matrices(shapes: list[tuple[int, int]], seed: int) -> list[torch.nn.Paramet
     tensor_lr=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_stacked_step_is_torchs_muon(
+# Found by the thorough profile: one element of the third iteration's addmm rounds
+# otherwise in baddbmm, and the parameter ends 6e-4 (lr / 33) away from torch's.
+@example(
+    shapes=[(12, 5)], nesterov=False, weight_decay=0.0, adjust=None, tensor_lr=False, seed=0
+)
+def test_stacked_step_is_torchs_muon_within_bfloat16(
     shapes: list[tuple[int, int]],
     nesterov: bool,
     weight_decay: float,
@@ -52,7 +67,8 @@ def test_stacked_step_is_torchs_muon(
     mine = torch.optim.Muon(ours, **kwargs)  # type: ignore[arg-type]
     reference = torch.optim.Muon(theirs, **kwargs)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(seed + 1)
-    for step in range(3):
+    steps = 3
+    for step in range(steps):
         for a, b in zip(ours, theirs, strict=True):
             grad = torch.randn(a.shape, generator=g)
             # Now and then a matrix without a gradient: neither steps it.
@@ -62,7 +78,9 @@ def test_stacked_step_is_torchs_muon(
         stacked_muon_step(mine, {id(p) for p in ours})
         reference.step()
     for a, b in zip(ours, theirs, strict=True):
-        assert torch.equal(a, b)
+        rate = float(adjusted_lr(0.02, adjust, a.shape))
+        worst = float((a - b).detach().abs().max())
+        assert worst <= steps * rate * STACKED_TOLERANCE, (tuple(a.shape), worst, rate)
         assert torch.equal(mine.state[a]["momentum_buffer"], reference.state[b]["momentum_buffer"])
 
 
