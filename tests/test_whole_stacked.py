@@ -43,9 +43,7 @@ about the learning rate."""
 )
 # Found by the thorough profile: one element of the third iteration's addmm rounds
 # otherwise in baddbmm, and the parameter ends 6e-4 (lr / 33) away from torch's.
-@example(
-    shapes=[(12, 5)], nesterov=False, weight_decay=0.0, adjust=None, tensor_lr=False, seed=0
-)
+@example(shapes=[(12, 5)], nesterov=False, weight_decay=0.0, adjust=None, tensor_lr=False, seed=0)
 def test_stacked_step_is_torchs_muon_within_bfloat16(
     shapes: list[tuple[int, int]],
     nesterov: bool,
