@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from itertools import compress, repeat
 from typing import Any
 
@@ -39,7 +39,15 @@ import torch
 from torch import Tensor
 
 from flatview.coalesced_check import unhooked_step, unlink_inexact
-from flatview.coalesced_plan import SOLO, RunPlan, covers, plan_groups, plans_hold
+from flatview.coalesced_plan import (
+    SOLO,
+    RunPlan,
+    covers,
+    plan_groups,
+    plans_hold,
+    shortest_run,
+    step_spans,
+)
 
 __all__ = ["Coalesced"]
 
@@ -58,11 +66,8 @@ SCALARS: dict[type, tuple[str, ...]] = {
 
 _GRAD = operator.attrgetter("grad")
 _PTR = Tensor.data_ptr
-_CONTIGUOUS = Tensor.is_contiguous
 _EMPTY: dict[str, Any] = {}
 """The state of a view that has none (never written)."""
-_NO_GRAD = torch.empty(0)
-"""Stands in for a missing gradient in the pointer arithmetic (which it never joins)."""
 
 
 class Coalesced(torch.optim.Optimizer):
@@ -372,47 +377,13 @@ class Coalesced(torch.optim.Optimizer):
                 plan.moved(ptrs)
             self._check_state(plan)
             grads = list(map(_GRAD, order))
-            # Neighbours join where the layout links them with the same kind of state
-            # (``plan.joinable``), both have a contiguous gradient, at the same distance
-            # from the view (the gradients lie end to end too).
-            if all(map(operator.is_not, grads, repeat(None))):
-                present: list[bool] | None = None
-                filled = grads
-            else:
-                present = list(map(operator.is_not, grads, repeat(None)))
-                filled = [_NO_GRAD if g is None else g for g in grads]
-            shift = list(map(operator.sub, map(_PTR, filled), ptrs))
-            joined = map(
-                operator.and_,
-                plan.joinable(bool(group.get("fused"))),
-                map(operator.eq, shift, shift[1:]),
-            )
-            # Only views that can join (a contiguous gradient) are walked: with half of
-            # them skipped, a walk over every view would cost Python per skipped one.
-            keep: Sequence[int] = range(len(order))
-            if present is not None or not all(map(_CONTIGUOUS, filled)):
-                ok = list(map(operator.and_, present or repeat(True), map(_CONTIGUOUS, filled)))
-                joined = map(operator.and_, map(operator.and_, joined, ok), ok[1:])
-                # A gradient that is there but not contiguous: that view steps alone.
-                for i in compress(range(len(order)), map(operator.gt, present or repeat(True), ok)):
-                    self._own_step(plan, i)
-                    alone.append(order[i])
-                keep = list(compress(range(len(order)), ok))
-            # Links between kept neighbours: a view between them is not kept, and the
-            # link from a view to a skipped neighbour is already False.
-            links = list(joined)
-            kept_links = map(links.__getitem__, keep[:-1])
-            breaks = list(compress(range(1, len(keep)), map(operator.not_, kept_links)))
-            # A run costs about what two tensors cost the fused kernels (~10 µs): under
-            # fused, two views are stepped as they are.
-            shortest = 3 if group.get("fused") else 2
-            for ka, kb in zip([0, *breaks], [*breaks, len(keep)], strict=True):
-                if kb - ka < shortest:
-                    for i in keep[ka:kb]:
-                        self._own_step(plan, i)
-                        alone.append(order[i])
-                    continue
-                a, b = keep[ka], keep[kb - 1] + 1
+            fused = bool(group.get("fused"))
+            shortest = shortest_run(fused)
+            spans, singles = step_spans(plan, grads, ptrs, fused)
+            for i in singles:
+                self._own_step(plan, i)
+                alone.append(order[i])
+            for a, b in spans:
                 for sa, sb, step in self._step_runs(plan, a, b, shortest):
                     if sb - sa < shortest or not covers(grads[sa], plan.numels[sa:sb]):
                         for i in range(sa, sb):

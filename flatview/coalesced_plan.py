@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -31,6 +33,8 @@ SOLO = -1
 _PTR = Tensor.data_ptr
 _NUMEL = Tensor.numel
 _CONTIGUOUS = Tensor.is_contiguous
+_NO_GRAD = torch.empty(0)
+"""Stands in for a missing gradient in the pointer arithmetic (which it never joins)."""
 
 
 def eligible(p: Tensor) -> bool:
@@ -268,3 +272,55 @@ def plan_groups(
             )
         )
     return plans
+
+
+def shortest_run(fused: bool) -> int:
+    """The fewest views worth stepping as one run: a run costs about what two tensors
+    cost the fused kernels (~10 µs), so under ``fused`` two views are stepped as they
+    are."""
+    return 3 if fused else 2
+
+
+def step_spans(
+    plan: RunPlan, grads: list[Tensor | None], ptrs: tuple[int, ...], fused: bool
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """This step's spans of views ``a:b`` that may step as runs (at least
+    :func:`shortest_run` long), and the views with a gradient that step alone.
+
+    Neighbours join where the layout links them with the same kind of state
+    (``plan.joinable``) and both have a contiguous gradient at the same distance from
+    the view (the gradients lie end to end too). Only the views that can join are
+    walked: with half of them skipped, a walk over every view would cost Python per
+    skipped one. A span may still be cut where step counts differ
+    (:class:`~flatview.coalesced.Coalesced`)."""
+    n = len(grads)
+    if all(map(operator.is_not, grads, repeat(None))):
+        present: list[bool] | None = None
+        filled: Sequence[Tensor] = grads  # type: ignore[assignment]
+    else:
+        present = list(map(operator.is_not, grads, repeat(None)))
+        filled = [_NO_GRAD if g is None else g for g in grads]
+    shift = list(map(operator.sub, map(_PTR, filled), ptrs))
+    joined = map(operator.and_, plan.joinable(fused), map(operator.eq, shift, shift[1:]))
+    keep: Sequence[int] = range(n)
+    singles: list[int] = []
+    if present is not None or not all(map(_CONTIGUOUS, filled)):
+        ok = list(map(operator.and_, present or repeat(True), map(_CONTIGUOUS, filled)))
+        joined = map(operator.and_, map(operator.and_, joined, ok), ok[1:])
+        # A gradient that is there but not contiguous: that view steps alone.
+        singles = list(compress(range(n), map(operator.gt, present or repeat(True), ok)))
+        keep = list(compress(range(n), ok))
+    # Links between kept neighbours: a view between them is not kept, and the link from
+    # a view to a skipped neighbour is already False.
+    links = list(joined)
+    breaks = list(
+        compress(range(1, len(keep)), map(operator.not_, map(links.__getitem__, keep[:-1])))
+    )
+    shortest = shortest_run(fused)
+    spans = []
+    for ka, kb in zip([0, *breaks], [*breaks, len(keep)], strict=True):
+        if kb - ka < shortest:
+            singles.extend(keep[ka:kb])
+        else:
+            spans.append((keep[ka], keep[kb - 1] + 1))
+    return spans, singles
