@@ -312,8 +312,20 @@ class Block(nn.Module):
         self.down = nn.Linear(inner, width, bias=False)
         self.gain = nn.Parameter(torch.ones(1))
         self.gate = nn.Linear(width, width) if gate else None
+        self.recompute: bool | None = None
+        """Activation checkpointing inside the block (reentrant or not); None: off."""
 
     def forward(self, x: torch.Tensor, gated: bool = True) -> torch.Tensor:
+        if self.recompute is not None:
+            from torch.utils.checkpoint import checkpoint
+
+            out: torch.Tensor = checkpoint(
+                self._forward, x, gated, use_reentrant=self.recompute
+            )
+            return out
+        return self._forward(x, gated)
+
+    def _forward(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
         h = self.norm(x) if self.norm is not None else x
         out = self.gain * self.down(torch.tanh(self.up(h)))
         if self.gate is not None and gated:
@@ -335,6 +347,15 @@ class Net(nn.Module):
         )
         self.aux = nn.Linear(s.width, s.width) if s.aux else None
         self.head = nn.Linear(s.width, s.classes)
+        place, _, kind = s.recompute.partition("-")
+        self._recompute: bool | None = None
+        if kind == "fairscale":
+            pass  # fairscale's checkpoint_wrapper, put on by wrap_fsdp
+        elif place == "inside":
+            for block in self.body:
+                block.recompute = kind == "reentrant"
+        elif place == "around":
+            self._recompute = kind == "reentrant"
         if s.tie:
             # A tied pair inside the root unit: an extra module sharing the head's weight.
             self.head_copy = nn.Linear(s.width, s.classes)
@@ -344,7 +365,13 @@ class Net(nn.Module):
         x = self.stem(x)
         for index, block in enumerate(self.body):
             if f"body.{index}" not in skip:
-                x = block(x, f"body.{index}.gate" not in skip)
+                gated = f"body.{index}.gate" not in skip
+                if self._recompute is None:
+                    x = block(x, gated)
+                else:
+                    from torch.utils.checkpoint import checkpoint
+
+                    x = checkpoint(block, x, gated, use_reentrant=self._recompute)
         if self.aux is not None and "aux" not in skip:
             x = x + torch.tanh(self.aux(x))
         out: torch.Tensor = self.head(x)
@@ -367,6 +394,13 @@ class Scenario:
     nested: bool = True
     """Each block its own FSDP unit; otherwise the root unit holds everything."""
     tie: bool = False
+    recompute: str = ""
+    """Activation checkpointing of every block: ``"inside-..."`` within the block's forward
+    (inside its FSDP unit when nested), ``"around-..."`` around the call of the block (the
+    unit's whole forward runs again in the backward), each ``"...-reentrant"`` or
+    ``"...-plain"`` (``use_reentrant=False``), or on fairscale ``"...-fairscale"``: its
+    ``checkpoint_wrapper`` inside or around each block's unit (the reference runs
+    without); empty: off."""
     skips: tuple[tuple[int | str, ...], ...] = ((), (1,), (0,))
     """Per micro-batch, what it leaves out: ``i`` for ``body.i``, or one of the names
     ``body.i``, ``body.i.gate`` and ``aux``."""
@@ -562,7 +596,7 @@ def scenarios(
         skips = skips[: (unwrap_after + 1) * accumulate] + ((),) * (
             micro - (unwrap_after + 1) * accumulate
         )
-    return config.scenario(
+    scenario = config.scenario(
         world_size=draw(st.sampled_from(world_sizes)) if world is None else world,
         in_dim=draw(st.integers(1, 5)),
         width=width,
@@ -584,6 +618,25 @@ def scenarios(
         frozen=frozen,
         options=options,
     )
+    # Drawn last, so that the draws before it stay what they were.
+    return replace(scenario, recompute=draw(st.sampled_from(recomputing(scenario))))
+
+
+def recomputing(scenario: Scenario) -> tuple[str, ...]:
+    """What :func:`scenarios` draws for :attr:`Scenario.recompute`, mostly nothing: what
+    the bare wrapper trains with. Bare fairscale refuses non-reentrant checkpointing
+    around a unit (the unit is still in ``FORWARD`` in the backward), and bare fairscale
+    and torch FSDP1 sharding one unit fail under reentrant checkpointing (the
+    recomputation reads freed unsharded parameters): ``tests/test_recompute.py``."""
+    modes = ["inside-plain", "around-plain", "inside-reentrant", "around-reentrant"]
+    if scenario.backend == "fairscale":
+        modes.remove("around-plain")
+    one_sharded_unit = scenario.backend == "fairscale" or (
+        scenario.backend == "torch" and scenario.strategy != "NO_SHARD"
+    )
+    if one_sharded_unit and not scenario.nested:
+        modes = [m for m in modes if not m.endswith("reentrant")]
+    return ("",) * 4 + tuple(modes)
 
 
 def batch(scenario: Scenario, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -838,9 +891,16 @@ def wrap_fsdp(scenario: Scenario, net: Net) -> nn.Module:
         from fairscale.nn.data_parallel import FullyShardedDataParallel as FairscaleFSDP
 
         opts = {"flatten_parameters": True, **scenario.options}
-        if scenario.nested:
-            for i in range(len(net.body)):
+        place, _, kind = scenario.recompute.partition("-")
+        if kind == "fairscale":
+            from fairscale.nn.checkpoint import checkpoint_wrapper
+        for i in range(len(net.body)):
+            if kind == "fairscale" and place == "inside":
+                net.body[i] = checkpoint_wrapper(net.body[i])
+            if scenario.nested:
                 net.body[i] = FairscaleFSDP(net.body[i], **opts)
+            if kind == "fairscale" and place == "around":
+                net.body[i] = checkpoint_wrapper(net.body[i])
         return FairscaleFSDP(net, **opts)
     if scenario.backend == "torch":
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
