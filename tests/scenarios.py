@@ -319,9 +319,7 @@ class Block(nn.Module):
         if self.recompute is not None:
             from torch.utils.checkpoint import checkpoint
 
-            out: torch.Tensor = checkpoint(
-                self._forward, x, gated, use_reentrant=self.recompute
-            )
+            out: torch.Tensor = checkpoint(self._forward, x, gated, use_reentrant=self.recompute)
             return out
         return self._forward(x, gated)
 
