@@ -397,8 +397,9 @@ class Scenario:
     (inside its FSDP unit when nested), ``"around-..."`` around the call of the block (the
     unit's whole forward runs again in the backward), each ``"...-reentrant"`` or
     ``"...-plain"`` (``use_reentrant=False``), or on fairscale ``"...-fairscale"``: its
-    ``checkpoint_wrapper`` inside or around each block's unit (the reference runs
-    without); empty: off."""
+    ``checkpoint_wrapper`` inside or around each block's unit; ``"inside-wrapper"``:
+    torch's ``apply_activation_checkpointing`` on the blocks after wrapping (the
+    reference runs without the wrappers); empty: off."""
     skips: tuple[tuple[int | str, ...], ...] = ((), (1,), (0,))
     """Per micro-batch, what it leaves out: ``i`` for ``body.i``, or one of the names
     ``body.i``, ``body.i.gate`` and ``aux``."""
@@ -627,6 +628,7 @@ def recomputing(scenario: Scenario) -> tuple[str, ...]:
     and torch FSDP1 sharding one unit fail under reentrant checkpointing (the
     recomputation reads freed unsharded parameters): ``tests/test_recompute.py``."""
     modes = ["inside-plain", "around-plain", "inside-reentrant", "around-reentrant"]
+    modes.append("inside-wrapper")
     if scenario.backend == "fairscale":
         modes.remove("around-plain")
     one_sharded_unit = scenario.backend == "fairscale" or (
@@ -885,6 +887,17 @@ def hybrid_groups(kind: str, shard_size: int = HYBRID_SHARD_SIZE) -> dict[str, A
 
 def wrap_fsdp(scenario: Scenario, net: Net) -> nn.Module:
     """FSDP-wrap ``net`` as the scenario says (each block its own unit when nested)."""
+    if scenario.recompute == "inside-wrapper":
+        # torch's apply_activation_checkpointing, as its FSDP tutorial applies it: after
+        # wrapping, each block inside its unit becomes CheckpointWrapper(block).
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        model = wrap_fsdp(replace(scenario, recompute=""), net)
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        assert any(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
+        return model
     if scenario.backend == "fairscale":
         from fairscale.nn.data_parallel import FullyShardedDataParallel as FairscaleFSDP
 

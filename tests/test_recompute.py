@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from tests.conftest import PoolFactory
 
 TIMEOUT = 120.0
-MODES = ["inside-plain", "inside-reentrant", "around-plain", "around-reentrant"]
+MODES = ["inside-plain", "inside-reentrant", "around-plain", "around-reentrant", "inside-wrapper"]
 IN_CI = ("around-plain", "inside-reentrant")
 """The rest run in the thorough profile (and ``test_equivalence`` draws them all)."""
 

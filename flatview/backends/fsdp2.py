@@ -82,7 +82,7 @@ from torch import nn
 
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter, PlainSpec, UnitSpec, end_root_forward
-from flatview.backends.fsdp2_checks import FSDP2Model, shard_layout
+from flatview.backends.fsdp2_checks import FSDP2Model, clean_name, shard_layout
 from flatview.backends.fsdp2_prefetch import PrefetchSteering
 from flatview.backends.fsdp2_reduce import (
     Contributions,
@@ -157,9 +157,7 @@ class FSDP2Adapter(Adapter):
         self._flags: UsageFlags | None = None
         self._patches = Patches()
 
-    @staticmethod
-    def clean_name(name: str) -> str:
-        return name
+    clean_name = staticmethod(clean_name)
 
     # --------------------------------------------------------------- describe
 

@@ -29,6 +29,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from flatview.backends.base import UnitGroup
 from flatview.backends.messages import check_no_pending_backward
+from flatview.backends.names import HIDDEN_LEVELS, without_segments
 from flatview.backends.nesting import inside_another
 from flatview.backends.torch_versions import check_torch_version
 from flatview.backends.unit_groups import own_groups
@@ -216,6 +217,11 @@ class FSDP2Model:
     """Per index into :attr:`units`, the group of a unit on a mesh of its own (experts)."""
 
 
+def clean_name(name: str) -> str:
+    """An original name from a name in the tree (FSDP2 inserts no level of its own)."""
+    return without_segments(name, HIDDEN_LEVELS)
+
+
 def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:
     """Check ``model`` (the outermost ``fully_shard`` module) for everything the adapter
     relies on, before anything is patched, and run FSDP2's lazy initialisation."""
@@ -306,9 +312,9 @@ def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:
     names: dict[int, str] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
         if id(param) in names:
-            aliases[id(param)].append(name)
+            aliases[id(param)].append(clean_name(name))
         else:
-            names[id(param)] = name
+            names[id(param)] = clean_name(name)
             aliases[id(param)] = []
     # Collective over the root's shard group when a unit has a mesh of its own: after
     # every check of this rank's, so that a refusal of one rank is raised on every rank.

@@ -16,6 +16,14 @@ def join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
+HIDDEN_LEVELS = frozenset({"_checkpoint_wrapped_module"})
+"""Levels that module wrappers insert in module paths but leave out of
+``named_parameters()`` and ``state_dict()``: torch's ``CheckpointWrapper`` and
+``OffloadWrapper`` (``apply_activation_checkpointing``). Every backend's original names
+drop them, so that parameter names, module paths in skip sets and state-dict keys are
+those of the unwrapped model, wrapped alike."""
+
+
 def without_segments(name: str, segments: Iterable[str]) -> str:
     """``name`` with the wrapper levels in ``segments`` dropped: an original name."""
     dropped = frozenset(segments)
