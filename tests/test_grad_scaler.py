@@ -22,7 +22,6 @@ from tests.scenarios import (
     BACKENDS,
     BackendConfig,
     Scenario,
-    _original_tree,
     backend_context,
     batch,
     compare,
@@ -73,6 +72,16 @@ def _scaler(distributed: bool, backend: str) -> Any:
     return torch.amp.GradScaler("cpu", **kwargs)
 
 
+def _step(scaler: Any, opts: list[torch.optim.Optimizer]) -> float:
+    """Step every optimizer through the scaler, update it, zero; the new scale."""
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+    for opt in opts:
+        opt.zero_grad()
+    return float(scaler.get_scale())
+
+
 def _scaled_training(scenario: Scenario) -> dict[str, Any]:
     rank = dist.get_rank()
     with backend_context(scenario.backend):
@@ -88,13 +97,7 @@ def _scaled_training(scenario: Scenario) -> dict[str, Any]:
             skip = skip_names(scenario, micro)
             with fv.step(skip=list(skip)):
                 scaler.scale(_loss(model(x, skip), y, w)).backward()
-            for opt in opts:
-                scaler.step(opt)
-            scaler.update()
-            scales.append(scaler.get_scale())
-            for opt in opts:
-                opt.zero_grad()
-        assert _original_tree(model) is not None
+            scales.append(_step(scaler, opts))
         return {
             "params": full_state(model, scenario),
             "scales": scales,
@@ -110,12 +113,7 @@ def _reference(scenario: Scenario) -> dict[str, Any]:
         x, y = batch(scenario, micro)
         w = _weights(scenario, micro, len(y), 0)
         scaler.scale(_loss(net(x, skip_names(scenario, micro)), y, w)).backward()
-        for opt in opts:
-            scaler.step(opt)
-        scaler.update()
-        scales.append(scaler.get_scale())
-        for opt in opts:
-            opt.zero_grad()
+        scales.append(_step(scaler, opts))
     params = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
     return {"params": params, "scales": scales}
 
