@@ -100,6 +100,9 @@ class ViewGrads:
     def views(self, views: tuple[nn.Parameter, ...]) -> None:
         self._views = views
         self._held = [views[i] for i in self._bearing]
+        # The dtype of the sharded gradient the views last took (see _admit); a view
+        # replaced since takes it anew.
+        self._grad_dtype = self.flat.dtype
 
     def _grad_pieces(self, flat_grad: torch.Tensor) -> list[torch.Tensor]:
         """The pieces of the sharded gradient ``flat_grad`` under the bearing views (by
@@ -228,6 +231,8 @@ class ViewGrads:
                 view.grad = None
             self._expose(None)
             return
+        if flat_grad.dtype is not self._grad_dtype:
+            self._admit(flat_grad.dtype)
         pieces = self._grad_pieces(flat_grad)
         chosen, others = ((), ()) if used is None else self._selection(used)
         if not others:
@@ -244,6 +249,16 @@ class ViewGrads:
             if view.grad is not None:
                 view.grad = pieces[p]
         self._expose(flat_grad)
+
+    def _admit(self, dtype: torch.dtype) -> None:
+        """Let the views take gradients of ``dtype``: a wrapper that keeps its gradient in
+        low precision (torch FSDP1's ``keep_low_precision_grads``) hands full-precision
+        parameters a low-precision gradient, as it does its own flat parameter. torch's
+        own per-parameter views get theirs through ``.data``; these allow any dtype."""
+        if dtype is not self.flat.dtype:
+            for view in self._views:
+                view.grad_dtype = None
+        self._grad_dtype = dtype
 
     def _expose(self, flat_grad: torch.Tensor | None) -> None:
         """Note what the bearing views now hold, cut from ``flat_grad``."""

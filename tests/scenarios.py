@@ -835,11 +835,12 @@ def _torch_kwargs(scenario: Scenario) -> dict[str, Any]:
         name = options["backward_prefetch"]
         options["backward_prefetch"] = None if name is None else BackwardPrefetch[name]
     if "mixed_precision" in options:
-        # (param dtype, reduce dtype), None for full precision.
-        param, reduce = (
-            None if d is None else getattr(torch, d) for d in options.pop("mixed_precision")
+        # (param dtype, reduce dtype[, keep_low_precision_grads]), None for full precision.
+        param, reduce, *keep = options.pop("mixed_precision")
+        param, reduce = (None if d is None else getattr(torch, d) for d in (param, reduce))
+        options["mixed_precision"] = MixedPrecision(
+            param_dtype=param, reduce_dtype=reduce, keep_low_precision_grads=any(keep)
         )
-        options["mixed_precision"] = MixedPrecision(param_dtype=param, reduce_dtype=reduce)
     return {
         "sharding_strategy": ShardingStrategy[scenario.strategy],
         "device_id": torch.device("cpu"),

@@ -153,14 +153,23 @@ def test_no_agreement_check(dist_pool: PoolFactory, backend: BackendConfig) -> N
 # Low-precision compute (fairscale: fp16 parameters and reduction) or reduction (torch:
 # fp16 gradients; torch casts before the communication hook and back after it). flatview
 # refuses DDP's own mixed_precision (test_ddp_backend).
-MIXED_PRECISION = {
-    "fairscale": {"mixed_precision": True},
-    "torch": {"mixed_precision": (None, "float16")},
+# (keep_low_precision_grads: test_nothing_skipped_equals_plain_fsdp; torch's AdamW, one
+# of these scenarios' optimizers, cannot step a float32 parameter with a float16 gradient.)
+MIXED_PRECISION: dict[str, dict[str, dict[str, Any]]] = {
+    "fairscale": {"fp16": {"mixed_precision": True}},
+    "torch": {"fp16-reduce": {"mixed_precision": (None, "float16")}},
 }
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0].backend in MIXED_PRECISION])
-def test_mixed_precision(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+@pytest.mark.parametrize(
+    ("backend", "label"),
+    [
+        backend_param(config, label, slow=k > 0 and config.strategy != "FULL_SHARD")
+        for config in BACKEND_CONFIGS
+        for k, label in enumerate(MIXED_PRECISION.get(config.backend, {}))
+    ],
+)
+def test_mixed_precision(dist_pool: PoolFactory, backend: BackendConfig, label: str) -> None:
     """Training agrees with the fp32 reference to fp16 accuracy."""
     if backend.strategy in HYBRID_STRATEGIES:
         # Hybrid layouts need 4 ranks, and there the fp32 reference is no yardstick: on
@@ -174,7 +183,7 @@ def test_mixed_precision(dist_pool: PoolFactory, backend: BackendConfig) -> None
         inner=(3, 4),
         norms=(True, False),
         skips=((1,), (0,), ()),
-        options=MIXED_PRECISION[backend.backend],
+        options=MIXED_PRECISION[backend.backend][label],
     )
     check_equivalent(dist_pool, scenario, tolerance=3e-3, timeout=TIMEOUT)
 
@@ -216,6 +225,9 @@ PLAIN_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
         "default": {},
         "use-orig-params": {"use_orig_params": True},
         "bf16": {"mixed_precision": ("bfloat16", "bfloat16")},
+        # Gradients kept in bfloat16 for full-precision parameters (views included).
+        "bf16-low-grads": {"mixed_precision": ("bfloat16", "bfloat16", True)},
+        "orig-low-grads": {"use_orig_params": True, "mixed_precision": ("float16", None, True)},
     },
     "fsdp2": {"default": {}},
     "ddp": {"default": {}},
@@ -281,7 +293,7 @@ def test_nothing_skipped_equals_plain_fsdp_on_four_ranks(
     scenario = backend.scenario(GATED, skips=((),) * 3, options=options, world_size=4)
     plain, ours = dist_pool(4).run(plain_and_flatview, scenario, timeout=TIMEOUT)[0]
     assert plain.keys() == ours.keys() and plain
-    low = option in ("fp16", "bf16")
+    low = option in ("fp16", "bf16", "bf16-low-grads", "orig-low-grads")
     for name, value in plain.items():
         if _exact_on_four(backend):
             assert np.array_equal(ours[name], value), name
