@@ -345,6 +345,12 @@ class Net(nn.Module):
         )
         self.aux = nn.Linear(s.width, s.width) if s.aux else None
         self.head = nn.Linear(s.width, s.classes)
+        if s.compiled:
+            # A fresh start per model: dynamo's cache of recompilations per code object is
+            # bounded (past it, it runs eager without a word).
+            torch._dynamo.reset()
+            for block in self.body:
+                block.compile(backend="aot_eager")
         place, _, kind = s.recompute.partition("-")
         self._recompute: bool | None = None
         if kind == "fairscale":
@@ -400,6 +406,9 @@ class Scenario:
     ``checkpoint_wrapper`` inside or around each block's unit; ``"inside-wrapper"``:
     torch's ``apply_activation_checkpointing`` on the blocks after wrapping (the
     reference runs without the wrappers); empty: off."""
+    compiled: bool = False
+    """Each block compiled in place (``block.compile()``, as torchtitan compiles each
+    transformer block; dynamo's ``aot_eager`` backend: traced, without generated code)."""
     skips: tuple[tuple[int | str, ...], ...] = ((), (1,), (0,))
     """Per micro-batch, what it leaves out: ``i`` for ``body.i``, or one of the names
     ``body.i``, ``body.i.gate`` and ``aux``."""
