@@ -107,15 +107,19 @@ class CPUFlatViewFSDP(FlatViewFSDPStrategy):
     unit per block); the rest is the strategy under test."""
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
+        from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(
+        model = FSDP(
             model,
             device_id=torch.device("cpu"),
             use_orig_params=self.kwargs["use_orig_params"],
             auto_wrap_policy=ModuleWrapPolicy({Block}),
         )
+        # As Lightning's own _setup_model ends (activation_checkpointing_policy).
+        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        return model
 
 
 def _strategy(name: str) -> Any:
@@ -125,6 +129,10 @@ def _strategy(name: str) -> Any:
         )
     if name == "fsdp1_cpu":
         return CPUFlatViewFSDP(use_orig_params=False)
+    if name == "fsdp1_cpu_recompute":
+        # Blocks checkpointed by torch's apply_activation_checkpointing: skip sets name
+        # modules below its CheckpointWrapper.
+        return CPUFlatViewFSDP(use_orig_params=False, activation_checkpointing_policy={Block})
     if name == "fsdp1_cpu_checkpoint":
         # Lightning's full state dict offloads to CPU, which torch cannot do from CPU.
         return CPUFlatViewFSDP(use_orig_params=False, state_dict_type="sharded")

@@ -117,6 +117,14 @@ def test_flatview_fsdp_strategy_gives_views_to_configure_optimizers(
 
 
 @needs_lightning
+def test_flatview_fsdp_strategy_with_activation_checkpointing(dist_pool: PoolFactory) -> None:
+    # activation_checkpointing_policy: torch's CheckpointWrapper inside every block's unit;
+    # the scenario's skip sets name gates below it (body.i.gate).
+    run = iw.Run(clip=0.05)
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy="fsdp1_cpu_recompute"), run)
+
+
+@needs_lightning
 def test_flatview_fsdp_strategy_refuses_cpu(dist_pool: PoolFactory) -> None:
     for message in _run(dist_pool(2), LIGHTNING, "refused_fsdp1_on_cpu"):
         assert "FlatViewFSDPStrategy" in message and "needs a GPU" in message, message
