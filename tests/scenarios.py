@@ -345,6 +345,7 @@ class Net(nn.Module):
         )
         self.aux = nn.Linear(s.width, s.width) if s.aux else None
         self.head = nn.Linear(s.width, s.classes)
+        self._autocast = s.autocast
         if s.compiled:
             # A fresh start per model: dynamo's cache of recompilations per code object is
             # bounded (past it, it runs eager without a word).
@@ -366,6 +367,12 @@ class Net(nn.Module):
             self.head_copy.weight = self.head.weight
 
     def forward(self, x: torch.Tensor, skip: Collection[str] = ()) -> torch.Tensor:
+        if self._autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self._forward(x, skip).float()
+        return self._forward(x, skip)
+
+    def _forward(self, x: torch.Tensor, skip: Collection[str]) -> torch.Tensor:
         x = self.stem(x)
         for index, block in enumerate(self.body):
             if f"body.{index}" not in skip:
@@ -406,6 +413,8 @@ class Scenario:
     ``checkpoint_wrapper`` inside or around each block's unit; ``"inside-wrapper"``:
     torch's ``apply_activation_checkpointing`` on the blocks after wrapping (the
     reference runs without the wrappers); empty: off."""
+    autocast: bool = False
+    """The forward under ``torch.autocast`` (CPU, bfloat16), the output cast back."""
     compiled: bool = False
     """Each block compiled in place (``block.compile()``, as torchtitan compiles each
     transformer block; dynamo's ``aot_eager`` backend: traced, without generated code)."""
