@@ -346,6 +346,7 @@ class Net(nn.Module):
         self.aux = nn.Linear(s.width, s.width) if s.aux else None
         self.head = nn.Linear(s.width, s.classes)
         self._autocast = s.autocast
+        self._calls = s.first_block_calls
         if s.compiled:
             # A fresh start per model: dynamo's cache of recompilations per code object is
             # bounded (past it, it runs eager without a word).
@@ -377,12 +378,13 @@ class Net(nn.Module):
         for index, block in enumerate(self.body):
             if f"body.{index}" not in skip:
                 gated = f"body.{index}.gate" not in skip
-                if self._recompute is None:
-                    x = block(x, gated)
-                else:
-                    from torch.utils.checkpoint import checkpoint
+                for _ in range(self._calls if index == 0 else 1):
+                    if self._recompute is None:
+                        x = block(x, gated)
+                    else:
+                        from torch.utils.checkpoint import checkpoint
 
-                    x = checkpoint(block, x, gated, use_reentrant=self._recompute)
+                        x = checkpoint(block, x, gated, use_reentrant=self._recompute)
         if self.aux is not None and "aux" not in skip:
             x = x + torch.tanh(self.aux(x))
         out: torch.Tensor = self.head(x)
@@ -413,6 +415,9 @@ class Scenario:
     ``checkpoint_wrapper`` inside or around each block's unit; ``"inside-wrapper"``:
     torch's ``apply_activation_checkpointing`` on the blocks after wrapping (the
     reference runs without the wrappers); empty: off."""
+    first_block_calls: int = 1
+    """How often the forward applies ``body.0`` in a row (weight sharing: its unit runs
+    that many times per forward)."""
     autocast: bool = False
     """The forward under ``torch.autocast`` (CPU, bfloat16), the output cast back."""
     compiled: bool = False
