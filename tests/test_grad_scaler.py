@@ -87,7 +87,7 @@ def _scaled_training(scenario: Scenario) -> dict[str, Any]:
     with backend_context(scenario.backend):
         model, fv, opts = distributed_model(scenario)
         scaler = _scaler(True, scenario.backend)
-        empty_everywhere = [
+        only_empty = [
             all(p.numel() == 0 for g in opt.param_groups for p in g["params"]) for opt in opts
         ]
         scales = []
@@ -101,7 +101,7 @@ def _scaled_training(scenario: Scenario) -> dict[str, Any]:
         return {
             "params": full_state(model, scenario),
             "scales": scales,
-            "empty": empty_everywhere,
+            "empty": only_empty,
         }
 
 

@@ -41,7 +41,7 @@ from torch import nn
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter, PlainSpec, UnitSpec
 from flatview.backends.ddp_checks import DDPModel
-from flatview.backends.names import HIDDEN_LEVELS, without_segments
+from flatview.backends.names import without_segments
 from flatview.backends.patches import Patches
 from flatview.backends.replicated import ReplicatedBackward
 from flatview.comm.options import ReduceOptions
@@ -57,7 +57,7 @@ def clean_name(name: str) -> str:
     """An original name from a name in the DDP-wrapped tree (``module.`` dropped)."""
     if name == _WRAPPER:
         return ""
-    return without_segments(name.removeprefix(_WRAPPER + "."), HIDDEN_LEVELS)
+    return without_segments(name.removeprefix(_WRAPPER + "."))
 
 
 class DDPAdapter(Adapter):
@@ -90,16 +90,15 @@ class DDPAdapter(Adapter):
         params: list[tuple[str, nn.Parameter]] = []
         # Per parameter, every further name it is registered under (tied parameters).
         self._aliases: dict[int, list[str]] = {}
-        unreduced: set[int] = set()
+        reduced: set[int] = set()
         for name, param in ddp.module.named_parameters(remove_duplicate=False):
             if id(param) in self._aliases:
                 self._aliases[id(param)].append(clean_name(name))
             else:
                 self._aliases[id(param)] = []
                 params.append((clean_name(name), param))
-                if name in ignored:  # DDP's own name for it
-                    unreduced.add(id(param))
-        reduced = {id(p) for _, p in params if id(p) not in unreduced}
+                if name not in ignored:  # DDP's own name for it
+                    reduced.add(id(param))
         self._backward = ReplicatedBackward(
             params, reduced, int(ddp.bucket_bytes_cap), options, self
         )

@@ -82,7 +82,7 @@ from flatview.backends.deepspeed_zero import (
     plain_specs,
     registrations,
 )
-from flatview.backends.names import HIDDEN_LEVELS, without_segments
+from flatview.backends.names import without_segments
 from flatview.backends.patches import Patches
 from flatview.comm.options import ReduceOptions
 from flatview.comm.sharded import ShardedReduction
@@ -133,7 +133,7 @@ def clean_name(name: str) -> str:
     if name == _WRAPPER:
         return ""
     head, _, rest = name.partition(".")
-    return without_segments(rest if head == _WRAPPER else name, HIDDEN_LEVELS)
+    return without_segments(rest if head == _WRAPPER else name)
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:

@@ -15,14 +15,14 @@ from torch import nn
 from flatview.backends.base import UnitGroup
 from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
 from flatview.backends.messages import check_no_pending_backward
-from flatview.backends.names import HIDDEN_LEVELS, nested_unit_message, without_segments
+from flatview.backends.names import nested_unit_message, without_segments
 from flatview.backends.nesting import inside_another
 from flatview.backends.patches import LENDING_METHODS, ROOT_LENDING_METHODS
 from flatview.backends.unit_groups import own_groups
 from flatview.backends.unit_tree import check_units
 from flatview.errors import WrapError
 
-_WRAPPER_SEGMENTS = HIDDEN_LEVELS | {"_fsdp_wrapped_module", "_fpw_module"}
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 
 
 def fsdp_class() -> type[nn.Module] | None:

@@ -29,7 +29,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from flatview.backends.base import UnitGroup
 from flatview.backends.messages import check_no_pending_backward
-from flatview.backends.names import HIDDEN_LEVELS, without_segments
+from flatview.backends.names import without_segments
 from flatview.backends.nesting import inside_another
 from flatview.backends.torch_versions import check_torch_version
 from flatview.backends.unit_groups import own_groups
@@ -219,7 +219,7 @@ class FSDP2Model:
 
 def clean_name(name: str) -> str:
     """An original name from a name in the tree (FSDP2 inserts no level of its own)."""
-    return without_segments(name, HIDDEN_LEVELS)
+    return without_segments(name)
 
 
 def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:

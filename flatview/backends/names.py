@@ -19,14 +19,15 @@ def join(*parts: str) -> str:
 HIDDEN_LEVELS = frozenset({"_checkpoint_wrapped_module"})
 """Levels that module wrappers insert in module paths but leave out of
 ``named_parameters()`` and ``state_dict()``: torch's ``CheckpointWrapper`` and
-``OffloadWrapper`` (``apply_activation_checkpointing``). Every backend's original names
-drop them, so that parameter names, module paths in skip sets and state-dict keys are
-those of the unwrapped model, wrapped alike."""
+``OffloadWrapper`` (``apply_activation_checkpointing``). Original names drop them on
+every backend, so that parameter names, module paths in skip sets and state-dict keys
+are those of the unwrapped model, wrapped alike."""
 
 
-def without_segments(name: str, segments: Iterable[str]) -> str:
-    """``name`` with the wrapper levels in ``segments`` dropped: an original name."""
-    dropped = frozenset(segments)
+def without_segments(name: str, segments: Iterable[str] = ()) -> str:
+    """``name`` with the wrapper's own levels ``segments`` and :data:`HIDDEN_LEVELS`
+    dropped: an original name."""
+    dropped = HIDDEN_LEVELS.union(segments)
     return ".".join(part for part in name.split(".") if part and part not in dropped)
 
 

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from flatview.backends.base import FlatSpec, PlainSpec, UnitGroup, UnitSpec
-from flatview.backends.names import HIDDEN_LEVELS, join, owners_and_names, without_segments
+from flatview.backends.names import join, owners_and_names, without_segments
 from flatview.errors import WrapError
 from flatview.layout import FlatLayout, Segment
 from flatview.views import Owner
 
-_WRAPPER_SEGMENTS = HIDDEN_LEVELS | {"_fsdp_wrapped_module"}
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module"})
 _FLAT_PARAM = "_flat_param"
 
 
