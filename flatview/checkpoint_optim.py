@@ -249,6 +249,18 @@ def refuse_options(info: Any) -> None:
         )
 
 
+def consolidated(
+    runtime: Runtime, optimizer: torch.optim.Optimizer, *, rank0_only: bool
+) -> dict[str, Any]:
+    """One optimizer's consolidated state (what
+    :meth:`flatview.FlatView.optim_state_dict` returns)."""
+    if isinstance(optimizer, optim_state.ConsolidatesItself):
+        # flatview.optim.Whole keeps whole tensors on owner ranks: it consolidates itself.
+        return optimizer.consolidated_state_dict(rank0_only=rank0_only)
+    optim_state.refuse_sharded_experts(runtime.table)
+    return optim_state.consolidate(runtime.table, runtime.adapter, optimizer, rank0_only=rank0_only)
+
+
 def load_consolidated(
     table: ParamTable, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> None:

@@ -11,7 +11,8 @@ pieces that do the work:
   :attr:`FlatView.runtime`), handed to ``adapter.install``;
 * the optimizer checks (:class:`flatview.optimizer_checks.OptimizerChecks`), registered
   with :mod:`flatview.wrapped_models`;
-* the routing of torch's own checkpoint functions (:mod:`flatview.checkpoint_routing`)
+* the routing of torch's own checkpoint functions (:mod:`flatview.checkpoint_routing`),
+  and of fairscale's optimizer-state methods (:mod:`flatview.checkpoint_fairscale`),
   where the wrapper flattens: installed here, as adapters import no feature module.
 
 Norms (:mod:`flatview.norms`) and optimizer state (:mod:`flatview.optim_state`) are
@@ -30,10 +31,11 @@ import torch
 from torch import nn
 
 from flatview import norms as _norms
-from flatview import optim_state, wrapped_models
+from flatview import wrapped_models
 from flatview.backends.base import Adapter
 from flatview.backends.patches import Patches
-from flatview.checkpoint_optim import load_consolidated
+from flatview.checkpoint_fairscale import route_fairscale_optim_state
+from flatview.checkpoint_optim import consolidated, load_consolidated
 from flatview.checkpoint_routing import RoutingSite, route_torch_checkpoint
 from flatview.comm.ledger import Ledger
 from flatview.errors import NormError, ParameterError
@@ -87,6 +89,7 @@ class FlatView:
         self._patches = Patches()  # the handle's own, beside the adapter's
         if adapter.flattens:
             route_torch_checkpoint(RoutingSite(self.runtime, self._patches.patch))
+            route_fairscale_optim_state(self.runtime, self._modules, self._patches.patch)
 
     @property
     def phase(self) -> Phase:
@@ -500,11 +503,7 @@ class FlatView:
                 every rank alike (the message names the rank), after the exchange of
                 descriptions and before any state tensor moves.
         """
-        if isinstance(optimizer, optim_state.ConsolidatesItself):
-            # flatview.optim.Whole keeps whole tensors on owner ranks: it consolidates itself.
-            return optimizer.consolidated_state_dict(rank0_only=rank0_only)
-        optim_state.refuse_sharded_experts(self.table)
-        return optim_state.consolidate(self.table, self.adapter, optimizer, rank0_only=rank0_only)
+        return consolidated(self.runtime, optimizer, rank0_only=rank0_only)
 
     def load_optim_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]

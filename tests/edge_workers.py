@@ -220,3 +220,35 @@ def wrap_nested_before_forward(scenario: Scenario) -> str:
         except flatview.WrapError as err:
             return f"forward: {err}"
     raise AssertionError("a nested unit was wrapped and trained")
+
+
+def fairscale_unflatten_params(scenario: Scenario) -> dict[str, Any]:
+    """fairscale's public ``unflatten_params()`` context (the first seed's remedy), on the
+    root's flattening wrapper: inside it the head's original parameters (their shapes),
+    doubled in place there; then training. Bare fairscale, then fairscale + flatview;
+    what either raised instead (unflattening a sharded flat parameter fails at 2 ranks)."""
+    out: dict[str, Any] = {}
+    for use_flatview in (False, True):
+        key = "flatview" if use_flatview else "plain"
+        with backend_context(scenario.backend):
+            model = wrap_fsdp(scenario, make_net(scenario))
+            fv = flatview.wrap(model) if use_flatview else None
+            head = _original_tree(model).head
+            try:
+                with model.unflatten_params():
+                    out[f"{key}-shapes"] = [tuple(p.shape) for p in head.parameters()]
+                    with torch.no_grad():
+                        head.weight.mul_(2.0)
+            except Exception as error:  # compared with bare fairscale's
+                out[f"{key}-error"] = f"{type(error).__name__}: {error}"
+                continue
+            params = list(fv.parameters() if fv is not None else model.parameters())
+            opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+            for micro in range(STEPS):
+                x, y = local_batch(scenario, micro)
+                with fv.step() if fv is not None else contextlib.nullcontext():
+                    loss_of(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            out[key] = full_state(model, scenario)
+    return out

@@ -189,6 +189,31 @@ def resume(
         return full_state(model, scenario), final
 
 
+def fairscale_methods(scenario: Scenario) -> tuple[list[State | None], list[str], bool]:
+    """After training on fairscale: what the root's ``gather_full_optim_state_dict``
+    returns for each optimizer, the error ``get_shard_from_optim_state_dict`` raises
+    with it (empty if none), and whether ``unwrap()`` gave fairscale its methods back."""
+    names = ("gather_full_optim_state_dict", "get_shard_from_optim_state_dict")
+    with backend_context(scenario.backend):
+        model, fv, opts = _build(scenario)
+        _train(model, fv, opts, scenario, optimizer_steps(scenario))
+        gathered = [model.gather_full_optim_state_dict(opt) for opt in opts]
+        # Every rank loads the saved file: rank 0's state.
+        shared: list[Any] = [gathered]
+        dist.broadcast_object_list(shared, src=0)
+        refusals = []
+        for state in shared[0]:
+            try:
+                model.get_shard_from_optim_state_dict(state)
+            except OptimStateError as error:
+                refusals.append(str(error))
+            else:
+                refusals.append("")
+        fv.unwrap()
+        restored = all(name not in vars(unit) for unit in model.modules() for name in names)
+        return [None if s is None else as_numpy(s) for s in gathered], refusals, restored
+
+
 def ignored_head(scenario: Scenario) -> dict[str, Any]:
     """torch FSDP told to ignore the head: its parameters stay plain (replicated, not
     flattened) and their state is taken as it is; a round trip loads it back."""

@@ -94,6 +94,24 @@ def test_fairscale_clip_grad_norm_after_wrap(dist_pool: PoolFactory, norm_type: 
     compare(results[0]["flatview-state"], results[0]["plain-state"], tolerance=1e-6)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fairscale_unflatten_params_after_wrap(dist_pool: PoolFactory, world_size: int) -> None:
+    """fairscale's public ``unflatten_params()`` (what the first seed was told to use)
+    takes the flat parameters off the module, which the views had hidden: it failed
+    with "no attribute flat_param_0". The views now step aside for it: on one rank the
+    original parameters inside, a write there kept, the same training as bare
+    fairscale; on two, where a shard cannot be unflattened, fairscale's own error."""
+    _needs_fairscale()
+    scenario = FAIRSCALE.scenario(nested=False, skips=((), (), ()), world_size=world_size)
+    out = dist_pool(world_size).run(ew.fairscale_unflatten_params, scenario, timeout=TIMEOUT)[0]
+    if world_size == 1:
+        assert out["flatview-shapes"] == out["plain-shapes"] == [(3, 4), (3,)]
+        compare(out["flatview"], out["plain"], tolerance=0.0)
+    else:
+        assert out["flatview-error"] == out["plain-error"]
+        assert out["plain-error"].startswith("ValueError"), out["plain-error"]
+
+
 @pytest.mark.parametrize("options", [{}, {"use_orig_params": True}], ids=["flat", "orig-params"])
 def test_no_shard_summon_between_forwards(dist_pool: PoolFactory, options: dict[str, bool]) -> None:
     """torch ``NO_SHARD`` computed on views: ``summon_full_params`` writes the local shard

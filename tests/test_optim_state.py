@@ -240,6 +240,30 @@ def test_rank0_only(dist_pool: PoolFactory) -> None:
                 assert state["param_groups"] == want[index]["param_groups"]
 
 
+def test_fairscale_gather_full_optim_state_dict(dist_pool: PoolFactory) -> None:
+    """fairscale's own pair, as fairseq checkpoints: ``gather_full_optim_state_dict`` of an
+    optimizer over views gives rank 0 the consolidated state (the reference's, by
+    name) and the others ``None``; fairscale's would pair different all-gathers across
+    ranks (rank 0 waited forever). ``get_shard_from_optim_state_dict`` would cut it for
+    flat parameters: refused on every rank, naming what loads it. ``unwrap()`` gives
+    fairscale its methods back."""
+    scenario = FAIRSCALE.scenario(GATED, world_size=3)
+    results = dist_pool(scenario.world_size).run(ow.fairscale_methods, scenario, timeout=TIMEOUT)
+    _, want = ow.reference(scenario)
+    for rank, (gathered, refusals, restored) in enumerate(results):
+        assert restored, rank
+        assert len(gathered) == len(want) == len(refusals), rank
+        for index, state in enumerate(gathered):
+            if rank == 0:
+                assert state is not None
+                assert_same_state(state, want[index], (rank, index))
+            else:
+                assert state is None, (rank, index)
+        for refusal in refusals:
+            assert "get_shard_from_optim_state_dict" in refusal, (rank, refusal)
+            assert "load_optim_state_dict" in refusal, (rank, refusal)
+
+
 @pytest.mark.parametrize("backend", [backend_param(FULL_SHARD)])
 def test_parameters_fsdp_does_not_flatten_are_taken_as_they_are(
     dist_pool: PoolFactory, backend: BackendConfig

@@ -188,6 +188,9 @@ class FairscaleAdapter(Adapter):
             patches.patch(unit, "forward", self._summonable(unit, unit.forward))
             fpw = unit._fsdp_wrapped_module
             patches.patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
+            # Public (the first seed was told to use it; summon_full_params goes through it):
+            # it takes the flat parameters off the module, which the views have hidden.
+            patches.patch(fpw, "unflatten_params", self._lending_context(fpw.unflatten_params))
             patches.patch(unit, "_rebuild_full_params", self._masking_gather(index, unit))
         patches.hook(self.root.register_forward_hook(self._post_forward))
         patches.patch(

@@ -85,6 +85,7 @@ _FPW_PRIVATES = (
     "flat_params",
     "flat_param_names",
     "_unflatten_params_as_views",
+    "unflatten_params",
     "module",
     # What flatview's own unflattening reads (fairscale.py: _unflatten_as_views).
     "is_flattened",
