@@ -271,6 +271,9 @@ WRAPPER_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
         "no-reshard": {"reshard_after_forward": False},
         "prefetch": {"prefetch": True},
         "no-reshard-prefetch": {"reshard_after_forward": False, "prefetch": True},
+        # FSDP2's own unused-parameter handling (zeros reduced for parameters without a
+        # gradient): what flatview's skip sets leave out must still get no gradient.
+        "reduce-unused": {"reduce_scatter_unused_params": True},
     },
     "ddp": {
         # DDP's own unused-parameter search, left on by users: flatview reduces anyway.
@@ -963,7 +966,8 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
     """FSDP2: ``fully_shard`` each block (when nested) and the root. Options:
     ``hsdp`` (replicas: a 2-D mesh of that many replicas of ``world_size / hsdp``
     shards), ``reshard_after_forward``, ``mixed_precision`` ((param, reduce) dtype
-    names) and ``prefetch`` (explicit forward and backward prefetching of neighbours)."""
+    names), ``prefetch`` (explicit forward and backward prefetching of neighbours) and
+    ``reduce_scatter_unused_params`` (``set_reduce_scatter_unused_params(True)``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -982,11 +986,14 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
         )
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     prefetch = options.pop("prefetch", False)
+    reduce_unused = options.pop("reduce_scatter_unused_params", False)
     options.pop("bucket_all_used", None)  # flatview's (Scenario.flatview_options)
     blocks: list[Any] = []
     if scenario.nested:
         blocks = [fully_shard(block, **kwargs) for block in net.body]
     model: Any = fully_shard(net, **kwargs)
+    if reduce_unused:
+        model.set_reduce_scatter_unused_params(True)
     if prefetch:
         for before, after in itertools.pairwise(blocks):
             before.set_modules_to_forward_prefetch([after])
