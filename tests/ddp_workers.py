@@ -89,11 +89,39 @@ def refused(scenario: Scenario, case: str) -> str:
         model.register_comm_hook(None, default_hooks.allreduce_hook)
     if case == "mixed_precision":
         model.mixed_precision = object()  # what DDP(mixed_precision=...) sets
+    if case == "join":
+        from torch.distributed.algorithms import Join
+
+        Join([model])  # built (its hooks enabled), not entered
     try:
         flatview.wrap(model)
     except FlatViewError as err:
         return f"{type(err).__name__}: {err}"
     return "accepted"
+
+
+def uneven_inputs(scenario: Scenario) -> dict[str, Any]:
+    """DDP's ``join()`` around a loop over uneven inputs (rank r has 2 + r batches): what
+    flatview raises when it is built, on every rank; after ``unwrap()`` the same loop on
+    bare DDP, which finishes."""
+    model = DDP(make_net(scenario))
+    fv = flatview.wrap(model)
+    out: dict[str, Any] = {}
+    try:
+        with model.join():
+            out["ran"] = True
+    except FlatViewError as err:
+        out["error"] = f"{type(err).__name__}: {err}"
+    fv.unwrap()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for micro in range(2 + dist.get_rank()):
+            x, y = local_batch(scenario, micro)
+            loss_of(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    out["bare"] = "finished"
+    return out
 
 
 def second_backward(scenario: Scenario) -> None:

@@ -51,6 +51,7 @@ REFUSED = {
     "comm_hook": "communication hook",
     "mixed_precision": "mixed_precision",
     "sparse": "module 'emb' produces sparse gradients",
+    "join": "inside an enabled Join already",
 }
 
 
@@ -58,6 +59,18 @@ REFUSED = {
 def test_refused_configurations_are_named(dist_pool: PoolFactory, case: str) -> None:
     for message in dist_pool(2).run(w.refused, DDP.scenario(), case, timeout=TIMEOUT):
         assert message.startswith("WrapError: ") and REFUSED[case] in message, message
+
+
+def test_join_for_uneven_inputs_is_refused(dist_pool: PoolFactory) -> None:
+    """DDP's ``join()`` shadows DDP's own all-reduces on ranks out of inputs, not
+    flatview's: a loop over uneven inputs hung. Refused when the ``Join`` is built, on
+    every rank, before any collective, naming what to do; after ``unwrap()`` bare DDP
+    joins again."""
+    for out in dist_pool(2).run(w.uneven_inputs, DDP.scenario(), timeout=TIMEOUT):
+        assert "ran" not in out
+        assert out["error"].startswith("StateError: DDP's join()"), out["error"]
+        assert "drop_last=True" in out["error"]
+        assert out["bare"] == "finished"
 
 
 def test_second_backward_through_one_forward_is_refused(dist_pool: PoolFactory) -> None:

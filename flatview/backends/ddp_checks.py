@@ -14,7 +14,7 @@ from torch import nn
 
 from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
 from flatview.backends.torch_versions import tested_torch
-from flatview.errors import WrapError
+from flatview.errors import StateError, WrapError
 
 _PRIVATES = (
     "module",
@@ -29,9 +29,29 @@ _PRIVATES = (
     "_comm_hooks",
     "_use_python_reducer",
     "_delay_all_reduce_params",
+    "_join_config",
+    "join_hook",
 )
 """What the adapter reads or sets of a DDP model, checked at wrap time: the refusals
 below would pass silently on a torch that renamed what they read."""
+
+
+JOIN_REFUSED = (
+    "DDP's join() (torch.distributed.algorithms.Join, uneven inputs) is not supported "
+    "on a model wrapped by flatview: flatview reduces the gradients itself, so DDP's join "
+    "hook would shadow DDP's own all-reduces on the ranks that ran out of inputs, not "
+    "flatview's, and every rank would wait on the others. Give every rank the same "
+    "number of batches (DistributedSampler(drop_last=True), or stop all ranks at the "
+    "smallest count)"
+)
+"""Why the adapter refuses DDP's join: at wrap time if a join is on, and at
+``join_hook`` (which ``Join`` calls on every rank when it is built, before any
+collective)."""
+
+
+def refuse_join(**kwargs: Any) -> Any:
+    """DDP's ``join_hook`` on a wrapped model (see :data:`JOIN_REFUSED`)."""
+    raise StateError(JOIN_REFUSED)
 
 
 def _ddp_class() -> type[nn.Module] | None:
@@ -69,6 +89,8 @@ def _check_supported(ddp: Any) -> None:
             "DDP uses its Python reducer (compiled autograd); flatview drives DDP's "
             "C++ reducer only"
         )
+    if ddp._join_config.enable:
+        raise WrapError(JOIN_REFUSED + " (the model is inside an enabled Join already)")
     if ddp._delay_all_reduce_params:
         raise WrapError(
             "DDP delays the all-reduce of some parameters to the end of the backward "
