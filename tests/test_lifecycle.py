@@ -30,3 +30,26 @@ def test_unwrap_gives_back_plain_fsdp2_as_one_unit(
 ) -> None:
     """FSDP2 with only the root sharded (BACKENDS shards each block too)."""
     check_unwrap(dist_pool, backend.scenario(world_size=2, nested=False))
+
+
+HOOKED = (
+    BackendConfig("ddp"),
+    BackendConfig("torch", "FULL_SHARD"),
+    BackendConfig("torch", "NO_SHARD"),
+)
+
+
+@pytest.mark.parametrize("backend", [backend_param(c, ci=True) for c in HOOKED])
+def test_comm_hook_registered_after_wrap_is_refused(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """A communication hook registered after the wrap (fp16 compression): flatview reduces
+    the gradients itself, so on DDP and torch ``NO_SHARD`` computed on views the hook was
+    bypassed in silence (DDP trained 6e-5 away from bare DDP with the hook); on sharded
+    torch FSDP1 torch's assertion failed. Refused on every rank, as at the wrap; after
+    ``unwrap()`` bare training takes the hook."""
+    scenario = backend.scenario(world_size=2)
+    for out in dist_pool(2).run(w.comm_hook_after_wrap, scenario, timeout=60):
+        assert out["error"].startswith("StateError: "), out
+        assert "register_comm_hook" in out["error"] and "unwrap" in out["error"], out
+        assert out["bare"] == "trained"

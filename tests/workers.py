@@ -390,6 +390,36 @@ def plain_and_flatview(scenario: Scenario) -> tuple[dict[str, np.ndarray], ...] 
     return tuple(s for s in states if s is not None)
 
 
+def comm_hook_after_wrap(scenario: Scenario) -> dict[str, str]:
+    """A communication hook registered on a wrapped DDP or torch FSDP1 model (DDP's fp16
+    compression; torch's default reduction as a hook, its fp16 one needs CUDA): what
+    flatview raises; after ``unwrap()`` bare training with the hook."""
+    state: Any
+    if scenario.backend == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_hooks
+
+        state, hook = None, ddp_hooks.fp16_compress_hook
+    else:
+        from torch.distributed.algorithms._comm_hooks import default_hooks as hooks
+
+        state = hooks.DefaultState(dist.group.WORLD)
+        sharded = scenario.strategy != "NO_SHARD"
+        hook = hooks.reduce_scatter_hook if sharded else hooks.allreduce_hook
+    out: dict[str, str] = {}
+    model = wrap_fsdp(scenario, make_net(scenario))
+    fv = flatview.wrap(model)
+    try:
+        model.register_comm_hook(state, hook)  # type: ignore[operator]
+    except flatview.FlatViewError as err:
+        out["error"] = f"{type(err).__name__}: {err}"
+    fv.unwrap()
+    model.register_comm_hook(state, hook)  # type: ignore[operator]
+    x, y = local_batch(scenario, 0)
+    loss_of(model(x), y).backward()
+    out["bare"] = "trained"
+    return out
+
+
 # ------------------------------------------------------------------- skips
 
 

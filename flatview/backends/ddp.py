@@ -40,7 +40,7 @@ from torch import nn
 
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter, PlainSpec, UnitSpec
-from flatview.backends.ddp_checks import DDPModel, refuse_join
+from flatview.backends.ddp_checks import AFTER_WRAP, DDPModel
 from flatview.backends.names import without_segments
 from flatview.backends.patches import Patches
 from flatview.backends.replicated import ReplicatedBackward
@@ -126,7 +126,8 @@ class DDPAdapter(Adapter):
         # always_call: a forward that raises an Exception ends its iteration here.
         patches.hook(self.root.register_forward_hook(self._after_forward, always_call=True))
         patches.patch(self.root, "forward", self._quiet_forward(self.root.forward))
-        patches.patch(self.root, "join_hook", refuse_join)
+        for name, error in AFTER_WRAP.items():
+            patches.refusing(self.root, name, error)
         self._backward.install(runtime, patches)
 
     def synchronizing(self) -> bool:

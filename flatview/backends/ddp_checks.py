@@ -31,6 +31,8 @@ _PRIVATES = (
     "_delay_all_reduce_params",
     "_join_config",
     "join_hook",
+    "register_comm_hook",
+    "_register_builtin_comm_hook",
 )
 """What the adapter reads or sets of a DDP model, checked at wrap time: the refusals
 below would pass silently on a torch that renamed what they read."""
@@ -45,13 +47,23 @@ JOIN_REFUSED = (
     "smallest count)"
 )
 """Why the adapter refuses DDP's join: at wrap time if a join is on, and at
-``join_hook`` (which ``Join`` calls on every rank when it is built, before any
-collective)."""
+``join_hook`` (:data:`AFTER_WRAP`)."""
 
 
-def refuse_join(**kwargs: Any) -> Any:
-    """DDP's ``join_hook`` on a wrapped model (see :data:`JOIN_REFUSED`)."""
-    raise StateError(JOIN_REFUSED)
+COMM_HOOK_REFUSED = (
+    "DDP has a communication hook (register_comm_hook); flatview all-reduces the "
+    "gradients itself and would bypass it"
+)
+"""Why a DDP communication hook is refused: at wrap time, and when one is registered on
+a wrapped model (:data:`AFTER_WRAP`)."""
+
+AFTER_WRAP = {
+    "join_hook": lambda: StateError(JOIN_REFUSED),
+    "register_comm_hook": lambda: StateError(COMM_HOOK_REFUSED + ": unwrap first"),
+    "_register_builtin_comm_hook": lambda: StateError(COMM_HOOK_REFUSED + ": unwrap first"),
+}
+"""DDP's methods a wrapped model refuses, each with its error: ``Join`` calls
+``join_hook`` on every rank when it is built, before any collective."""
 
 
 def _ddp_class() -> type[nn.Module] | None:
@@ -75,10 +87,7 @@ def _check_supported(ddp: Any) -> None:
             "static_graph (flatview reduces the gradients itself)"
         )
     if ddp._comm_hooks:
-        raise WrapError(
-            "DDP has a communication hook (register_comm_hook); flatview all-reduces "
-            "the gradients itself and would bypass it"
-        )
+        raise WrapError(COMM_HOOK_REFUSED)
     if ddp.mixed_precision is not None:
         raise WrapError(
             "DDP's mixed_precision is not supported by flatview; use torch.autocast "

@@ -55,6 +55,16 @@ class Patches:
         for method in methods:
             self.patch(owner, method, lending(getattr(owner, method), lend))
 
+    def refusing(self, owner: object, method: str, error: Callable[[], Exception]) -> None:
+        """Shadow ``owner``'s ``method`` with one that raises ``error()``: a method of the
+        wrapper that would change what flatview took over (its reduction), called after
+        the wrap, where the wrap would have refused what it sets."""
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise error()
+
+        self.patch(owner, method, refuse)
+
     def remove(self) -> None:
         """Remove every hook, and every patch, the last made first (a name patched twice
         ends as it was before the first)."""

@@ -55,7 +55,7 @@ from flatview.autograd import at_end_of_backward, in_backward
 from flatview.backends.base import Adapter, UnitSpec, end_root_forward
 from flatview.backends.compute_tensors import set_directly
 from flatview.backends.patches import Patches
-from flatview.backends.torch_fsdp_checks import TorchFSDPModel
+from flatview.backends.torch_fsdp_checks import TorchFSDPModel, refuse_comm_hooks
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
 from flatview.backends.torch_fsdp_prefetch import PrefetchSteering
 from flatview.backends.torch_fsdp_reduce import NO_BUCKETING, WRAPPER, TorchFSDPReduction
@@ -145,6 +145,7 @@ class TorchFSDPAdapter(Adapter):
         self.runtime = runtime
         patches = self._patches
         self._reduction = TorchFSDPReduction(self.model, self.options, runtime, patches)
+        refuse_comm_hooks(self.root, patches)
         self._settling = UnitSettling(runtime)
         self._orig_grads = OrigParamGrads(self.units, runtime)
         for index, (_, unit) in enumerate(self.units):

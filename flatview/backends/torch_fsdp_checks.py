@@ -29,13 +29,14 @@ from flatview.backends.internals import require_attrs, require_autograd_internal
 from flatview.backends.messages import check_no_pending_backward
 from flatview.backends.names import nested_unit_message
 from flatview.backends.nesting import inside_another
+from flatview.backends.patches import Patches
 from flatview.backends.torch_fsdp_describe import clean_name
 from flatview.backends.torch_hybrid import hybrid_groups, is_hybrid
 from flatview.backends.torch_versions import check_torch_version, fsdp_class
 from flatview.backends.unit_groups import own_groups
 from flatview.backends.unit_tree import check_units, label
 from flatview.comm.hybrid import HybridGroups
-from flatview.errors import WrapError
+from flatview.errors import StateError, WrapError
 from flatview.wrapped_models import check_not_wrapped
 
 _UNIT_PRIVATES = (
@@ -168,6 +169,22 @@ def refuse_unit(where: str, unit: Any) -> None:
             f"FSDP unit {where!r} already has a communication hook; flatview reduces "
             "gradients through its own hook and cannot combine with another"
         )
+
+
+def refuse_comm_hooks(root: Any, patches: Patches) -> None:
+    """A communication hook registered on the wrapped model after the wrap (refused at
+    the wrap itself): flatview's own hook, or flatview's own reduction on ``NO_SHARD``
+    computed on views, would bypass it or trip torch's assertion."""
+    patches.refusing(
+        root,
+        "register_comm_hook",
+        lambda: StateError(
+            "register_comm_hook on a torch FSDP model wrapped by flatview: flatview "
+            "reduces the gradients itself (through its own communication hook) and cannot "
+            "combine with another (a model that has one is refused at the wrap); call "
+            "fv.unwrap() first to train with the hook on bare FSDP"
+        ),
+    )
 
 
 def _awaiting_backward(name: str, unit: Any) -> str | None:

@@ -54,7 +54,7 @@ from flatview.backends.messages import double_count
 from flatview.backends.patches import LENDING_METHODS, Patches
 from flatview.backends.replicated import ReplicatedBackward
 from flatview.backends.summoning import forward_in_summon
-from flatview.backends.torch_fsdp_checks import TorchFSDPModel
+from flatview.backends.torch_fsdp_checks import TorchFSDPModel, refuse_comm_hooks
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
 from flatview.backends.torch_summon import SummonLending, summoning
 from flatview.comm.options import ReduceOptions
@@ -196,6 +196,7 @@ class TorchReplicatedAdapter(Adapter):
             if handle is not None:
                 self._summon.patch(handle, patches)
         self._backward.install(runtime, patches)
+        refuse_comm_hooks(self.root, patches)
 
     def synchronizing(self) -> bool:
         # torch's no_sync() clears the flag on every unit; the root's decides.
