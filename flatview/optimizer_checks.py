@@ -168,6 +168,8 @@ class OptimizerChecks:
         refuses."""
         self.adapter.check_optimizer(optimizer)
         table = self.table
+        if type(optimizer).__name__ == _ZERO:
+            self._refuse_zero_over_shards(optimizer)
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for flat in table.flats:
             if id(flat.spec.flat) not in held:
@@ -190,6 +192,31 @@ class OptimizerChecks:
                 "views. Build optimizers from views (submodule.parameters() or "
                 "FlatView.parameters()), or call FlatView.unwrap() to train on bare FSDP."
             )
+
+    def _refuse_zero_over_shards(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch's ``ZeroRedundancyOptimizer`` steps each parameter on one owner rank and
+        broadcasts it to the others: it assumes every rank holds the same tensor. A view
+        of a sharded parameter holds other elements on each rank, so the broadcasts
+        differ in size across ranks (gloo aborted) or overwrite other ranks' pieces.
+        Decided from the model's layout alone: every rank raises, before the step's
+        first collective."""
+        table = self.table
+        for group in optimizer.param_groups:
+            for tensor in group["params"]:
+                index = table.index_of(tensor)
+                if index is not None and table.placement_of(index).sharded:
+                    raise OptimStateError(
+                        f"{_ZERO} over the views of a sharded model (such as "
+                        f"{table.name(index)!r}): it broadcasts each parameter from the "
+                        "rank that steps it, but each rank's view holds other elements of "
+                        "the parameter. The wrapper already shards the optimizer state "
+                        "with the parameters: use the plain optimizer "
+                        f"({_ZERO}'s optimizer_class) over the views"
+                    )
+
+
+_ZERO = "ZeroRedundancyOptimizer"
+"""torch's (``torch.distributed.optim``), known by name: flatview does not import it."""
 
 
 @dataclass

@@ -195,3 +195,25 @@ def wrap_mid_iteration(scenario: Scenario) -> dict[str, Any]:
                 if p.grad is None and not (p.numel() == 0 and fv.numel(p) > 0)
             )
         return out
+
+
+def zero_redundancy(scenario: Scenario) -> dict[str, Any]:
+    """torch's ``ZeroRedundancyOptimizer`` over the views: what its first step raises
+    (empty if it trained), and whether any parameter changed on this rank."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    with backend_context(scenario.backend):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        fv = flatview.wrap(model)
+        before = [p.detach().clone() for p in fv.parameters()]
+        opt = ZeroRedundancyOptimizer(list(fv.parameters()), torch.optim.AdamW, lr=0.05)
+        x, y = local_batch(scenario, 0)
+        with fv.step():
+            loss_of(model(x), y).backward()
+        try:
+            opt.step()
+            error = ""
+        except FlatViewError as err:
+            error = f"{type(err).__name__}: {err}"
+        changed = any(not torch.equal(a, b) for a, b in zip(before, fv.parameters(), strict=True))
+        return {"error": error, "changed": changed}
