@@ -199,4 +199,3 @@ def test_zero_redundancy_optimizer_over_shards(
         else:
             assert got["error"].startswith("OptimStateError: ZeroRedundancyOptimizer"), got
             assert not got["changed"], got
-
