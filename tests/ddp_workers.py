@@ -124,6 +124,29 @@ def uneven_inputs(scenario: Scenario) -> dict[str, Any]:
     return out
 
 
+def assigned_anew(scenario: Scenario) -> str:
+    """After one step, the parameters replaced on their modules
+    (``load_state_dict(assign=True)``) and a new optimizer over them: what the next
+    step raises."""
+    model = DDP(make_net(scenario))
+    fv = flatview.wrap(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for micro in range(2):
+        x, y = local_batch(scenario, micro)
+        try:
+            with fv.step():
+                loss_of(model(x), y).backward()
+        except FlatViewError as err:
+            return f"{type(err).__name__}: {err}"
+        opt.step()
+        opt.zero_grad()
+        if micro == 0:
+            state = {k: v.clone() for k, v in model.module.state_dict().items()}
+            model.module.load_state_dict(state, assign=True)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return "accepted"
+
+
 def second_backward(scenario: Scenario) -> None:
     """Two backwards through one forward (retain_graph): the second must raise."""
     model = DDP(make_net(scenario))

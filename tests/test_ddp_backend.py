@@ -73,6 +73,15 @@ def test_join_for_uneven_inputs_is_refused(dist_pool: PoolFactory) -> None:
         assert out["bare"] == "finished"
 
 
+def test_parameters_replaced_after_wrap_are_named(dist_pool: PoolFactory) -> None:
+    """Parameters replaced on their modules after the wrap (``load_state_dict(assign=
+    True)``) get gradients flatview never sees, as DDP never sees them: the error said
+    to declare them skipped; it now names the replacement, on every rank."""
+    for message in dist_pool(2).run(w.assigned_anew, DDP.scenario(), timeout=TIMEOUT):
+        assert message.startswith("StateError: parameter(s) 'stem.weight'"), message
+        assert "replaced" in message and "assign" in message, message
+
+
 def test_second_backward_through_one_forward_is_refused(dist_pool: PoolFactory) -> None:
     dist_pool(2).run_expecting_error(
         w.second_backward,

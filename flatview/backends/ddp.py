@@ -100,7 +100,7 @@ class DDPAdapter(Adapter):
                 if name not in ignored:  # DDP's own name for it
                     reduced.add(id(param))
         self._backward = ReplicatedBackward(
-            params, reduced, int(ddp.bucket_bytes_cap), options, self
+            params, reduced, int(ddp.bucket_bytes_cap), options, self, ddp
         )
         self._patches = Patches()
 

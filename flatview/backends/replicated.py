@@ -70,7 +70,7 @@ from flatview.backends.patches import Patches
 from flatview.comm.bucketing import FIRST_BUCKET_BYTES, BucketRound
 from flatview.comm.options import ReduceOptions
 from flatview.comm.replicated import ReplicatedReduction
-from flatview.comm.unused import UsageFlags, undeclared_unused
+from flatview.comm.unused import UsageFlags, replaced_parameters, undeclared_unused
 from flatview.errors import StateError
 from flatview.phase import Phase
 from flatview.states import Transitions
@@ -129,7 +129,8 @@ class ReplicatedBackward:
 
     ``params``: (first name, parameter) in registration order; ``reduced``: ids of
     those flatview all-reduces; ``bucket_bytes``: the wrapper's bucket size; ``adapter``:
-    whose group, rank, world size, device and bucket size the reduction works with."""
+    whose group, rank, world size, device and bucket size the reduction works with;
+    ``model``: the wrapped model, whose parameters are read only to explain an error."""
 
     def __init__(
         self,
@@ -138,8 +139,10 @@ class ReplicatedBackward:
         bucket_bytes: int,
         options: ReduceOptions,
         adapter: Adapter,
+        model: nn.Module,
     ) -> None:
         self.params = params
+        self._model = model
         self.reduced = reduced
         self.options = options
         self.group = adapter.group
@@ -385,6 +388,10 @@ class ReplicatedBackward:
         if unused:
             for k in unused:
                 params[k].grad = None
-            raise undeclared_unused(
-                "parameter(s)", [runtime.name(indices[k]) for k in unused], "any rank"
-            )
+            names = [runtime.name(indices[k]) for k in unused]
+            # A tensor the model no longer holds cannot get a gradient: name the real cause.
+            held = {id(p) for p in self._model.parameters()}
+            replaced = [n for k, n in zip(unused, names, strict=True) if id(params[k]) not in held]
+            if replaced:
+                raise replaced_parameters(replaced)
+            raise undeclared_unused("parameter(s)", names, "any rank")

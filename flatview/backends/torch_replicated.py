@@ -171,7 +171,9 @@ class TorchReplicatedAdapter(Adapter):
         element = first.element_size() if first is not None else 4
         self.bucket_numel = _DDP_BUCKET_BYTES // element
         self._summon = SummonLending(self._lend)
-        self._backward = ReplicatedBackward(params, reduced, _DDP_BUCKET_BYTES, options, self)
+        self._backward = ReplicatedBackward(
+            params, reduced, _DDP_BUCKET_BYTES, options, self, self.root
+        )
         self._patches = Patches()
         # Shown from the start: the runtime finds plain parameters where they are registered.
         for views in self._view_sets:

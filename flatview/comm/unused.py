@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flatview.comm.ledger import Ledger
-from flatview.errors import UndeclaredUnusedError
+from flatview.errors import StateError, UndeclaredUnusedError
 
 _GAVE, _LACKED = 1, 0
 """Rows of an exchanged tensor: this rank gave a gradient; it lacked one although used."""
@@ -118,4 +118,18 @@ def undeclared_unused(
     return UndeclaredUnusedError(
         f"{subject} {shown}{more} got no gradient on {where} in this backward pass, but are "
         f"not declared skipped{why}. Pass what a step does not use to FlatView.step(skip=...)."
+    )
+
+
+def replaced_parameters(names: Sequence[str]) -> StateError:
+    """The error of parameters that got no gradient because the model no longer holds the
+    tensors flatview was built with (``names``): they were replaced on their modules."""
+    shown = ", ".join(repr(n) for n in names[:8])
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return StateError(
+        f"parameter(s) {shown}{more} got no gradient: the model no longer holds the tensors "
+        "flatview.wrap found there (they were replaced, by load_state_dict(assign=True) or "
+        "by assigning a new parameter), and flatview, like DDP itself, reduces the tensors "
+        "it was built with. Load values in place (load_state_dict without assign), or "
+        "replace parameters before wrapping"
     )
