@@ -27,6 +27,7 @@ from flatview.comm.collectives import gather_objects
 from flatview.errors import OptimStateError, ParamGroupError
 from flatview.norms import listing
 from flatview.table import ParamTable
+from flatview.view_hooks import refuse_view_hooks
 
 
 class OptimizerChecks:
@@ -170,6 +171,8 @@ class OptimizerChecks:
         table = self.table
         if type(optimizer).__name__ == _ZERO:
             self._refuse_zero_over_shards(optimizer)
+        held_indices = (table.index_of(p) for g in optimizer.param_groups for p in g["params"])
+        refuse_view_hooks(table, self.adapter, (i for i in held_indices if i is not None))
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for flat in table.flats:
             if id(flat.spec.flat) not in held:

@@ -5,11 +5,11 @@ One per wrapped model, made by :class:`flatview.FlatView` and handed to the adap
 step in force and the iteration bound to each forward (:mod:`flatview.iteration`), the
 skip-set agreement, the guards on skipped parameters (:mod:`flatview.guards`), the masks
 of the reduction and the all-gather, the window of what was used since the last
-synchronising backward (gradient accumulation under ``no_sync()``: segments of flat
-parameters and plain parameters, for every adapter), lending the model to a wrapper
-operation, carrying what was written through views back into the shards, and what
-:attr:`flatview.FlatView.stats` is computed from. An iteration computes until each of its
-root forwards has had its backward (several forwards, then their backwards).
+synchronising backward (gradient accumulation under ``no_sync()``: segments of flat and
+plain parameters, every adapter), lending the model to a wrapper operation, carrying what
+was written through views back into the shards, and what :attr:`flatview.FlatView.stats`
+is computed from. An iteration computes until each of its root forwards has had its
+backward (several forwards, then their backwards).
 
 Adapters call only the members of the ``Runtime`` protocol of
 :mod:`flatview.backends.base`; the user's handle calls the rest.
@@ -49,12 +49,12 @@ from flatview.skip import SkipSet, skipped_used
 from flatview.stats import StepStats
 from flatview.step_agreement import SkipAgreement
 from flatview.table import FlatRecord, ParamTable
+from flatview.view_hooks import refuse_view_hooks
 from flatview.wrapped_models import forget_checks
 
 
 class Runtime:
-    """The lifecycle of one wrapped model, as its adapter drives it (see the module
-    docstring)."""
+    """The lifecycle of one wrapped model, as its adapter drives it (see the module docstring)."""
 
     def __init__(
         self,
@@ -117,6 +117,7 @@ class Runtime:
             nested = self._step_skip is not None
             inside = check_step_entry(self.phase, nested, self.model, self.adapter)
             skipped = self.table.resolve(skip)
+            refuse_view_hooks(self.table, self.adapter, first_step=self._step_count == 0)
         except FlatViewError as err:
             if not checked:
                 raise
@@ -165,8 +166,7 @@ class Runtime:
 
     def check_backward_binding(self) -> None:
         """Refuse the backward of a forward that ran outside the step in flight: the
-        step's skip set would not apply to it (adapters call this before the backward
-        communicates)."""
+        step's skip set would not apply to it (adapters call this before it communicates)."""
         self._agreement.cover_deferred()  # a step begun under no_sync() synchronises
         if self._step_skip is None or self.phase is not Phase.COMPUTING:
             return

@@ -217,3 +217,46 @@ def zero_redundancy(scenario: Scenario) -> dict[str, Any]:
             error = f"{type(err).__name__}: {err}"
         changed = any(not torch.equal(a, b) for a, b in zip(before, fv.parameters(), strict=True))
         return {"error": error, "changed": changed}
+
+
+def hooks_on_views(scenario: Scenario, kind: str, when: str) -> dict[str, Any]:
+    """A ``kind`` hook (``"grad"``: ``register_hook``, halving; ``"post"``:
+    ``register_post_accumulate_grad_hook``, counting) on every parameter of
+    ``fv.parameters()``, registered ``when``: ``"before"`` the first step, or
+    ``"after"`` it (before the optimizer's first step). What is raised (empty if
+    nothing), and how often a hook ran."""
+    with backend_context(scenario.backend):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        fv = flatview.wrap(model)
+        calls = [0]
+
+        def grad_hook(grad: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            return grad * 0.5
+
+        def post_hook(param: torch.Tensor) -> None:
+            calls[0] += 1
+
+        def register() -> None:
+            for p in fv.parameters():
+                if kind == "grad":
+                    p.register_hook(grad_hook)
+                else:
+                    p.register_post_accumulate_grad_hook(post_hook)
+
+        if when == "before":
+            register()
+        opt = torch.optim.SGD(fv.parameters(), lr=0.1)
+        error = ""
+        try:
+            for micro in range(2):
+                x, y = local_batch(scenario, micro)
+                with fv.step():
+                    loss_of(model(x), y).backward()
+                if when == "after" and micro == 0:
+                    register()
+                opt.step()
+                opt.zero_grad()
+        except FlatViewError as err:
+            error = f"{type(err).__name__}: {err}"
+        return {"error": error, "calls": calls[0]}

@@ -199,3 +199,29 @@ def test_zero_redundancy_optimizer_over_shards(
         else:
             assert got["error"].startswith("OptimStateError: ZeroRedundancyOptimizer"), got
             assert not got["changed"], got
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("kind", ["grad", "post"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        backend_param(c, ci=True)
+        for c in (FAIRSCALE, BackendConfig("torch"), BackendConfig("torch", "NO_SHARD"), DDP)
+    ],
+)
+def test_hooks_on_views_that_would_never_run(
+    dist_pool: PoolFactory, backend: BackendConfig, kind: str, when: str
+) -> None:
+    """Autograd hooks on views (a gradient transform, an optimizer stepped in the
+    backward) never ran where the model computes on the wrapper's tensors: training went
+    on without them, in silence. Refused on every rank, at the first step or before the
+    optimizer's first step; where autograd reaches the parameters (torch ``NO_SHARD``
+    computed on views, DDP) they run."""
+    results = dist_pool(2).run(w.hooks_on_views, backend.scenario(SC), kind, when, timeout=TIMEOUT)
+    for got in results:
+        if backend.backend == "ddp" or backend.strategy == "NO_SHARD":
+            assert got["error"] == "" and got["calls"] > 0, got
+        else:
+            assert got["error"].startswith("StateError: autograd hooks are registered"), got
+            assert got["calls"] == 0, got

@@ -256,6 +256,12 @@ class Adapter(Protocol):
     misread an optimizer over those views, so the handle routes them to flatview's
     (:mod:`flatview.checkpoint_routing`)."""
 
+    computes_on_views: bool = False
+    """The model computes on flatview's views themselves (torch ``NO_SHARD`` computed on
+    views): autograd reaches them, so hooks users register on them run. Elsewhere the
+    model computes on the wrapper's tensors and a view's hooks never would
+    (:mod:`flatview.view_hooks` refuses them)."""
+
     @property
     def agreement_group(self) -> dist.ProcessGroup | None:
         """The group every rank of the training run is in, on which the skip-set check and

@@ -97,6 +97,7 @@ class TorchReplicatedAdapter(Adapter):
     backend = "torch"
     clean_name = staticmethod(clean_name)
     flattens = True
+    computes_on_views = True
     # The forward communicates nothing the skip set decides (nothing at all), and
     # ReplicatedBackward finds the end of a backward inside the root's forward.
     overlaps_agreement = True
