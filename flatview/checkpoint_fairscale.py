@@ -24,7 +24,7 @@ Installed by the handle on every unit that has both methods; ``unwrap()`` remove
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,11 +32,9 @@ from torch import nn
 
 from flatview.backends.base import is_rank0
 from flatview.checkpoint_optim import consolidated
+from flatview.checkpoint_routing import Patch
 from flatview.errors import OptimStateError
 from flatview.runtime import Runtime
-
-Patch = Callable[[object, str, Callable[..., Any]], None]
-"""Sets an instance attribute that the handle takes back at ``unwrap()``."""
 
 _GATHER = "gather_full_optim_state_dict"
 _SHARD = "get_shard_from_optim_state_dict"
