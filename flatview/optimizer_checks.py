@@ -25,6 +25,7 @@ from flatview.backends.base import Adapter
 from flatview.backends.messages import double_count
 from flatview.comm.collectives import gather_objects
 from flatview.errors import OptimStateError, ParamGroupError
+from flatview.layout import PieceKind
 from flatview.norms import listing
 from flatview.table import ParamTable
 from flatview.view_hooks import refuse_view_hooks
@@ -171,6 +172,8 @@ class OptimizerChecks:
         table = self.table
         if type(optimizer).__name__ == _ZERO:
             self._refuse_zero_over_shards(optimizer)
+        if type(optimizer).__name__ in _WHOLE_TENSOR_MATH:
+            self._refuse_whole_tensor_math(optimizer)
         held_indices = (table.index_of(p) for g in optimizer.param_groups for p in g["params"])
         refuse_view_hooks(table, self.adapter, (i for i in held_indices if i is not None))
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -217,6 +220,61 @@ class OptimizerChecks:
                         f"({_ZERO}'s optimizer_class) over the views"
                     )
 
+    def _refuse_whole_tensor_math(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer known to compute per-parameter quantities over the whole tensor
+        (:data:`_WHOLE_TENSOR_MATH`): over a view that holds a piece of its parameter on
+        some rank, it takes the piece's norms or statistics for the parameter's, a
+        different training in silence. Decided from the layout (whether any rank holds
+        a piece), so every rank raises alike, before the step."""
+        if type(optimizer).__module__.startswith("flatview"):
+            return  # flatview's own (LARC) take whole-parameter norms
+        table = self.table
+        for group in optimizer.param_groups:
+            for tensor in group["params"]:
+                index = table.index_of(tensor)
+                if index is None or not table.placement_of(index).sharded:
+                    continue
+                home = table.placement_of(index)
+                kinds = {home.piece(r).kind for r in range(home.layout.world_size)}  # type: ignore[union-attr]
+                if PieceKind.PARTIAL in kinds:
+                    name = type(optimizer).__name__
+                    raise OptimStateError(
+                        f"optimizer {name} computes per-parameter norms or statistics "
+                        f"over the whole tensor, but {table.name(index)!r} is split across "
+                        "ranks: over its views each rank would take its piece's for the "
+                        "parameter's. Use an elementwise optimizer, flatview.optim.LARC, "
+                        "the norms of FlatView.param_norms / tensor_norms (docs: recipes, "
+                        "per-parameter norms), or flatview.optim.Whole for optimizers over "
+                        "whole matrices"
+                    )
+
+
+_WHOLE_TENSOR_MATH = frozenset(
+    {
+        "Adafactor",
+        "FusedLAMB",
+        "FusedLamb",
+        "FusedNovoGrad",
+        "LAMB",
+        "LAMB8bit",
+        "LAMB32bit",
+        "LARC",
+        "LARS",
+        "LARS8bit",
+        "LARS32bit",
+        "Lamb",
+        "Lars",
+        "NovoGrad",
+        "NvNovoGrad",
+        "OnebitLamb",
+        "SOAP",
+        "Shampoo",
+    }
+)
+"""Optimizer classes (torch's ``Adafactor``; timm's, apex's, bitsandbytes', DeepSpeed's,
+torch-optimizer's) known to compute whole-tensor quantities per parameter: LAMB's and
+LARS's trust ratios, NovoGrad's per-layer gradient norms, Adafactor's factored moments,
+Shampoo's and SOAP's preconditioners. Known by name: flatview imports none of them."""
 
 _ZERO = "ZeroRedundancyOptimizer"
 """torch's (``torch.distributed.optim``), known by name: flatview does not import it."""

@@ -260,3 +260,24 @@ def hooks_on_views(scenario: Scenario, kind: str, when: str) -> dict[str, Any]:
         except FlatViewError as err:
             error = f"{type(err).__name__}: {err}"
         return {"error": error, "calls": calls[0]}
+
+
+def whole_tensor_optimizer(scenario: Scenario) -> dict[str, Any]:
+    """torch's ``Adafactor`` (whole-tensor statistics: factored moments, the
+    parameter's RMS) over the views: what its first step raises (empty if it trained),
+    and whether any parameter changed on this rank."""
+    with backend_context(scenario.backend):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        fv = flatview.wrap(model)
+        before = [p.detach().clone() for p in fv.parameters()]
+        opt = torch.optim.Adafactor(fv.parameters(), lr=0.01)
+        x, y = local_batch(scenario, 0)
+        with fv.step():
+            loss_of(model(x), y).backward()
+        try:
+            opt.step()
+            error = ""
+        except FlatViewError as err:
+            error = f"{type(err).__name__}: {err}"
+        changed = any(not torch.equal(a, b) for a, b in zip(before, fv.parameters(), strict=True))
+        return {"error": error, "changed": changed}

@@ -225,3 +225,20 @@ def test_hooks_on_views_that_would_never_run(
         else:
             assert got["error"].startswith("StateError: autograd hooks are registered"), got
             assert got["calls"] == 0, got
+
+
+@pytest.mark.parametrize(
+    "backend", [backend_param(c, ci=True) for c in (FAIRSCALE, BackendConfig("torch"), DDP)]
+)
+def test_whole_tensor_optimizer_over_pieces(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    """An optimizer that takes whole-tensor statistics per parameter (torch's
+    ``Adafactor``: factored moments, the parameter's RMS; LAMB, LARS, Shampoo alike) over
+    views split across ranks trained on each piece's statistics, in silence. Refused at
+    its first step on every rank; over DDP's whole parameters it trains."""
+    results = dist_pool(2).run(w.whole_tensor_optimizer, backend.scenario(SC), timeout=TIMEOUT)
+    for got in results:
+        if backend.backend == "ddp":
+            assert got == {"error": "", "changed": True}, got
+        else:
+            assert got["error"].startswith("OptimStateError: optimizer Adafactor"), got
+            assert not got["changed"], got
