@@ -102,16 +102,33 @@ def refused(scenario: Scenario, case: str) -> str:
 
 def uneven_inputs(scenario: Scenario) -> dict[str, Any]:
     """DDP's ``join()`` around a loop over uneven inputs (rank r has 2 + r batches): what
-    flatview raises when it is built, on every rank; after ``unwrap()`` the same loop on
-    bare DDP, which finishes."""
+    flatview raises at its first forward, on every rank; a disabled ``Join`` (what
+    accelerate's ``join_uneven_inputs`` builds for even batches) around an even loop,
+    which trains; after ``unwrap()`` the uneven loop on bare DDP, which finishes."""
+    from torch.distributed.algorithms import Join
+
     model = DDP(make_net(scenario))
     fv = flatview.wrap(model)
+    opt = torch.optim.SGD(fv.parameters(), lr=0.1)
     out: dict[str, Any] = {}
+
+    def train(batches: int) -> None:
+        for micro in range(batches):
+            x, y = local_batch(scenario, micro)
+            with fv.step():
+                loss_of(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
     try:
         with model.join():
+            train(2 + dist.get_rank())
             out["ran"] = True
     except FlatViewError as err:
         out["error"] = f"{type(err).__name__}: {err}"
+    with Join([model], enable=False):
+        train(2)
+    out["disabled"] = "trained"
     fv.unwrap()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with model.join():

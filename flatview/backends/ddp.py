@@ -40,7 +40,7 @@ from torch import nn
 
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter, PlainSpec, UnitSpec
-from flatview.backends.ddp_checks import AFTER_WRAP, DDPModel
+from flatview.backends.ddp_checks import AFTER_WRAP, DDPModel, refuse_enabled_join
 from flatview.backends.names import without_segments
 from flatview.backends.patches import Patches
 from flatview.backends.replicated import ReplicatedBackward
@@ -146,6 +146,7 @@ class DDPAdapter(Adapter):
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         ddp: Any = self.root
+        refuse_enabled_join(ddp)
         if not in_backward():
             # Not a recomputation (checkpointing around the whole model): a new iteration.
             self._backward.begin_forward(bool(ddp.require_backward_grad_sync))

@@ -30,7 +30,6 @@ _PRIVATES = (
     "_use_python_reducer",
     "_delay_all_reduce_params",
     "_join_config",
-    "join_hook",
     "register_comm_hook",
     "_register_builtin_comm_hook",
 )
@@ -46,8 +45,8 @@ JOIN_REFUSED = (
     "number of batches (DistributedSampler(drop_last=True), or stop all ranks at the "
     "smallest count)"
 )
-"""Why the adapter refuses DDP's join: at wrap time if a join is on, and at
-``join_hook`` (:data:`AFTER_WRAP`)."""
+"""Why the adapter refuses DDP's join: at wrap time if a join is on, and at a forward
+inside one (:func:`refuse_enabled_join`)."""
 
 
 COMM_HOOK_REFUSED = (
@@ -58,12 +57,18 @@ COMM_HOOK_REFUSED = (
 a wrapped model (:data:`AFTER_WRAP`)."""
 
 AFTER_WRAP = {
-    "join_hook": lambda: StateError(JOIN_REFUSED),
     "register_comm_hook": lambda: StateError(COMM_HOOK_REFUSED + ": unwrap first"),
     "_register_builtin_comm_hook": lambda: StateError(COMM_HOOK_REFUSED + ": unwrap first"),
 }
-"""DDP's methods a wrapped model refuses, each with its error: ``Join`` calls
-``join_hook`` on every rank when it is built, before any collective."""
+"""DDP's methods a wrapped model refuses, each with its error."""
+
+
+def refuse_enabled_join(ddp: Any) -> None:
+    """Refuse a forward inside an enabled ``Join`` (see :data:`JOIN_REFUSED`), before
+    it communicates: every rank runs its first forward inside the join. A disabled one
+    (accelerate's ``join_uneven_inputs`` with even batches) changes nothing: allowed."""
+    if ddp._join_config.enable:
+        raise StateError(JOIN_REFUSED)
 
 
 def _ddp_class() -> type[nn.Module] | None:
