@@ -33,8 +33,8 @@ def refuse_view_hooks(
 ) -> None:
     """Raise :class:`~flatview.errors.StateError` if a view among ``indices`` (every
     parameter by default) carries an autograd hook that would never run; plain
-    parameters (the model's own tensors) may. Nothing is looked at unless
-    ``first_step``, or where ``adapter`` computes on the views."""
+    parameters (the model's own tensors) may. Looks only at a ``first_step``, and only
+    where ``adapter`` does not compute on the views."""
     if not first_step or adapter.computes_on_views:
         return
     hooked = []
