@@ -221,7 +221,8 @@ def zero_redundancy(scenario: Scenario) -> dict[str, Any]:
 
 def hooks_on_views(scenario: Scenario, kind: str, when: str) -> dict[str, Any]:
     """A ``kind`` hook (``"grad"``: ``register_hook``, halving; ``"post"``:
-    ``register_post_accumulate_grad_hook``, counting) on every parameter of
+    ``register_post_accumulate_grad_hook``, counting; ``"step"``: that hook stepping an
+    optimizer of the parameter and zeroing its gradient) on every parameter of
     ``fv.parameters()``, registered ``when``: ``"before"`` the first step, or
     ``"after"`` it (before the optimizer's first step). What is raised (empty if
     nothing), and how often a hook ran."""
@@ -234,8 +235,14 @@ def hooks_on_views(scenario: Scenario, kind: str, when: str) -> dict[str, Any]:
             calls[0] += 1
             return grad * 0.5
 
+        steppers: dict[int, torch.optim.Optimizer] = {}
+
         def post_hook(param: torch.Tensor) -> None:
             calls[0] += 1
+            if kind == "step":  # an optimizer stepped in the backward, as torchtune's
+                stepper = steppers.setdefault(id(param), torch.optim.SGD([param], lr=0.1))
+                stepper.step()
+                stepper.zero_grad()
 
         def register() -> None:
             for p in fv.parameters():

@@ -242,3 +242,15 @@ def test_whole_tensor_optimizer_over_pieces(dist_pool: PoolFactory, backend: Bac
         else:
             assert got["error"].startswith("OptimStateError: optimizer Adafactor"), got
             assert not got["changed"], got
+
+
+def test_optimizer_stepped_in_the_backward_on_ddp(dist_pool: PoolFactory) -> None:
+    """On DDP a post-accumulate-grad hook runs, and an optimizer stepped in it takes this
+    rank's gradient before it is averaged: the error named undeclared skips; it now
+    names the hooks, on every rank."""
+    results = dist_pool(2).run(
+        w.hooks_on_views, DDP.scenario(SC), "step", "before", timeout=TIMEOUT
+    )
+    for got in results:
+        assert got["error"].startswith("StateError: parameter(s) 'stem.weight'"), got
+        assert "post-accumulate-grad hooks" in got["error"], got

@@ -70,7 +70,12 @@ from flatview.backends.patches import Patches
 from flatview.comm.bucketing import FIRST_BUCKET_BYTES, BucketRound
 from flatview.comm.options import ReduceOptions
 from flatview.comm.replicated import ReplicatedReduction
-from flatview.comm.unused import UsageFlags, replaced_parameters, undeclared_unused
+from flatview.comm.unused import (
+    UsageFlags,
+    gradients_taken_in_backward,
+    replaced_parameters,
+    undeclared_unused,
+)
 from flatview.errors import StateError
 from flatview.phase import Phase
 from flatview.states import Transitions
@@ -394,4 +399,11 @@ class ReplicatedBackward:
             replaced = [n for k, n in zip(unused, names, strict=True) if id(params[k]) not in held]
             if replaced:
                 raise replaced_parameters(replaced)
+            hooked = [
+                n
+                for k, n in zip(unused, names, strict=True)
+                if getattr(params[k], "_post_accumulate_grad_hooks", None)
+            ]
+            if hooked:
+                raise gradients_taken_in_backward(hooked)
             raise undeclared_unused("parameter(s)", names, "any rank")

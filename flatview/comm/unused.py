@@ -133,3 +133,17 @@ def replaced_parameters(names: Sequence[str]) -> StateError:
         "it was built with. Load values in place (load_state_dict without assign), or "
         "replace parameters before wrapping"
     )
+
+
+def gradients_taken_in_backward(names: Sequence[str]) -> StateError:
+    """The error of parameters (``names``) whose gradient was gone by the end of the
+    backward while a post-accumulate-grad hook is registered on them: an optimizer
+    stepped inside the backward (and zeroed), on this rank's unreduced gradient."""
+    shown = ", ".join(repr(n) for n in names[:8])
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return StateError(
+        f"parameter(s) {shown}{more} had no gradient left at the end of the backward, and "
+        "carry post-accumulate-grad hooks: an optimizer stepped inside the backward took "
+        "this rank's own gradient before it was averaged over the ranks (each rank would "
+        "train apart). Step the optimizers after the backward"
+    )
