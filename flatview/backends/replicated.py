@@ -399,10 +399,11 @@ class ReplicatedBackward:
             replaced = [n for k, n in zip(unused, names, strict=True) if id(params[k]) not in held]
             if replaced:
                 raise replaced_parameters(replaced)
+            # Beside flatview's own one (install): the user's, which took the gradient.
             hooked = [
                 n
                 for k, n in zip(unused, names, strict=True)
-                if getattr(params[k], "_post_accumulate_grad_hooks", None)
+                if len(getattr(params[k], "_post_accumulate_grad_hooks", None) or ()) > 1
             ]
             if hooked:
                 raise gradients_taken_in_backward(hooked)
