@@ -53,12 +53,17 @@ COMM_HOOK_REFUSED = (
     "DDP has a communication hook (register_comm_hook); flatview all-reduces the "
     "gradients itself and would bypass it"
 )
-"""Why a DDP communication hook is refused: at wrap time, and when one is registered on
-a wrapped model (:data:`AFTER_WRAP`)."""
+"""Why a DDP communication hook is refused at wrap time (after it: :data:`AFTER_WRAP`)."""
+
+_HOOK_AFTER_WRAP = (
+    "register_comm_hook on a DDP model wrapped by flatview: flatview all-reduces the "
+    "gradients itself and would bypass the hook; call fv.unwrap() first to train with it "
+    "on bare DDP"
+)
 
 AFTER_WRAP = {
-    "register_comm_hook": lambda: StateError(COMM_HOOK_REFUSED + ": unwrap first"),
-    "_register_builtin_comm_hook": lambda: StateError(COMM_HOOK_REFUSED + ": unwrap first"),
+    "register_comm_hook": lambda: StateError(_HOOK_AFTER_WRAP),
+    "_register_builtin_comm_hook": lambda: StateError(_HOOK_AFTER_WRAP),
 }
 """DDP's methods a wrapped model refuses, each with its error."""
 
