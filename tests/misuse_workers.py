@@ -197,16 +197,22 @@ def wrap_mid_iteration(scenario: Scenario) -> dict[str, Any]:
         return out
 
 
-def zero_redundancy(scenario: Scenario) -> dict[str, Any]:
-    """torch's ``ZeroRedundancyOptimizer`` over the views: what its first step raises
-    (empty if it trained), and whether any parameter changed on this rank."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+def first_step_of(scenario: Scenario, kind: str) -> dict[str, Any]:
+    """An optimizer of ``kind`` over the views: torch's ``ZeroRedundancyOptimizer``
+    (``"zero"``, AdamW on each owner rank) or ``Adafactor`` (``"adafactor"``:
+    whole-tensor statistics, factored moments and the parameter's RMS). What its first
+    step raises (empty if it trained), and whether any parameter changed on this rank."""
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         fv = flatview.wrap(model)
         before = [p.detach().clone() for p in fv.parameters()]
-        opt = ZeroRedundancyOptimizer(list(fv.parameters()), torch.optim.AdamW, lr=0.05)
+        opt: torch.optim.Optimizer
+        if kind == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(list(fv.parameters()), torch.optim.AdamW, lr=0.05)
+        else:
+            opt = torch.optim.Adafactor(fv.parameters(), lr=0.01)
         x, y = local_batch(scenario, 0)
         with fv.step():
             loss_of(model(x), y).backward()
@@ -267,24 +273,3 @@ def hooks_on_views(scenario: Scenario, kind: str, when: str) -> dict[str, Any]:
         except FlatViewError as err:
             error = f"{type(err).__name__}: {err}"
         return {"error": error, "calls": calls[0]}
-
-
-def whole_tensor_optimizer(scenario: Scenario) -> dict[str, Any]:
-    """torch's ``Adafactor`` (whole-tensor statistics: factored moments, the
-    parameter's RMS) over the views: what its first step raises (empty if it trained),
-    and whether any parameter changed on this rank."""
-    with backend_context(scenario.backend):
-        model = wrap_fsdp(scenario, make_net(scenario))
-        fv = flatview.wrap(model)
-        before = [p.detach().clone() for p in fv.parameters()]
-        opt = torch.optim.Adafactor(fv.parameters(), lr=0.01)
-        x, y = local_batch(scenario, 0)
-        with fv.step():
-            loss_of(model(x), y).backward()
-        try:
-            opt.step()
-            error = ""
-        except FlatViewError as err:
-            error = f"{type(err).__name__}: {err}"
-        changed = any(not torch.equal(a, b) for a, b in zip(before, fv.parameters(), strict=True))
-        return {"error": error, "changed": changed}

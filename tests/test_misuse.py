@@ -182,25 +182,6 @@ def test_wrap_between_forward_and_backward(dist_pool: PoolFactory, backend: Back
             assert [n for n in got["after"] if not n.startswith("body.1")] == [], got
 
 
-@pytest.mark.parametrize(
-    "backend", [backend_param(c, ci=True) for c in (FAIRSCALE, BackendConfig("torch"), DDP)]
-)
-def test_zero_redundancy_optimizer_over_shards(
-    dist_pool: PoolFactory, backend: BackendConfig
-) -> None:
-    """``ZeroRedundancyOptimizer`` broadcasts each parameter from the rank that steps it:
-    over the views of a sharded model the broadcasts differed in size across ranks (gloo
-    aborted). Refused at its first step on every rank, before anything moves; over DDP's
-    parameters (every rank holds them whole) it trains."""
-    results = dist_pool(2).run(w.zero_redundancy, backend.scenario(SC), timeout=TIMEOUT)
-    for got in results:
-        if backend.backend == "ddp":
-            assert got == {"error": "", "changed": True}, got
-        else:
-            assert got["error"].startswith("OptimStateError: ZeroRedundancyOptimizer"), got
-            assert not got["changed"], got
-
-
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("kind", ["grad", "post"])
 @pytest.mark.parametrize(
@@ -227,23 +208,6 @@ def test_hooks_on_views_that_would_never_run(
             assert got["calls"] == 0, got
 
 
-@pytest.mark.parametrize(
-    "backend", [backend_param(c, ci=True) for c in (FAIRSCALE, BackendConfig("torch"), DDP)]
-)
-def test_whole_tensor_optimizer_over_pieces(dist_pool: PoolFactory, backend: BackendConfig) -> None:
-    """An optimizer that takes whole-tensor statistics per parameter (torch's
-    ``Adafactor``: factored moments, the parameter's RMS; LAMB, LARS, Shampoo alike) over
-    views split across ranks trained on each piece's statistics, in silence. Refused at
-    its first step on every rank; over DDP's whole parameters it trains."""
-    results = dist_pool(2).run(w.whole_tensor_optimizer, backend.scenario(SC), timeout=TIMEOUT)
-    for got in results:
-        if backend.backend == "ddp":
-            assert got == {"error": "", "changed": True}, got
-        else:
-            assert got["error"].startswith("OptimStateError: optimizer Adafactor"), got
-            assert not got["changed"], got
-
-
 def test_optimizer_stepped_in_the_backward_on_ddp(dist_pool: PoolFactory) -> None:
     """On DDP a post-accumulate-grad hook runs, and an optimizer stepped in it takes this
     rank's gradient before it is averaged: the error named undeclared skips; it now
@@ -254,3 +218,31 @@ def test_optimizer_stepped_in_the_backward_on_ddp(dist_pool: PoolFactory) -> Non
     for got in results:
         assert got["error"].startswith("StateError: parameter(s) 'stem.weight'"), got
         assert "post-accumulate-grad hooks" in got["error"], got
+
+
+REFUSED_FIRST_STEPS = {
+    "zero": "OptimStateError: ZeroRedundancyOptimizer over the views of a sharded model",
+    "adafactor": "OptimStateError: optimizer Adafactor computes per-parameter norms",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSED_FIRST_STEPS))
+@pytest.mark.parametrize(
+    "backend", [backend_param(c, ci=True) for c in (FAIRSCALE, BackendConfig("torch"), DDP)]
+)
+def test_optimizers_that_need_whole_parameters(
+    dist_pool: PoolFactory, backend: BackendConfig, kind: str
+) -> None:
+    """Optimizers that assume each rank holds whole parameters, over views split across
+    ranks: ``ZeroRedundancyOptimizer`` broadcasts each parameter from the rank that steps
+    it (the broadcasts differed in size across ranks: gloo aborted); ``Adafactor`` takes
+    whole-tensor statistics (factored moments, the parameter's RMS; LAMB, LARS and
+    Shampoo alike), and trained on each piece's in silence. Refused at the first step on
+    every rank, before anything moves; over DDP's whole parameters they train."""
+    results = dist_pool(2).run(w.first_step_of, backend.scenario(SC), kind, timeout=TIMEOUT)
+    for got in results:
+        if backend.backend == "ddp":
+            assert got == {"error": "", "changed": True}, got
+        else:
+            assert got["error"].startswith(REFUSED_FIRST_STEPS[kind]), got
+            assert not got["changed"], got
