@@ -182,14 +182,23 @@ def test_wrap_between_forward_and_backward(dist_pool: PoolFactory, backend: Back
             assert [n for n in got["after"] if not n.startswith("body.1")] == [], got
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize("kind", ["grad", "post"])
+_TORCH, _NO_SHARD = BackendConfig("torch"), BackendConfig("torch", "NO_SHARD")
+HOOK_CASES = [
+    # Views autograd never reaches: each kind, registered before the first step or after.
+    (FAIRSCALE, "grad", "before"),
+    (FAIRSCALE, "post", "after"),
+    (_TORCH, "post", "before"),
+    (_TORCH, "grad", "after"),
+    # Parameters autograd reaches: hooks run.
+    (_NO_SHARD, "grad", "before"),
+    (_NO_SHARD, "post", "after"),
+    (DDP, "post", "before"),
+    (DDP, "grad", "after"),
+]
+
+
 @pytest.mark.parametrize(
-    "backend",
-    [
-        backend_param(c, ci=True)
-        for c in (FAIRSCALE, BackendConfig("torch"), BackendConfig("torch", "NO_SHARD"), DDP)
-    ],
+    ("backend", "kind", "when"), [backend_param(c, k, t, ci=True) for c, k, t in HOOK_CASES]
 )
 def test_hooks_on_views_that_would_never_run(
     dist_pool: PoolFactory, backend: BackendConfig, kind: str, when: str
