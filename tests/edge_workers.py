@@ -222,16 +222,28 @@ def wrap_nested_before_forward(scenario: Scenario) -> str:
     raise AssertionError("a nested unit was wrapped and trained")
 
 
-def fairscale_unflatten_params(scenario: Scenario) -> dict[str, Any]:
+def fairscale_unflatten_params(scenario: Scenario, alone: bool) -> dict[str, Any]:
     """fairscale's public ``unflatten_params()`` context (the first seed's remedy), on the
     root's flattening wrapper: inside it the head's original parameters (their shapes),
     doubled in place there; then training. Bare fairscale, then fairscale + flatview;
-    what either raised instead (unflattening a sharded flat parameter fails at 2 ranks)."""
+    what either raised instead (unflattening a sharded flat parameter fails). ``alone``:
+    each rank's FSDP on a process group of its own (unsharded, as at world size 1, in
+    the pool's processes)."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FairscaleFSDP
+
     out: dict[str, Any] = {}
+    # Every rank makes every group (new_group is collective), and keeps its own.
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
     for use_flatview in (False, True):
         key = "flatview" if use_flatview else "plain"
         with backend_context(scenario.backend):
-            model = wrap_fsdp(scenario, make_net(scenario))
+            if alone:
+                own = groups[dist.get_rank()]
+                model = FairscaleFSDP(
+                    make_net(scenario), flatten_parameters=True, process_group=own
+                )
+            else:
+                model = wrap_fsdp(scenario, make_net(scenario))
             fv = flatview.wrap(model) if use_flatview else None
             head = _original_tree(model).head
             try:
@@ -250,5 +262,10 @@ def fairscale_unflatten_params(scenario: Scenario) -> dict[str, Any]:
                     loss_of(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
-            out[key] = full_state(model, scenario)
+            # Alone, each rank trained on its own batch: rank 0's parameters, as they are.
+            out[key] = (
+                {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+                if alone
+                else full_state(model, scenario)
+            )
     return out

@@ -94,17 +94,18 @@ def test_fairscale_clip_grad_norm_after_wrap(dist_pool: PoolFactory, norm_type: 
     compare(results[0]["flatview-state"], results[0]["plain-state"], tolerance=1e-6)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_fairscale_unflatten_params_after_wrap(dist_pool: PoolFactory, world_size: int) -> None:
+@pytest.mark.parametrize("alone", [True, False], ids=["unsharded", "sharded"])
+def test_fairscale_unflatten_params_after_wrap(dist_pool: PoolFactory, alone: bool) -> None:
     """fairscale's public ``unflatten_params()`` (what the first seed was told to use)
     takes the flat parameters off the module, which the views had hidden: it failed
-    with "no attribute flat_param_0". The views now step aside for it: on one rank the
-    original parameters inside, a write there kept, the same training as bare
-    fairscale; on two, where a shard cannot be unflattened, fairscale's own error."""
+    with "no attribute flat_param_0". The views now step aside for it: unsharded (each
+    rank's FSDP on a group of its own, as at world size 1) the original parameters
+    inside, a write there kept, the same training as bare fairscale; sharded, where a
+    shard cannot be unflattened, fairscale's own error."""
     _needs_fairscale()
-    scenario = FAIRSCALE.scenario(nested=False, skips=((), (), ()), world_size=world_size)
-    out = dist_pool(world_size).run(ew.fairscale_unflatten_params, scenario, timeout=TIMEOUT)[0]
-    if world_size == 1:
+    scenario = FAIRSCALE.scenario(nested=False, skips=((), (), ()), world_size=2)
+    out = dist_pool(2).run(ew.fairscale_unflatten_params, scenario, alone, timeout=TIMEOUT)[0]
+    if alone:
         assert out["flatview-shapes"] == out["plain-shapes"] == [(3, 4), (3,)]
         compare(out["flatview"], out["plain"], tolerance=0.0)
     else:
