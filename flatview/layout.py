@@ -195,6 +195,17 @@ class Placement:
         """Other ranks hold other elements."""
         return self.layout is not None
 
+    @property
+    def has_partial_piece(self) -> bool:
+        """Some rank holds part of it, not all and not nothing (a ``PARTIAL`` piece)."""
+        layout = self.layout
+        if layout is None:
+            return False
+        return any(
+            layout.piece(self.segment, r).kind is PieceKind.PARTIAL
+            for r in range(layout.world_size)
+        )
+
     def piece(self, rank: int) -> Piece:
         """The part of the parameter that ``rank`` holds."""
         if self.layout is None:

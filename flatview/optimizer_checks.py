@@ -25,7 +25,6 @@ from flatview.backends.base import Adapter
 from flatview.backends.messages import double_count
 from flatview.comm.collectives import gather_objects
 from flatview.errors import OptimStateError, ParamGroupError
-from flatview.layout import PieceKind
 from flatview.norms import listing
 from flatview.table import ParamTable
 from flatview.view_hooks import refuse_view_hooks
@@ -174,8 +173,7 @@ class OptimizerChecks:
             self._refuse_zero_over_shards(optimizer)
         if type(optimizer).__name__ in _WHOLE_TENSOR_MATH:
             self._refuse_whole_tensor_math(optimizer)
-        held_indices = (table.index_of(p) for g in optimizer.param_groups for p in g["params"])
-        refuse_view_hooks(table, self.adapter, (i for i in held_indices if i is not None))
+        refuse_view_hooks(table, self.adapter, self._held(optimizer))
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for flat in table.flats:
             if id(flat.spec.flat) not in held:
@@ -199,6 +197,11 @@ class OptimizerChecks:
                 "FlatView.parameters()), or call FlatView.unwrap() to train on bare FSDP."
             )
 
+    def _held(self, optimizer: torch.optim.Optimizer) -> list[int]:
+        """Indices of the model's parameters ``optimizer`` holds, in its order."""
+        found = (self.table.index_of(p) for g in optimizer.param_groups for p in g["params"])
+        return [index for index in found if index is not None]
+
     def _refuse_zero_over_shards(self, optimizer: torch.optim.Optimizer) -> None:
         """torch's ``ZeroRedundancyOptimizer`` steps each parameter on one owner rank and
         broadcasts it to the others: it assumes every rank holds the same tensor. A view
@@ -207,18 +210,16 @@ class OptimizerChecks:
         Decided from the model's layout alone: every rank raises, before the step's
         first collective."""
         table = self.table
-        for group in optimizer.param_groups:
-            for tensor in group["params"]:
-                index = table.index_of(tensor)
-                if index is not None and table.placement_of(index).sharded:
-                    raise OptimStateError(
-                        f"{_ZERO} over the views of a sharded model (such as "
-                        f"{table.name(index)!r}): it broadcasts each parameter from the "
-                        "rank that steps it, but each rank's view holds other elements of "
-                        "the parameter. The wrapper already shards the optimizer state "
-                        "with the parameters: use the plain optimizer "
-                        f"({_ZERO}'s optimizer_class) over the views"
-                    )
+        for index in self._held(optimizer):
+            if table.placement_of(index).sharded:
+                raise OptimStateError(
+                    f"{_ZERO} over the views of a sharded model (such as "
+                    f"{table.name(index)!r}): it broadcasts each parameter from the rank "
+                    "that steps it, but each rank's view holds other elements of the "
+                    "parameter. The wrapper already shards the optimizer state with the "
+                    f"parameters: use the plain optimizer ({_ZERO}'s optimizer_class) over "
+                    "the views"
+                )
 
     def _refuse_whole_tensor_math(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer known to compute per-parameter quantities over the whole tensor
@@ -229,24 +230,17 @@ class OptimizerChecks:
         if type(optimizer).__module__.startswith("flatview"):
             return  # flatview's own (LARC) take whole-parameter norms
         table = self.table
-        for group in optimizer.param_groups:
-            for tensor in group["params"]:
-                index = table.index_of(tensor)
-                if index is None or not table.placement_of(index).sharded:
-                    continue
-                home = table.placement_of(index)
-                kinds = {home.piece(r).kind for r in range(home.layout.world_size)}  # type: ignore[union-attr]
-                if PieceKind.PARTIAL in kinds:
-                    name = type(optimizer).__name__
-                    raise OptimStateError(
-                        f"optimizer {name} computes per-parameter norms or statistics "
-                        f"over the whole tensor, but {table.name(index)!r} is split across "
-                        "ranks: over its views each rank would take its piece's for the "
-                        "parameter's. Use an elementwise optimizer, flatview.optim.LARC, "
-                        "the norms of FlatView.param_norms / tensor_norms (docs: recipes, "
-                        "per-parameter norms), or flatview.optim.Whole for optimizers over "
-                        "whole matrices"
-                    )
+        for index in self._held(optimizer):
+            if table.placement_of(index).has_partial_piece:
+                raise OptimStateError(
+                    f"optimizer {type(optimizer).__name__} computes per-parameter norms or "
+                    f"statistics over the whole tensor, but {table.name(index)!r} is split "
+                    "across ranks: over its views each rank would take its piece's for the "
+                    "parameter's. Use an elementwise optimizer, flatview.optim.LARC, the "
+                    "norms of FlatView.param_norms / tensor_norms (docs: recipes, "
+                    "per-parameter norms), or flatview.optim.Whole for optimizers over "
+                    "whole matrices"
+                )
 
 
 _WHOLE_TENSOR_MATH = frozenset(

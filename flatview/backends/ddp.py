@@ -40,7 +40,8 @@ from torch import nn
 
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter, PlainSpec, UnitSpec
-from flatview.backends.ddp_checks import AFTER_WRAP, DDPModel, refuse_enabled_join
+from flatview.backends.ddp_checks import HOOK_METHODS, DDPModel, refuse_enabled_join
+from flatview.backends.messages import comm_hook_after_wrap
 from flatview.backends.names import without_segments
 from flatview.backends.patches import Patches
 from flatview.backends.replicated import ReplicatedBackward
@@ -126,8 +127,8 @@ class DDPAdapter(Adapter):
         # always_call: a forward that raises an Exception ends its iteration here.
         patches.hook(self.root.register_forward_hook(self._after_forward, always_call=True))
         patches.patch(self.root, "forward", self._quiet_forward(self.root.forward))
-        for name, error in AFTER_WRAP.items():
-            patches.refusing(self.root, name, error)
+        for name in HOOK_METHODS:
+            patches.refusing(self.root, name, lambda: comm_hook_after_wrap("DDP"))
         self._backward.install(runtime, patches)
 
     def synchronizing(self) -> bool:

@@ -53,19 +53,11 @@ COMM_HOOK_REFUSED = (
     "DDP has a communication hook (register_comm_hook); flatview all-reduces the "
     "gradients itself and would bypass it"
 )
-"""Why a DDP communication hook is refused at wrap time (after it: :data:`AFTER_WRAP`)."""
+"""Why a DDP communication hook is refused at wrap time (after it: :data:`HOOK_METHODS`)."""
 
-_HOOK_AFTER_WRAP = (
-    "register_comm_hook on a DDP model wrapped by flatview: flatview all-reduces the "
-    "gradients itself and would bypass the hook; call fv.unwrap() first to train with it "
-    "on bare DDP"
-)
-
-AFTER_WRAP = {
-    "register_comm_hook": lambda: StateError(_HOOK_AFTER_WRAP),
-    "_register_builtin_comm_hook": lambda: StateError(_HOOK_AFTER_WRAP),
-}
-"""DDP's methods a wrapped model refuses, each with its error."""
+HOOK_METHODS = ("register_comm_hook", "_register_builtin_comm_hook")
+"""DDP's methods that register a communication hook: a wrapped model refuses them
+(:func:`~flatview.backends.messages.comm_hook_after_wrap`)."""
 
 
 def refuse_enabled_join(ddp: Any) -> None:

@@ -1,8 +1,8 @@
 """Error texts more than one adapter raises, written once: a model wrapped between a
 forward and its backward, an optimizer that holds a flat parameter together with views
-inside it, and a backward inside the root's forward that the wrapper would never finish
-or reduce. (Parameters that got no gradient without being declared skipped:
-:func:`flatview.comm.unused.undeclared_unused`.)"""
+inside it, a backward inside the root's forward that the wrapper would never finish or
+reduce, and a communication hook registered after the wrap. (Parameters that got no
+gradient without being declared skipped: :func:`flatview.comm.unused.undeclared_unused`.)"""
 
 from __future__ import annotations
 
@@ -66,6 +66,18 @@ def unfinished_backward(wrapper: str) -> StateError:
         "finishes such a backward (the root's outputs queue its end), so its gradients "
         "would be lost or reduced in part. Run the backward after the forward returns "
         "(loss = model(x); loss.backward())"
+    )
+
+
+def comm_hook_after_wrap(wrapper: str) -> StateError:
+    """``register_comm_hook`` on a ``wrapper`` model (its name) that flatview wraps:
+    flatview reduces the gradients itself (on torch FSDP1 through its own hook), so the
+    user's hook would be bypassed, or trip the wrapper's own check. A model that has one
+    is refused at the wrap."""
+    return StateError(
+        f"register_comm_hook on a {wrapper} model wrapped by flatview: flatview reduces the "
+        "gradients itself and would bypass the hook (a model that has one is refused at "
+        f"the wrap); call fv.unwrap() first to train with it on bare {wrapper}"
     )
 
 

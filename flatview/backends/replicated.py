@@ -76,7 +76,7 @@ from flatview.comm.unused import (
     replaced_parameters,
     undeclared_unused,
 )
-from flatview.errors import StateError
+from flatview.errors import FlatViewError, StateError
 from flatview.phase import Phase
 from flatview.states import Transitions
 
@@ -357,6 +357,24 @@ class ReplicatedBackward:
 
     # -------------------------------------------------------------- reduction
 
+    def _unused_error(self, named: dict[str, nn.Parameter]) -> FlatViewError:
+        """The error for parameters (by name) no rank's backward gave a gradient, naming
+        the cause where it is not a skip left undeclared: a tensor the model no longer
+        holds, or a user's post-accumulate-grad hook (beside flatview's own one, see
+        :meth:`install`) that took the gradient inside the backward."""
+        held = {id(p) for p in self._model.parameters()}
+        replaced = [name for name, p in named.items() if id(p) not in held]
+        if replaced:
+            return replaced_parameters(replaced)
+        hooked = [
+            name
+            for name, p in named.items()
+            if len(getattr(p, "_post_accumulate_grad_hooks", None) or ()) > 1
+        ]
+        if hooked:
+            return gradients_taken_in_backward(hooked)
+        return undeclared_unused("parameter(s)", list(named), "any rank")
+
     @torch.no_grad()
     def _finish(self, indices: list[int], round_: BucketRound, filled: set[int]) -> None:
         """Start what ``round_`` has not started of the reduction (average) of the
@@ -393,18 +411,5 @@ class ReplicatedBackward:
         if unused:
             for k in unused:
                 params[k].grad = None
-            names = [runtime.name(indices[k]) for k in unused]
-            # A tensor the model no longer holds cannot get a gradient: name the real cause.
-            held = {id(p) for p in self._model.parameters()}
-            replaced = [n for k, n in zip(unused, names, strict=True) if id(params[k]) not in held]
-            if replaced:
-                raise replaced_parameters(replaced)
-            # Beside flatview's own one (install): the user's, which took the gradient.
-            hooked = [
-                n
-                for k, n in zip(unused, names, strict=True)
-                if len(getattr(params[k], "_post_accumulate_grad_hooks", None) or ()) > 1
-            ]
-            if hooked:
-                raise gradients_taken_in_backward(hooked)
-            raise undeclared_unused("parameter(s)", names, "any rank")
+            named = {runtime.name(indices[k]): params[k] for k in unused}
+            raise self._unused_error(named)

@@ -26,7 +26,7 @@ from torch.distributed import utils as dist_utils
 
 from flatview.backends.base import UnitGroup
 from flatview.backends.internals import require_attrs, require_autograd_internals
-from flatview.backends.messages import check_no_pending_backward
+from flatview.backends.messages import check_no_pending_backward, comm_hook_after_wrap
 from flatview.backends.names import nested_unit_message
 from flatview.backends.nesting import inside_another
 from flatview.backends.patches import Patches
@@ -36,7 +36,7 @@ from flatview.backends.torch_versions import check_torch_version, fsdp_class
 from flatview.backends.unit_groups import own_groups
 from flatview.backends.unit_tree import check_units, label
 from flatview.comm.hybrid import HybridGroups
-from flatview.errors import StateError, WrapError
+from flatview.errors import WrapError
 from flatview.wrapped_models import check_not_wrapped
 
 _UNIT_PRIVATES = (
@@ -175,16 +175,7 @@ def refuse_comm_hooks(root: Any, patches: Patches) -> None:
     """A communication hook registered on the wrapped model after the wrap (refused at
     the wrap itself): flatview's own hook, or flatview's own reduction on ``NO_SHARD``
     computed on views, would bypass it or trip torch's assertion."""
-    patches.refusing(
-        root,
-        "register_comm_hook",
-        lambda: StateError(
-            "register_comm_hook on a torch FSDP model wrapped by flatview: flatview "
-            "reduces the gradients itself (through its own communication hook) and cannot "
-            "combine with another (a model that has one is refused at the wrap); call "
-            "fv.unwrap() first to train with the hook on bare FSDP"
-        ),
-    )
+    patches.refusing(root, "register_comm_hook", lambda: comm_hook_after_wrap("FSDP"))
 
 
 def _awaiting_backward(name: str, unit: Any) -> str | None:
