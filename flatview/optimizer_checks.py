@@ -12,9 +12,10 @@ Registered with :mod:`flatview.wrapped_models`, whose step pre-hook calls the la
 
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from flatview.backends.base import Adapter
 from flatview.backends.messages import double_count
 from flatview.comm.collectives import gather_objects
 from flatview.errors import OptimStateError, ParamGroupError
+from flatview.layout import Placement
 from flatview.norms import listing
 from flatview.table import ParamTable
 from flatview.view_hooks import refuse_view_hooks
@@ -202,6 +204,16 @@ class OptimizerChecks:
         found = (self.table.index_of(p) for g in optimizer.param_groups for p in g["params"])
         return [index for index in found if index is not None]
 
+    def _first_held(
+        self, optimizer: torch.optim.Optimizer, where: Callable[[Placement], bool]
+    ) -> str | None:
+        """The name of the first parameter ``optimizer`` holds whose placement is
+        ``where``, if any."""
+        table = self.table
+        found = (i for i in self._held(optimizer) if where(table.placement_of(i)))
+        index = next(found, None)
+        return None if index is None else table.name(index)
+
     def _refuse_zero_over_shards(self, optimizer: torch.optim.Optimizer) -> None:
         """torch's ``ZeroRedundancyOptimizer`` steps each parameter on one owner rank and
         broadcasts it to the others: it assumes every rank holds the same tensor. A view
@@ -209,17 +221,15 @@ class OptimizerChecks:
         differ in size across ranks (gloo aborted) or overwrite other ranks' pieces.
         Decided from the model's layout alone: every rank raises, before the step's
         first collective."""
-        table = self.table
-        for index in self._held(optimizer):
-            if table.placement_of(index).sharded:
-                raise OptimStateError(
-                    f"{_ZERO} over the views of a sharded model (such as "
-                    f"{table.name(index)!r}): it broadcasts each parameter from the rank "
-                    "that steps it, but each rank's view holds other elements of the "
-                    "parameter. The wrapper already shards the optimizer state with the "
-                    f"parameters: use the plain optimizer ({_ZERO}'s optimizer_class) over "
-                    "the views"
-                )
+        name = self._first_held(optimizer, operator.attrgetter("sharded"))
+        if name is not None:
+            raise OptimStateError(
+                f"{_ZERO} over the views of a sharded model (such as {name!r}): it "
+                "broadcasts each parameter from the rank that steps it, but each rank's "
+                "view holds other elements of the parameter. The wrapper already shards "
+                "the optimizer state with the parameters: use the plain optimizer "
+                f"({_ZERO}'s optimizer_class) over the views"
+            )
 
     def _refuse_whole_tensor_math(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer known to compute per-parameter quantities over the whole tensor
@@ -229,18 +239,16 @@ class OptimizerChecks:
         a piece), so every rank raises alike, before the step."""
         if type(optimizer).__module__.startswith("flatview"):
             return  # flatview's own (LARC) take whole-parameter norms
-        table = self.table
-        for index in self._held(optimizer):
-            if table.placement_of(index).has_partial_piece:
-                raise OptimStateError(
-                    f"optimizer {type(optimizer).__name__} computes per-parameter norms or "
-                    f"statistics over the whole tensor, but {table.name(index)!r} is split "
-                    "across ranks: over its views each rank would take its piece's for the "
-                    "parameter's. Use an elementwise optimizer, flatview.optim.LARC, the "
-                    "norms of FlatView.param_norms / tensor_norms (docs: recipes, "
-                    "per-parameter norms), or flatview.optim.Whole for optimizers over "
-                    "whole matrices"
-                )
+        name = self._first_held(optimizer, operator.attrgetter("has_partial_piece"))
+        if name is not None:
+            raise OptimStateError(
+                f"optimizer {type(optimizer).__name__} computes per-parameter norms or "
+                f"statistics over the whole tensor, but {name!r} is split across ranks: "
+                "over its views each rank would take its piece's for the parameter's. Use "
+                "an elementwise optimizer, flatview.optim.LARC, the norms of "
+                "FlatView.param_norms / tensor_norms (docs: recipes, per-parameter norms), "
+                "or flatview.optim.Whole for optimizers over whole matrices"
+            )
 
 
 _WHOLE_TENSOR_MATH = frozenset(
