@@ -194,11 +194,14 @@ def test_accelerate_ddp_trains_like_the_reference(dist_pool: PoolFactory, run: i
 
 
 @needs_accelerate
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_accelerate_ddp_under_torchrun_trains_like_the_reference() -> None:
     """The same run (accumulation and clipping) launched by a real ``torchrun``:
     accelerate makes the process group from the launcher's environment itself, not the
-    suite's pool (tests/torchrun_accelerate.py; rank 0 compares with the reference)."""
+    suite's pool (tests/torchrun_accelerate.py; rank 0 compares with the reference).
+    Slow (8-12 s: a launcher and two fresh interpreters); the pool's runs above train
+    the same way through the same prepare."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
