@@ -34,7 +34,7 @@ from flatview import norms as _norms
 from flatview import wrapped_models
 from flatview.backends.base import Adapter
 from flatview.backends.patches import Patches
-from flatview.checkpoint_fairscale import route_fairscale_optim_state
+from flatview.checkpoint_fairscale import loadable, route_fairscale_optim_state
 from flatview.checkpoint_optim import consolidated, load_consolidated
 from flatview.checkpoint_routing import RoutingSite, route_torch_checkpoint
 from flatview.comm.ledger import Ledger
@@ -79,7 +79,9 @@ class FlatView:
             check_skip_agreement=check_skip_agreement,
         )
         """What the backend adapter drives (for flatview's own modules and adapters)."""
-        self._checks = OptimizerChecks(self.table, adapter)
+        self._checks = OptimizerChecks(
+            self.table, adapter, lent=lambda: self.runtime.phase is Phase.LENT
+        )
         self.runtime.views.show_initial()
         # With the views shown, a walk of the module tree meets the parameters in the
         # unwrapped model's order.
@@ -518,6 +520,12 @@ class FlatView:
         ``optimizer.load_state_dict``). Every rank needs the full dict (load the same
         file everywhere); nothing is communicated.
 
+        On fairscale it also takes what bare fairscale's ``gather_full_optim_state_dict``
+        saved before the model was wrapped (a state by position, one parameter group):
+        positions are those of fairscale's units in module order, converted to names,
+        so a run that fairscale alone started resumes under flatview. The model must
+        have the units it was saved with.
+
         Args:
             optimizer: an optimizer built like the saved one, over this model's views.
             state_dict: the consolidated state.
@@ -527,6 +535,8 @@ class FlatView:
                 not one of this model's parameters; the dict names parameters this model
                 does not have, lacks ones the optimizer holds, or has a different number
                 of parameter groups; or a per-element tensor does not have its
-                parameter's shape. Nothing is loaded then.
+                parameter's shape; or a state by position (fairscale's) does not fit
+                this model's fairscale units. Nothing is loaded then.
         """
+        state_dict = loadable(self.table, self._modules, self.adapter.backend, state_dict)
         load_consolidated(self.table, optimizer, state_dict)

@@ -5,7 +5,9 @@
   collective); :meth:`OptimizerChecks.warn_shape_grouping` warns, at an optimizer's first
   step, where this rank alone sees groups decided by the view's shape (``p.ndim``).
 * An optimizer must not hold a flat parameter, alone or beside the views inside it
-  (:meth:`OptimizerChecks.check_optimizer`, before every first step).
+  (:meth:`OptimizerChecks.check_optimizer`, before every first step), nor a tensor
+  the wrapper lent inside ``summon_full_params`` / ``unflatten_params`` (it shares the
+  storage of the model's parameters without being one: the model no longer reads it).
 
 Registered with :mod:`flatview.wrapped_models`, whose step pre-hook calls the last two.
 """
@@ -35,13 +37,23 @@ from flatview.view_hooks import refuse_view_hooks
 class OptimizerChecks:
     """The optimizer checks of one wrapped model (see the module docstring)."""
 
-    def __init__(self, table: ParamTable, adapter: Adapter) -> None:
+    def __init__(
+        self, table: ParamTable, adapter: Adapter, lent: Callable[[], bool] = lambda: False
+    ) -> None:
         self.table = table
         self.adapter = adapter
+        self._lent = lent
+        """Whether the model is lent to one of the wrapper's operations right now (inside
+        ``summon_full_params``, where the wrapper's tensors are the model's)."""
         # Optimizers whose groups were looked at for shape-decided grouping (once each).
         self._shape_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._by_name: set[int] = set()
         """Matrices grouped apart by name on purpose (:meth:`exempt_by_name`)."""
+
+    def settled(self) -> bool:
+        """See :meth:`flatview.wrapped_models.Watcher.settled`: a step inside a
+        summoning is not checked for lent tensors, so the next one is checked again."""
+        return not self._lent()
 
     def exempt_by_name(self, index: int) -> None:
         """Parameter ``index`` (a matrix) is grouped apart by name on purpose: its 1-D
@@ -198,6 +210,57 @@ class OptimizerChecks:
                 "views. Build optimizers from views (submodule.parameters() or "
                 "FlatView.parameters()), or call FlatView.unwrap() to train on bare FSDP."
             )
+        if not self._lent():
+            self._refuse_lent_tensors(optimizer)
+
+    def _refuse_lent_tensors(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer built inside ``summon_full_params`` or ``unflatten_params`` (the
+        first seed's example) holds the tensors the wrapper put on the submodules for the
+        length of the context: views of its full or flat buffers, which the model no
+        longer reads once the context ends, and which get no gradient. Its steps would
+        train nothing, on bare FSDP too. Known by storage: such a tensor shares the
+        storage of the model's parameters without being one of them. Looked at only for
+        tensors that are not the model's parameters (other models' are not, and share
+        none of its storage)."""
+        table = self.table
+        foreign = [
+            p
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if table.index_of(p) is None
+        ]
+        if not foreign:
+            return
+        units = self._units_by_storage()
+        for tensor in foreign:
+            unit = units.get(storage_key(tensor))
+            if unit is None:
+                continue
+            raise OptimStateError(
+                f"optimizer {type(optimizer).__name__} holds a tensor of shape "
+                f"{tuple(tensor.shape)} that shares the storage of FSDP unit {unit!r}'s "
+                "parameters without being one of the model's parameters: one the wrapper "
+                "lent inside summon_full_params() or unflatten_params(). After the context "
+                "the model no longer reads it and it gets no gradient, so the step would "
+                "train nothing. Build the optimizer outside the context, from "
+                "submodule.parameters() (views, once wrapped) or FlatView.parameters()."
+            )
+
+    def _units_by_storage(self) -> dict[int | None, str]:
+        """The name of the unit whose parameters or flat buffers (every tensor a flat
+        parameter carries: its shard, its unsharded buffer) live in each storage."""
+        table = self.table
+        units: dict[int | None, str] = {}
+        for param in table.params:
+            units[storage_key(param.tensor)] = table.units[param.unit].name or "<root>"
+        for flat in table.flats:
+            name = table.units[flat.unit].name or "<root>"
+            buffers = [flat.spec.flat, *vars(flat.spec.flat).values()]
+            for buffer in buffers:
+                if isinstance(buffer, torch.Tensor):
+                    units[storage_key(buffer)] = name
+        units.pop(None, None)
+        return units
 
     def _held(self, optimizer: torch.optim.Optimizer) -> list[int]:
         """Indices of the model's parameters ``optimizer`` holds, in its order."""
@@ -301,6 +364,16 @@ class Signature:
         if self.groups > 1 and self.matrices <= self.low:
             return [n for n, _ in self.pieces]
         return []
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """Which storage ``tensor`` lives in, the same across resizes (FSDP frees its
+    unsharded buffers by resizing their storage to nothing); ``None`` for tensors
+    without one of their own (tensor subclasses such as ``DTensor``)."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
 
 
 def hyperparameters(group: dict[str, Any]) -> str:

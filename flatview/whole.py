@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from flatview import wrapped_models
 from flatview.backends.base import is_rank0
 from flatview.comm.collectives import all_reduce_max
 from flatview.comm.ledger import Ledger
@@ -205,6 +206,7 @@ class Whole(torch.optim.Optimizer):
         try:
             self.inner = optimizer_cls(inner_groups, **optimizer_kwargs)
             """The torch optimizer this rank steps (over whole copies and aliases)."""
+            wrapped_models.own_optimizer(self.inner)
             make_eager(self.inner)
         except Exception as err:  # raised below, on every rank
             failure = err

@@ -40,6 +40,10 @@ class Watcher(Protocol):
         """Warn (``stacklevel=4``: the caller of ``optimizer.step``) if its groups look
         decided by view shape."""
 
+    def settled(self) -> bool:
+        """Whether checks passed now hold for later steps (not while the model is lent
+        to a wrapper operation, where the wrapper's own tensors are the model's)."""
+
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 _wrapped: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
@@ -52,6 +56,9 @@ _stale: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
 _generation = 0
 # Optimizers that stepped or were loaded: their lack of state is not freshness.
 _histories: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+# Optimizers flatview builds and steps itself (flatview.optim.Whole's inner one, over its
+# own whole copies and aliases of views): the user's optimizer around them is checked.
+_own: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def check_not_wrapped(modules: Sequence[nn.Module]) -> None:
@@ -108,6 +115,12 @@ def record_history(optimizer: torch.optim.Optimizer) -> None:
     _histories.add(optimizer)
 
 
+def own_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` is one flatview builds and steps itself, over tensors of its own
+    (:class:`flatview.optim.Whole`'s inner optimizer): not checked against the models."""
+    _own.add(optimizer)
+
+
 def has_history(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` has stepped since a model was first wrapped, or was loaded
     by flatview: then parameters it holds without state have never had a gradient
@@ -126,13 +139,16 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         _generation,
         *[tuple(map(id, group["params"])) for group in optimizer.param_groups],
     )
-    if _checked.get(optimizer) == signature:
+    if _checked.get(optimizer) == signature or optimizer in _own:
         return
     _check_stale(optimizer)
+    settled = True
     for watcher in list(_live):
         watcher.check_optimizer(optimizer)
         watcher.warn_shape_grouping(optimizer)
-    _checked[optimizer] = signature
+        settled = settled and watcher.settled()
+    if settled:
+        _checked[optimizer] = signature
     _histories.add(optimizer)
 
 

@@ -273,3 +273,44 @@ def hooks_on_views(scenario: Scenario, kind: str, when: str) -> dict[str, Any]:
         except FlatViewError as err:
             error = f"{type(err).__name__}: {err}"
         return {"error": error, "calls": calls[0]}
+
+
+def optimizer_built_while_lent(scenario: Scenario, how: str) -> dict[str, Any]:
+    """The first seed's broken remedy: an SGD built inside the wrapper's summoning, over
+    the head's parameters there, then a training step. ``how``: ``"summon"``
+    (``summon_full_params``: fairscale's method, torch FSDP1's static one), on fairscale
+    also ``"unflatten"`` (``unflatten_params()``, each rank's FSDP on a process group of
+    its own, as at world size 1, where it works). A first ``opt.step()`` runs inside the
+    summoning (no gradients yet: nothing to step). What the step after the training
+    raised (empty if none), and whether the head changed."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    with backend_context(scenario.backend):
+        if how == "unflatten":
+            from fairscale.nn.data_parallel import FullyShardedDataParallel as FairscaleFSDP
+
+            own = groups[dist.get_rank()]
+            model = FairscaleFSDP(make_net(scenario), flatten_parameters=True, process_group=own)
+        else:
+            model = wrap_fsdp(scenario, make_net(scenario))
+        fv = flatview.wrap(model)
+        head = _original_tree(model).head
+        if how == "unflatten":
+            lent = model.unflatten_params()
+        elif scenario.backend == "fairscale":
+            lent = model.summon_full_params()
+        else:
+            lent = type(model).summon_full_params(model)
+        with lent:
+            opt = torch.optim.SGD(head.parameters(), lr=0.5)
+            opt.step()
+        before = [p.detach().clone() for p in head.parameters()]
+        x, y = local_batch(scenario, 0)
+        with fv.step():
+            loss_of(model(x), y).backward()
+        try:
+            opt.step()
+            error = ""
+        except FlatViewError as err:
+            error = f"{type(err).__name__}: {err}"
+        changed = any(not torch.equal(a, b) for a, b in zip(before, head.parameters(), strict=True))
+        return {"error": error, "changed": changed}

@@ -12,7 +12,9 @@ optimizer's consolidated state.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ from tests.scenarios import (
     optimizer_steps,
     reference_model,
     reference_training,
+    wrap_fsdp,
 )
 from tests.workers import flats_and_shards
 
@@ -212,6 +215,70 @@ def fairscale_methods(scenario: Scenario) -> tuple[list[State | None], list[str]
         fv.unwrap()
         restored = all(name not in vars(unit) for unit in model.modules() for name in names)
         return [None if s is None else as_numpy(s) for s in gathered], refusals, restored
+
+
+def fairscale_resumes_bare(
+    scenario: Scenario, saved_at: int
+) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray] | None, str]:
+    """Bare fairscale (one Adam over ``model.parameters()``, as fairseq builds it) trains
+    ``saved_at`` optimizer steps, saves through ``gather_full_optim_state_dict`` (rank
+    0's dict, loaded by every rank as a file) and its parameters, and trains on. The
+    same checkpoint resumes under flatview: Adam over the views, loaded with
+    ``FlatView.load_optim_state_dict``, trains the same steps. Rank 0 returns both final
+    parameters; every rank the error of loading the state into the model with other
+    units (one root unit)."""
+    steps = optimizer_steps(scenario)
+    with backend_context(scenario.backend):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        _train_bare(model, opt, scenario, steps[:saved_at])
+        # fairscale turns each live `step` tensor into an int (it edits the entries of
+        # opt.state_dict(), which are the optimizer's own): torch's Adam then refuses to
+        # step. The bare run goes on from its state as it was.
+        kept = copy.deepcopy(opt.state_dict())
+        shared: list[Any] = [(model.gather_full_optim_state_dict(opt), full_state(model, scenario))]
+        opt.load_state_dict(kept)
+        dist.broadcast_object_list(shared, src=0)
+        saved, params = shared[0]
+        _train_bare(model, opt, scenario, steps[saved_at:])
+        bare = full_state(model, scenario)
+
+        def resumed(scenario: Scenario) -> tuple[nn.Module, flatview.FlatView]:
+            net = make_net(scenario)
+            net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=False)
+            model = wrap_fsdp(scenario, net)
+            fv = flatview.wrap(model)
+            opt = torch.optim.Adam(fv.parameters(), lr=0.05)
+            fv.load_optim_state_dict(opt, copy.deepcopy(saved))
+            return model, fv, opt
+
+        model, fv, opt = resumed(scenario)
+        for step in steps[saved_at:]:
+            for micro in step:
+                x, y = local_batch(scenario, micro)
+                with fv.step():
+                    loss_of(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        got = full_state(model, scenario)
+        try:
+            resumed(replace(scenario, nested=False))
+        except OptimStateError as error:
+            other_units = str(error)
+        else:
+            other_units = ""
+        return bare, got, other_units
+
+
+def _train_bare(
+    model: nn.Module, opt: torch.optim.Optimizer, scenario: Scenario, steps: Sequence[range]
+) -> None:
+    for step in steps:
+        for micro in step:
+            x, y = local_batch(scenario, micro)
+            loss_of(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def ignored_head(scenario: Scenario) -> dict[str, Any]:

@@ -264,6 +264,24 @@ def test_fairscale_gather_full_optim_state_dict(dist_pool: PoolFactory) -> None:
             assert "load_optim_state_dict" in refusal, (rank, refusal)
 
 
+def test_fairscale_state_saved_before_the_wrap_resumes(dist_pool: PoolFactory) -> None:
+    """A run bare fairscale started, saved through its ``gather_full_optim_state_dict``
+    (state by position), resumes under flatview: ``load_optim_state_dict`` numbers
+    positions as fairscale does (units in module order, each flat parameter's segments;
+    a tied parameter once) and training goes on as bare fairscale's own went on, at 3
+    ranks (shard boundaries inside parameters). Into a model with other units the state
+    is refused, naming the change."""
+    scenario = FAIRSCALE.scenario(world_size=3, tie=True, skips=((),) * 4)
+    results = dist_pool(3).run(ow.fairscale_resumes_bare, scenario, 2, timeout=TIMEOUT)
+    bare, got, _ = results[0]
+    assert bare is not None and got is not None
+    assert sorted(got) == sorted(bare)
+    for name, value in bare.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+    for rank, (_, _, other_units) in enumerate(results):
+        assert "other units" in other_units and "nesting changed" in other_units, rank
+
+
 @pytest.mark.parametrize("backend", [backend_param(FULL_SHARD)])
 def test_parameters_fsdp_does_not_flatten_are_taken_as_they_are(
     dist_pool: PoolFactory, backend: BackendConfig

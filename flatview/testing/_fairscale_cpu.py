@@ -100,6 +100,7 @@ class _ThreadDepth(threading.local):
     lazy_init = 0
     clip_grad_norm = 0
     init_param_attributes = 0
+    gather_optim_state = 0
 
 
 _depth = _ThreadDepth()
@@ -149,6 +150,7 @@ def _import_fairscale() -> tuple[ModuleType, ModuleType]:
             fsdp_cls, "_init_param_attributes"
         ),
         "FullyShardedDataParallel.clip_grad_norm_": hasattr(fsdp_cls, "clip_grad_norm_"),
+        "FullyShardedDataParallel._gather_optim_state": hasattr(fsdp_cls, "_gather_optim_state"),
     }
     missing = [name for name, ok in needed.items() if not ok]
     if missing:
@@ -175,6 +177,8 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
     real_lazy_init = fsdp_cls._lazy_init
     real_init_param_attributes = fsdp_cls._init_param_attributes
     real_clip_grad_norm = fsdp_cls.clip_grad_norm_
+    real_tensor_cpu = torch.Tensor.cpu
+    real_gather_optim_state = fsdp_cls._gather_optim_state
 
     def is_available() -> bool:
         # FSDP only creates its streams (and only syncs with them before an all-gather) if
@@ -237,6 +241,23 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
         finally:
             _depth.clip_grad_norm -= 1
 
+    def tensor_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # _gather_optim_state all-gathers every state tensor of a flat parameter into one
+        # reused buffer and keeps `x.cpu()` of it: a copy from CUDA, but the buffer itself
+        # on CPU, which the next tensor (exp_avg_sq after exp_avg) overwrites. As on CUDA:
+        # a copy. Only inside _gather_optim_state.
+        moved: torch.Tensor = real_tensor_cpu(self, *args, **kwargs)
+        if _depth.gather_optim_state > 0 and moved is self:
+            return self.clone()
+        return moved
+
+    def gather_optim_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _depth.gather_optim_state += 1
+        try:
+            return real_gather_optim_state(self, *args, **kwargs)
+        finally:
+            _depth.gather_optim_state -= 1
+
     def default_device(module: torch.nn.Module) -> torch.device:
         # Where FSDP would fall back to "cuda" when compute_device is not given.
         return torch.device("cpu")
@@ -245,6 +266,7 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
     lazy_init.__wrapped__ = real_lazy_init  # type: ignore[attr-defined]
     init_param_attributes.__wrapped__ = real_init_param_attributes  # type: ignore[attr-defined]
     clip_grad_norm_.__wrapped__ = real_clip_grad_norm  # type: ignore[attr-defined]
+    gather_optim_state.__wrapped__ = real_gather_optim_state  # type: ignore[attr-defined]
 
     # Measured with torch 2.13 (CPU build): dropping any one of these breaks FSDP on CPU,
     # except torch.cuda.stream (torch's own StreamContext is already inert without CUDA)
@@ -259,9 +281,11 @@ def _replacements(fsdp_mod: ModuleType, bucketer_mod: ModuleType) -> list[tuple[
         (torch.Tensor, "record_stream", record_stream),
         (torch.Tensor, "cuda", tensor_cuda),
         (torch.Tensor, "pin_memory", pin_memory),
+        (torch.Tensor, "cpu", tensor_cpu),
         (fsdp_cls, "_lazy_init", lazy_init),
         (fsdp_cls, "_init_param_attributes", init_param_attributes),
         (fsdp_cls, "clip_grad_norm_", clip_grad_norm_),
+        (fsdp_cls, "_gather_optim_state", gather_optim_state),
         (fsdp_mod, "_get_default_cuda_device", default_device),
         # gloo rejects the 2-D bucket fairscale hands to _reduce_scatter_base ("Check
         # failed: outputShape[0] * worldSize == inputShape[0]"); with the flags off
@@ -301,7 +325,8 @@ def fairscale_on_cpu() -> Iterator[None]:
     A test aid for machines without a GPU. Inside the context, build the FSDP model (so
     that it picks the CPU as its compute device) and run forward, backward, optimizer
     steps, ``clip_grad_norm_``, ``summon_full_params``, ``state_dict`` /
-    ``load_state_dict``, ``local_state_dict`` / ``load_local_state_dict``, ``no_sync``,
+    ``load_state_dict``, ``gather_full_optim_state_dict``, ``local_state_dict`` /
+    ``load_local_state_dict``, ``no_sync``,
     nested FSDP units, ``reshard_after_forward`` True or False, ``mixed_precision=True``
     and CPU offload (``cpu_offload`` / ``move_params_to_cpu`` / ``move_grads_to_cpu``).
     Build the model inside the context (outside it FSDP picks ``cuda`` as its compute
@@ -321,6 +346,10 @@ def fairscale_on_cpu() -> Iterator[None]:
       ``torch.Tensor.pin_memory`` by the identity while ``_lazy_init`` or
       ``_init_param_attributes`` (wrapped to track that) runs (CPU offload); elsewhere both
       behave as before.
+    * ``torch.Tensor.cpu`` by one that copies a CPU tensor while ``_gather_optim_state``
+      (wrapped) runs: ``gather_full_optim_state_dict`` keeps ``.cpu()`` of a buffer it
+      reuses for the next state tensor, a copy from CUDA but the buffer itself on CPU
+      (``exp_avg`` came back as ``exp_avg_sq``).
     * fairscale's ``_get_default_cuda_device`` by one returning ``cpu``, so FSDP computes
       on CPU without an explicit ``compute_device``.
     * ``enable_nccl_base_collectives`` in fairscale's FSDP and reduce-scatter bucketer
