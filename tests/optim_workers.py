@@ -217,33 +217,42 @@ def fairscale_methods(scenario: Scenario) -> tuple[list[State | None], list[str]
         return [None if s is None else as_numpy(s) for s in gathered], refusals, restored
 
 
-def fairscale_resumes_bare(
+def resumes_bare(
     scenario: Scenario, saved_at: int
 ) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray] | None, str]:
-    """Bare fairscale (one Adam over ``model.parameters()``, as fairseq builds it) trains
-    ``saved_at`` optimizer steps, saves through ``gather_full_optim_state_dict`` (rank
-    0's dict, loaded by every rank as a file) and its parameters, and trains on. The
-    same checkpoint resumes under flatview: Adam over the views, loaded with
+    """The bare wrapper (one Adam over ``model.parameters()``, as fairseq builds it) trains
+    ``saved_at`` optimizer steps, saves the optimizer state its own way (fairscale:
+    ``gather_full_optim_state_dict``, by position; torch FSDP1: ``FSDP.optim_state_dict``,
+    by name) and its parameters, rank 0's loaded by every rank as a file, and trains on.
+    The same checkpoint resumes under flatview: Adam over the views, loaded with
     ``FlatView.load_optim_state_dict``, trains the same steps. Rank 0 returns both final
     parameters; every rank the error of loading the state into the model with other
-    units (one root unit)."""
+    units (one root unit; empty if it loads)."""
     steps = optimizer_steps(scenario)
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
         _train_bare(model, opt, scenario, steps[:saved_at])
-        # fairscale turns each live `step` tensor into an int (it edits the entries of
-        # opt.state_dict(), which are the optimizer's own): torch's Adam then refuses to
-        # step. The bare run goes on from its state as it was.
-        kept = copy.deepcopy(opt.state_dict())
-        shared: list[Any] = [(model.gather_full_optim_state_dict(opt), full_state(model, scenario))]
-        opt.load_state_dict(kept)
+        if scenario.backend == "fairscale":
+            # fairscale turns each live `step` tensor into an int (it edits the entries
+            # of opt.state_dict(), which are the optimizer's own): torch's Adam then
+            # refuses to step. The bare run goes on from its state as it was.
+            kept = copy.deepcopy(opt.state_dict())
+            state = model.gather_full_optim_state_dict(opt)
+            opt.load_state_dict(kept)
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+            state = TorchFSDP.optim_state_dict(model, opt)
+        shared: list[Any] = [(state, full_state(model, scenario))]
         dist.broadcast_object_list(shared, src=0)
         saved, params = shared[0]
         _train_bare(model, opt, scenario, steps[saved_at:])
         bare = full_state(model, scenario)
 
-        def resumed(scenario: Scenario) -> tuple[nn.Module, flatview.FlatView]:
+        def resumed(
+            scenario: Scenario,
+        ) -> tuple[nn.Module, flatview.FlatView, torch.optim.Optimizer]:
             net = make_net(scenario)
             net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=False)
             model = wrap_fsdp(scenario, net)
