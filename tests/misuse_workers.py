@@ -205,7 +205,6 @@ def first_step_of(scenario: Scenario, kind: str) -> dict[str, Any]:
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         fv = flatview.wrap(model)
-        before = [p.detach().clone() for p in fv.parameters()]
         opt: torch.optim.Optimizer
         if kind == "zero":
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -213,16 +212,29 @@ def first_step_of(scenario: Scenario, kind: str) -> dict[str, Any]:
             opt = ZeroRedundancyOptimizer(list(fv.parameters()), torch.optim.AdamW, lr=0.05)
         else:
             opt = torch.optim.Adafactor(fv.parameters(), lr=0.01)
-        x, y = local_batch(scenario, 0)
-        with fv.step():
-            loss_of(model(x), y).backward()
-        try:
-            opt.step()
-            error = ""
-        except FlatViewError as err:
-            error = f"{type(err).__name__}: {err}"
-        changed = any(not torch.equal(a, b) for a, b in zip(before, fv.parameters(), strict=True))
-        return {"error": error, "changed": changed}
+        return _step_after_training(model, fv, scenario, opt, list(fv.parameters()))
+
+
+def _step_after_training(
+    model: nn.Module,
+    fv: flatview.FlatView,
+    scenario: Scenario,
+    opt: torch.optim.Optimizer,
+    watched: list[torch.Tensor],
+) -> dict[str, Any]:
+    """One training step, then ``opt.step()``: what it raised (empty if nothing), and
+    whether any of the ``watched`` parameters changed on this rank."""
+    before = [p.detach().clone() for p in watched]
+    x, y = local_batch(scenario, 0)
+    with fv.step():
+        loss_of(model(x), y).backward()
+    try:
+        opt.step()
+        error = ""
+    except FlatViewError as err:
+        error = f"{type(err).__name__}: {err}"
+    changed = any(not torch.equal(a, b) for a, b in zip(before, watched, strict=True))
+    return {"error": error, "changed": changed}
 
 
 def hooks_on_views(scenario: Scenario, kind: str, when: str) -> dict[str, Any]:
@@ -303,14 +315,4 @@ def optimizer_built_while_lent(scenario: Scenario, how: str) -> dict[str, Any]:
         with lent:
             opt = torch.optim.SGD(head.parameters(), lr=0.5)
             opt.step()
-        before = [p.detach().clone() for p in head.parameters()]
-        x, y = local_batch(scenario, 0)
-        with fv.step():
-            loss_of(model(x), y).backward()
-        try:
-            opt.step()
-            error = ""
-        except FlatViewError as err:
-            error = f"{type(err).__name__}: {err}"
-        changed = any(not torch.equal(a, b) for a, b in zip(before, head.parameters(), strict=True))
-        return {"error": error, "changed": changed}
+        return _step_after_training(model, fv, scenario, opt, list(head.parameters()))
