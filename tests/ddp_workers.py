@@ -101,8 +101,10 @@ def refused(scenario: Scenario, case: str) -> str:
 
 
 def uneven_inputs(scenario: Scenario) -> dict[str, Any]:
-    """DDP's ``join()`` around a loop over uneven inputs (rank r has 2 + r batches): what
-    flatview raises at its first forward, on every rank; a disabled ``Join`` (what
+    """DDP's ``join()`` around a loop over uneven inputs (rank r has 2 + r batches), and
+    a ``Join`` where rank 0 has no batch: what flatview raises as it is built, on every
+    rank; what the first forward raises inside a join only the forward can tell (its
+    config enabled by hand); a disabled ``Join`` (what
     accelerate's ``join_uneven_inputs`` builds for even batches) around an even loop,
     which trains; after ``unwrap()`` the uneven loop on bare DDP, which finishes."""
     from torch.distributed.algorithms import Join
@@ -126,6 +128,21 @@ def uneven_inputs(scenario: Scenario) -> dict[str, Any]:
             out["ran"] = True
     except FlatViewError as err:
         out["error"] = f"{type(err).__name__}: {err}"
+    # Rank 0 has no batch at all: it would go straight to the join's exit and wait there.
+    try:
+        with Join([model]):
+            train(2 * dist.get_rank())
+            out["ran"] = True
+    except FlatViewError as err:
+        out["no_batch"] = f"{type(err).__name__}: {err}"
+    # Where the join cannot be told as it is built, its first forward refuses it.
+    with Join([model], enable=False):
+        model._join_config = model._join_config._replace(enable=True)
+        try:
+            train(1)
+        except FlatViewError as err:
+            out["at_forward"] = f"{type(err).__name__}: {err}"
+        model._join_config = model._join_config._replace(enable=False)
     with Join([model], enable=False):
         train(2)
     out["disabled"] = "trained"

@@ -63,14 +63,17 @@ def test_refused_configurations_are_named(dist_pool: PoolFactory, case: str) -> 
 
 def test_join_for_uneven_inputs_is_refused(dist_pool: PoolFactory) -> None:
     """DDP's ``join()`` shadows DDP's own all-reduces on ranks out of inputs, not
-    flatview's: a loop over uneven inputs hung. Refused at the first forward inside an
-    enabled join, on every rank, before any collective, naming what to do; a disabled
+    flatview's: a loop over uneven inputs hung. Refused as an enabled join is built, on
+    every rank, before any collective, naming what to do: a rank without any batch too
+    (refused at the first forward, it waited in the join's exit); where only the first
+    forward can tell, refused there; a disabled
     one (accelerate's ``join_uneven_inputs`` with even batches) trains; after
     ``unwrap()`` bare DDP joins again."""
     for out in dist_pool(2).run(w.uneven_inputs, DDP.scenario(), timeout=TIMEOUT):
         assert "ran" not in out
-        assert out["error"].startswith("StateError: DDP's join()"), out["error"]
-        assert "drop_last=True" in out["error"]
+        for case in ("error", "no_batch", "at_forward"):
+            assert out[case].startswith("StateError: DDP's join()"), (case, out[case])
+            assert "drop_last=True" in out[case]
         assert out["disabled"] == "trained"
         assert out["bare"] == "finished"
 

@@ -40,7 +40,12 @@ from torch import nn
 
 from flatview.autograd import in_backward
 from flatview.backends.base import Adapter, PlainSpec, UnitSpec
-from flatview.backends.ddp_checks import HOOK_METHODS, DDPModel, refuse_enabled_join
+from flatview.backends.ddp_checks import (
+    HOOK_METHODS,
+    DDPModel,
+    refuse_enabled_join,
+    refusing_join_hook,
+)
 from flatview.backends.messages import comm_hook_after_wrap
 from flatview.backends.names import without_segments
 from flatview.backends.patches import Patches
@@ -129,6 +134,7 @@ class DDPAdapter(Adapter):
         patches.patch(self.root, "forward", self._quiet_forward(self.root.forward))
         for name in HOOK_METHODS:
             patches.refusing(self.root, name, lambda: comm_hook_after_wrap("DDP"))
+        patches.patch(self.root, "join_hook", refusing_join_hook(self.root.join_hook))
         self._backward.install(runtime, patches)
 
     def synchronizing(self) -> bool:

@@ -5,6 +5,8 @@ then the configurations flatview cannot drive."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,10 +64,38 @@ HOOK_METHODS = ("register_comm_hook", "_register_builtin_comm_hook")
 
 def refuse_enabled_join(ddp: Any) -> None:
     """Refuse a forward inside an enabled ``Join`` (see :data:`JOIN_REFUSED`), before
-    it communicates: every rank runs its first forward inside the join. A disabled one
-    (accelerate's ``join_uneven_inputs`` with even batches) changes nothing: allowed."""
+    it communicates. A disabled one (accelerate's ``join_uneven_inputs`` with even
+    batches) changes nothing: allowed. The fallback of :func:`refusing_join_hook`, for a
+    join built where that cannot tell (a rank without any batch still waits then)."""
     if ddp._join_config.enable:
         raise StateError(JOIN_REFUSED)
+
+
+def refusing_join_hook(original: Callable[..., Any]) -> Callable[..., Any]:
+    """DDP's ``join_hook``, refusing an enabled ``Join`` as it is built: ``Join.__init__``
+    asks every joinable for its hook first, on every rank, before anything communicates,
+    so every rank raises there, a rank that has no batch at all too (refused only at
+    its first forward, such a rank waited forever in the join's exit). ``Join.__init__``
+    stores ``enable`` after asking for the hooks, so it is read from its frame; where
+    that frame is not ``Join.__init__`` (another torch, or a direct call) the forward
+    refuses instead (:func:`refuse_enabled_join`)."""
+
+    def join_hook(**kwargs: Any) -> Any:
+        # Join.__init__ asks in a list comprehension: its own frame before Python 3.12.
+        frame = sys._getframe(1)
+        for _ in range(2):
+            if frame.f_code.co_name == "__init__":
+                arguments = frame.f_locals
+                joining = type(arguments.get("self")).__name__ == "Join"
+                if joining and arguments.get("enable") is True:
+                    raise StateError(JOIN_REFUSED)
+                break
+            if frame.f_back is None:
+                break
+            frame = frame.f_back
+        return original(**kwargs)
+
+    return join_hook
 
 
 def _ddp_class() -> type[nn.Module] | None:
