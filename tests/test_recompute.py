@@ -64,3 +64,12 @@ def test_fairscale_checkpoint_wrapper_trains_as_the_reference(
     # wrapper's recomputation reads the freed unsharded parameters.
     scenario = FAIRSCALE.scenario(GATED, recompute=f"{place}-fairscale")
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+def test_torch_wrapper_around_a_fairscale_unit_that_never_ran(dist_pool: PoolFactory) -> None:
+    """torch's ``apply_activation_checkpointing`` after fairscale's FSDP puts a wrapper
+    around each unit's module, which fairscale's unflattening (``state_dict``) tripped
+    over until the unit's first forward (bare fairscale too). A unit every step skips
+    never runs one: the state is read all the same, and training is the reference's."""
+    scenario = FAIRSCALE.scenario(recompute="inside-wrapper", skips=((0,), (0,), (0, "body.1")))
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)

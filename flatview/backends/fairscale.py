@@ -190,7 +190,8 @@ class FairscaleAdapter(Adapter):
             patches.patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
             # Public (the first seed was told to use it; summon_full_params goes through it):
             # it takes the flat parameters off the module, which the views have hidden.
-            patches.patch(fpw, "unflatten_params", self._lending_context(fpw.unflatten_params))
+            unflatten = _views_list_on_wrapper(fpw, fpw.unflatten_params)
+            patches.patch(fpw, "unflatten_params", self._lending_context(unflatten))
             patches.patch(unit, "_rebuild_full_params", self._masking_gather(index, unit))
         patches.hook(self.root.register_forward_hook(self._post_forward))
         patches.patch(
@@ -325,6 +326,31 @@ class FairscaleAdapter(Adapter):
                 raise undeclared_units(undeclared)
 
         return wait_for_post_backward
+
+
+def _views_list_on_wrapper(fpw: Any, unflatten_params: Callable[..., Any]) -> Callable[..., Any]:
+    """``fpw.unflatten_params``, after making sure the list of compute tensors fairscale
+    deletes from the wrapped module when it unflattens is the module's own.
+
+    fairscale sets that list on ``fpw._fpw_module`` at construction and at every forward,
+    and deletes it there when it unflattens (``state_dict``, ``summon_full_params``) if
+    ``hasattr`` finds it. A wrapper put around the module after FSDP was built (torch's
+    ``apply_activation_checkpointing``) forwards reads to the module inside, where the
+    construction set it, but not deletions: until the unit's first forward sets the list
+    on the wrapper, fairscale's unflattening fails ("'CheckpointWrapper' object has no
+    attribute", bare fairscale too before its first forward), and a unit that every step
+    so far skipped has not run that forward. The list is set on the wrapper as that
+    forward would."""
+
+    @functools.wraps(unflatten_params)
+    def unflatten(*args: Any, **kwargs: Any) -> Any:
+        module = fpw._fpw_module
+        name = "_unflattened_param_views"
+        if name not in vars(module) and hasattr(module, name):
+            setattr(module, name, getattr(module, name))
+        return unflatten_params(*args, **kwargs)
+
+    return unflatten
 
 
 def _unflatten_as_views(fpw: Any) -> None:
