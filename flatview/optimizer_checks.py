@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatview import wrapped_models
 from flatview.backends.base import Adapter
 from flatview.backends.messages import double_count
 from flatview.comm.collectives import gather_objects
@@ -236,14 +237,10 @@ class OptimizerChecks:
             unit = units.get(storage_key(tensor))
             if unit is None:
                 continue
-            raise OptimStateError(
-                f"optimizer {type(optimizer).__name__} holds a tensor of shape "
-                f"{tuple(tensor.shape)} that shares the storage of FSDP unit {unit!r}'s "
-                "parameters without being one of the model's parameters: one the wrapper "
-                "lent inside summon_full_params() or unflatten_params(). After the context "
-                "the model no longer reads it and it gets no gradient, so the step would "
-                "train nothing. Build the optimizer outside the context, from "
-                "submodule.parameters() (views, once wrapped) or FlatView.parameters()."
+            raise wrapped_models.lent_tensor_error(
+                optimizer,
+                f"a tensor of shape {tuple(tensor.shape)} that shares the storage of FSDP "
+                f"unit {unit!r}'s parameters without being one of the model's parameters",
             )
 
     def _units_by_storage(self) -> dict[int | None, str]:

@@ -6,8 +6,9 @@ one optimizer step pre-hook that checks optimizers against them.
 * Every live model registers a :class:`Watcher`; before an optimizer's step (once per
   optimizer until its parameters or the set of wrapped models change) each watcher
   checks it (:meth:`Watcher.check_optimizer`) and warns about shape-decided groups.
-* Views of unwrapped models that the model no longer holds are *stale*: an optimizer
-  holding one raises at its step.
+* Views of unwrapped models that the model no longer holds are *stale*, as are the
+  tensors a wrapper lent for a summoning that ended: an optimizer holding one raises
+  at its step.
 * Optimizers that have a history (:func:`has_history`: stepped while a model was
   wrapped, or loaded by flatview): an optimizer without state is fresh only if it has
   none, which decides whether a checkpoint primes it (:mod:`flatview.checkpoint`).
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from flatview.errors import StateError, WrapError
+from flatview.errors import OptimStateError, StateError, WrapError
 
 
 class Watcher(Protocol):
@@ -51,8 +52,9 @@ _optimizer_hook: Any = None
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[object, ...]] = (
     weakref.WeakKeyDictionary()
 )
-# Views of unwrapped models that the model no longer holds: id -> (weak view, name).
-_stale: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
+# Tensors the model no longer reads (views of unwrapped models; lent ones, flagged):
+# id -> (weak tensor, name, lent).
+_stale: dict[int, tuple[weakref.ref[torch.Tensor], str, bool]] = {}
 _generation = 0
 # Optimizers that stepped or were loaded: their lack of state is not freshness.
 _histories: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -94,14 +96,27 @@ def forget_checks() -> None:
     _checked.clear()
 
 
-def mark_stale(view: nn.Parameter, name: str) -> None:
-    """``view`` (named ``name``) belongs to an unwrapped model that no longer holds it."""
-    key = id(view)
+def mark_stale(tensor: torch.Tensor, name: str, *, lent: bool = False) -> None:
+    """``tensor`` (named ``name``) is one the model no longer reads: a view of an
+    unwrapped model, or (``lent``) what the wrapper lent for a summoning that ended."""
+    key = id(tensor)
 
     def forget(_: object) -> None:
         _stale.pop(key, None)
 
-    _stale[key] = (weakref.ref(view, forget), name)
+    _stale[key] = (weakref.ref(tensor, forget), name, lent)
+
+
+def lent_tensor_error(optimizer: torch.optim.Optimizer, what: str) -> OptimStateError:
+    """The error for ``optimizer`` holding ``what``, a tensor the wrapper lent inside
+    ``summon_full_params`` or ``unflatten_params`` (the first seed's remedy)."""
+    return OptimStateError(
+        f"optimizer {type(optimizer).__name__} holds {what}: one the wrapper lent inside "
+        "summon_full_params() or unflatten_params(). After the context the model no "
+        "longer reads it and it gets no gradient, so the step would train nothing. Build "
+        "the optimizer outside the context, from submodule.parameters() (views, once "
+        "wrapped) or FlatView.parameters()."
+    )
 
 
 def bump_generation() -> None:
@@ -160,10 +175,12 @@ def _check_stale(optimizer: torch.optim.Optimizer) -> None:
             found = _stale.get(id(p))
             if found is None:
                 continue
-            ref, name = found
+            ref, name, lent = found
             if ref() is not p:
                 del _stale[id(p)]
                 continue
+            if lent:
+                raise lent_tensor_error(optimizer, f"{name!r} as it was")
             raise StateError(
                 f"optimizer {type(optimizer).__name__} holds the view {name!r} of a model "
                 "that FlatView.unwrap() detached: the model no longer reads it, so the "

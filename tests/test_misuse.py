@@ -258,24 +258,29 @@ def test_optimizers_that_need_whole_parameters(
 
 
 @pytest.mark.parametrize(
-    ("backend", "how", "orig_params"),
+    ("backend", "how", "options"),
     [
-        pytest.param(FAIRSCALE, "summon", False, id="fairscale-summon"),
-        pytest.param(FAIRSCALE, "unflatten", False, id="fairscale-unflatten"),
-        pytest.param(BackendConfig("torch"), "summon", False, id="torch-summon"),
-        pytest.param(BackendConfig("torch"), "summon", True, id="torch-orig-params"),
+        pytest.param(FAIRSCALE, "summon", {}, id="fairscale-summon"),
+        pytest.param(FAIRSCALE, "summon", {"mixed_precision": True}, id="fairscale-mixed"),
+        pytest.param(FAIRSCALE, "unflatten", {}, id="fairscale-unflatten"),
+        pytest.param(BackendConfig("torch"), "summon", {}, id="torch-summon"),
+        pytest.param(
+            BackendConfig("torch"), "summon", {"use_orig_params": True}, id="torch-orig-params"
+        ),
     ],
 )
 def test_optimizer_built_inside_a_summoning(
-    dist_pool: PoolFactory, backend: BackendConfig, how: str, orig_params: bool
+    dist_pool: PoolFactory, backend: BackendConfig, how: str, options: dict[str, bool]
 ) -> None:
     """The first seed's broken remedy: an optimizer built inside ``summon_full_params``
     or fairscale's ``unflatten_params()`` holds the tensors the wrapper lent there; after
     the context the model no longer reads them, and bare FSDP trains nothing in silence.
     Refused at the first step outside the context (one inside is not: the lent tensors
-    are the model's there), on every rank, naming the context. torch's
-    ``use_orig_params=True`` lends its own parameters, which the model keeps: it trains."""
-    options = {"use_orig_params": True} if orig_params else {}
+    are the model's there), on every rank, naming the context. Known by storage, or
+    (fairscale's mixed precision summons into a full-precision buffer of its own) as
+    marked at the context's end. torch's ``use_orig_params=True`` lends its own
+    parameters, which the model keeps: it trains."""
+    orig_params = options.get("use_orig_params", False)
     scenario = backend.scenario(SC, options=options)
     results = dist_pool(2).run(w.optimizer_built_while_lent, scenario, how, timeout=TIMEOUT)
     if orig_params:  # each rank's pieces of the head (one rank may hold none of it)
@@ -283,5 +288,5 @@ def test_optimizer_built_inside_a_summoning(
         assert any(got["changed"] for got in results), results
     for got in results if not orig_params else ():
         assert got["error"].startswith("OptimStateError"), got
-        assert "summon_full_params() or unflatten_params()" in got["error"], got
+        assert "lent inside summon_full_params() or unflatten_params()" in got["error"], got
         assert not got["changed"], got

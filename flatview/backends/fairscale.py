@@ -67,9 +67,14 @@ from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 from flatview.layout import FlatLayout
 from flatview.views import Owner
+from flatview.wrapped_models import mark_stale
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
+
+
+Places = list[tuple[nn.Module, str, str]]
+"""Where fairscale puts each original parameter of a unit: ``(module, attr, name)``."""
 
 
 class FairscaleAdapter(Adapter):
@@ -175,23 +180,29 @@ class FairscaleAdapter(Adapter):
         """Where every gradient fairscale would reduce goes (a shim of its bucketer)."""
         self._settling = UnitSettling(self.root, self.units, self.model.states, runtime)
         patches = self._patches
-        for index, (_, unit) in enumerate(self.units):
+        for index, (unit_name, unit) in enumerate(self.units):
             patches.hook(
                 unit.register_forward_pre_hook(functools.partial(self._pre_forward, index))
             )
             # fairscale's local state-dict pair rebuilds module attributes too.
             methods = lending_methods(unit, self.root) + LOCAL_LENDING_METHODS
             patches.lending(unit, methods, runtime.lend)
+            fpw = unit._fsdp_wrapped_module
+            # Where fairscale puts each original parameter of the unit (read now: while
+            # unflattened, fairscale's own record of it is gone with the flat parameters).
+            places = [
+                (module, attr, join(unit_name, clean_name(module_name), attr))
+                for module_name, module, attr in fpw._param_infos
+            ]
             patches.patch(
-                unit, "summon_full_params", self._lending_context(unit.summon_full_params)
+                unit, "summon_full_params", self._lending_context(places, unit.summon_full_params)
             )
             patches.patch(unit, "forward", self._summonable(unit, unit.forward))
-            fpw = unit._fsdp_wrapped_module
             patches.patch(fpw, "_unflatten_params_as_views", self._guarding(fpw))
             # Public (the first seed was told to use it; summon_full_params goes through it):
             # it takes the flat parameters off the module, which the views have hidden.
             unflatten = _views_list_on_wrapper(fpw, fpw.unflatten_params)
-            patches.patch(fpw, "unflatten_params", self._lending_context(unflatten))
+            patches.patch(fpw, "unflatten_params", self._lending_context(places, unflatten))
             patches.patch(unit, "_rebuild_full_params", self._masking_gather(index, unit))
         patches.hook(self.root.register_forward_hook(self._post_forward))
         patches.patch(
@@ -243,12 +254,26 @@ class FairscaleAdapter(Adapter):
         self.runtime.begin_compute(outermost=module is self.root)
         self.runtime.check_unit_forward(unit_index)
 
-    def _lending_context(self, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _lending_context(self, places: Places, method: Callable[..., Any]) -> Callable[..., Any]:
+        """A unit's summoning ``method``, with the views stepping aside for it; what
+        fairscale put at the unit's ``places`` there is marked lent at its end (an
+        optimizer built over it would train nothing: refused at its step). With
+        ``mixed_precision`` fairscale summons into a full-precision buffer of its own,
+        which the storage check of optimizers cannot recognise afterwards."""
+
         @contextlib.contextmanager
         @functools.wraps(method)
         def lent(*args: Any, **kwargs: Any) -> Iterator[Any]:
             with self.runtime.lend(), method(*args, **kwargs) as value:
+                tensors = [
+                    (tensor, name)
+                    for module, attr, name in places
+                    if isinstance(tensor := getattr(module, attr, None), torch.Tensor)
+                    and self.runtime.index_of(tensor) is None
+                ]
                 yield value
+            for tensor, name in tensors:
+                mark_stale(tensor, name, lent=True)
 
         return lent
 
