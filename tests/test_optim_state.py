@@ -37,6 +37,7 @@ from tests.scenarios import (
     backend_param,
     compare,
     optimizer_steps,
+    recomputing,
     scenarios,
 )
 
@@ -446,6 +447,10 @@ def test_resume_drawn_scenarios_elsewhere(dist_pool: PoolFactory, data: st.DataO
     resumed = config.scenario(
         saved, world_size=world_size, batch_per_rank=samples // world_size, options=options
     )
+    if resumed.recompute not in recomputing(resumed):
+        # Checkpointing that the bare wrapper fails under on the resumed configuration (one
+        # sharded unit under reentrant checkpointing): resumed without it.
+        resumed = replace(resumed, recompute="")
     event(f"{saved.config} on {saved.world_size} -> {resumed.config} on {world_size}")
     check_round_trip(dist_pool, saved, resumed, data.draw(st.integers(1, total - 1), label="at"))
 
