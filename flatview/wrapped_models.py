@@ -107,15 +107,18 @@ def mark_stale(tensor: torch.Tensor, name: str, *, lent: bool = False) -> None:
     _stale[key] = (weakref.ref(tensor, forget), name, lent)
 
 
-def lent_tensor_error(optimizer: torch.optim.Optimizer, what: str) -> OptimStateError:
-    """The error for ``optimizer`` holding ``what``, a tensor the wrapper lent inside
-    ``summon_full_params`` or ``unflatten_params`` (the first seed's remedy)."""
+def lent_tensor_error(
+    optimizer: torch.optim.Optimizer,
+    what: str,
+    context: str = "summon_full_params() or unflatten_params()",
+) -> OptimStateError:
+    """The error for ``optimizer`` holding ``what``, a tensor the wrapper lent for the
+    length of ``context`` (the first seed's remedy: inside a summoning)."""
     return OptimStateError(
         f"optimizer {type(optimizer).__name__} holds {what}: one the wrapper lent inside "
-        "summon_full_params() or unflatten_params(). After the context the model no "
-        "longer reads it and it gets no gradient, so the step would train nothing. Build "
-        "the optimizer outside the context, from submodule.parameters() (views, once "
-        "wrapped) or FlatView.parameters()."
+        f"{context}. The model computes on it there only, and it gets no gradient, so "
+        "the step would train nothing. Build the optimizer outside that, from "
+        "submodule.parameters() (views, once wrapped) or FlatView.parameters()."
     )
 
 

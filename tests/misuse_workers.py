@@ -292,7 +292,8 @@ def optimizer_built_while_lent(scenario: Scenario, how: str) -> dict[str, Any]:
     the head's parameters there, then a training step. ``how``: ``"summon"``
     (``summon_full_params``: fairscale's method, torch FSDP1's static one), on fairscale
     also ``"unflatten"`` (``unflatten_params()``, each rank's FSDP on a process group of
-    its own, as at world size 1, where it works). A first ``opt.step()`` runs inside the
+    its own, as at world size 1, where it works), on FSDP2 ``"unshard"`` (built between
+    ``model.unshard()`` and ``reshard()``). A first ``opt.step()`` runs inside a
     summoning (no gradients yet: nothing to step). What the step after the training
     raised (empty if none), and whether the head changed."""
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
@@ -306,6 +307,11 @@ def optimizer_built_while_lent(scenario: Scenario, how: str) -> dict[str, Any]:
             model = wrap_fsdp(scenario, make_net(scenario))
         fv = flatview.wrap(model)
         head = _original_tree(model).head
+        if how == "unshard":
+            model.unshard()
+            opt = torch.optim.SGD(head.parameters(), lr=0.5)
+            model.reshard()
+            return _step_after_training(model, fv, scenario, opt, list(head.parameters()))
         if how == "unflatten":
             lent = model.unflatten_params()
         elif scenario.backend == "fairscale":

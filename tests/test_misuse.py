@@ -267,6 +267,7 @@ def test_optimizers_that_need_whole_parameters(
         pytest.param(
             BackendConfig("torch"), "summon", {"use_orig_params": True}, id="torch-orig-params"
         ),
+        pytest.param(BackendConfig("fsdp2"), "unshard", {}, id="fsdp2-unshard"),
     ],
 )
 def test_optimizer_built_inside_a_summoning(
@@ -279,7 +280,9 @@ def test_optimizer_built_inside_a_summoning(
     are the model's there), on every rank, naming the context. Known by storage, or
     (fairscale's mixed precision summons into a full-precision buffer of its own) as
     marked at the context's end. torch's ``use_orig_params=True`` lends its own
-    parameters, which the model keeps: it trains."""
+    parameters, which the model keeps: it trains. FSDP2's unsharded parameters (an
+    optimizer built between ``model.unshard()`` and ``reshard()``) likewise train
+    nothing: refused, known by identity."""
     orig_params = options.get("use_orig_params", False)
     scenario = backend.scenario(SC, options=options)
     results = dist_pool(2).run(w.optimizer_built_while_lent, scenario, how, timeout=TIMEOUT)
@@ -288,5 +291,6 @@ def test_optimizer_built_inside_a_summoning(
         assert any(got["changed"] for got in results), results
     for got in results if not orig_params else ():
         assert got["error"].startswith("OptimStateError"), got
-        assert "lent inside summon_full_params() or unflatten_params()" in got["error"], got
+        context = "model.unshard()" if how == "unshard" else "summon_full_params()"
+        assert f"lent inside {context}" in got["error"], got
         assert not got["changed"], got

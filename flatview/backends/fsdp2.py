@@ -103,6 +103,7 @@ from flatview.comm.options import ReduceOptions
 from flatview.comm.unused import UsageFlags, undeclared_unused
 from flatview.phase import Phase
 from flatview.states import Transitions
+from flatview.wrapped_models import lent_tensor_error
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
@@ -160,6 +161,28 @@ class FSDP2Adapter(Adapter):
     clean_name = staticmethod(clean_name)
 
     # --------------------------------------------------------------- describe
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer built between ``model.unshard()`` and ``reshard()``: it
+        holds FSDP2's unsharded parameters, which the model computes on only while
+        unsharded and which get no gradient (FSDP2 reduces into the sharded ones), so it
+        would train nothing, on bare FSDP2 too. FSDP2 keeps each unsharded parameter
+        object across passes (it frees its storage): known by identity."""
+        unsharded = {
+            id(tensor): index
+            for params in self._params_of
+            for fsdp_param, index in params
+            if (tensor := getattr(fsdp_param, "_unsharded_param", None)) is not None
+        }
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                index = unsharded.get(id(param))
+                if index is not None:
+                    raise lent_tensor_error(
+                        optimizer,
+                        f"FSDP2's unsharded parameter of {self.runtime.name(index)!r}",
+                        "model.unshard() and reshard()",
+                    )
 
     def describe(self) -> list[UnitSpec]:
         managed: set[int] = set()
