@@ -262,11 +262,20 @@ def consolidated(
 
 
 def load_consolidated(
-    table: ParamTable, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    table: ParamTable,
+    optimizer: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+    *,
+    regroup: bool = False,
 ) -> None:
     """Load one optimizer's consolidated state (what
     :meth:`flatview.FlatView.load_optim_state_dict` does)."""
     if isinstance(optimizer, optim_state.ConsolidatesItself):
+        if regroup:
+            raise OptimStateError(
+                f"{type(optimizer).__name__} loads its own state with its own groups: "
+                "regroup=True is for torch optimizers"
+            )
         optimizer.load_consolidated_state_dict(state_dict)
         return
-    optim_state.load(table, optimizer, state_dict)
+    optim_state.load(table, optimizer, state_dict, regroup=regroup)

@@ -508,7 +508,11 @@ class FlatView:
         return consolidated(self.runtime, optimizer, rank0_only=rank0_only)
 
     def load_optim_state_dict(
-        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+        self,
+        optimizer: torch.optim.Optimizer,
+        state_dict: dict[str, Any],
+        *,
+        regroup: bool = False,
     ) -> None:
         """Load a state from :meth:`optim_state_dict` into an optimizer over this model's
         views: each rank takes its piece of every per-element tensor, then calls
@@ -529,14 +533,21 @@ class FlatView:
         Args:
             optimizer: an optimizer built like the saved one, over this model's views.
             state_dict: the consolidated state.
+            regroup: take only the per-parameter state from the dict, by name, and keep
+                the optimizer's own parameter groups and hyperparameters: a state saved
+                with other groups loads, such as one group (bare fairscale's) into an
+                optimizer that exempts biases from weight decay, or one optimizer's
+                state over the whole model into per-submodule optimizers (each takes the
+                parameters it holds). Every parameter the optimizer holds must be listed
+                in the dict's groups.
 
         Raises:
             flatview.OptimStateError: the optimizer holds a tensor that is
                 not one of this model's parameters; the dict names parameters this model
                 does not have, lacks ones the optimizer holds, or has a different number
-                of parameter groups; or a per-element tensor does not have its
+                of parameter groups (unless ``regroup``); or a per-element tensor does not have its
                 parameter's shape; or a state by position (fairscale's) does not fit
                 this model's fairscale units. Nothing is loaded then.
         """
         state_dict = loadable(self.table, self._modules, self.adapter.backend, state_dict)
-        load_consolidated(self.table, optimizer, state_dict)
+        load_consolidated(self.table, optimizer, state_dict, regroup=regroup)

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -350,7 +351,11 @@ def snapshot(value: Any) -> Any:
 
 
 def load(
-    table: ParamTable, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+    table: ParamTable,
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    *,
+    regroup: bool = False,
 ) -> None:
     """Load a consolidated state (see :meth:`flatview.FlatView.load_optim_state_dict`)."""
     params = table.params
@@ -367,49 +372,14 @@ def load(
         )
     saved_groups = state_dict["param_groups"]
     saved_state = state_dict["state"]
-    if len(saved_groups) != len(groups):
-        raise OptimStateError(
-            f"the state dict has {len(saved_groups)} parameter group(s), "
-            f"{type(optimizer).__name__} has {len(groups)}"
-        )
     by_name = {name: p.index for p in params for name in p.names}
     position_of: dict[int, int] = {}
     for group in groups:
         for index in group:
             position_of[index] = len(position_of)
-
-    internal_groups = []
-    listed: set[int] = set()
-    for g, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
-        names = list(saved.get("params", ()))
-        unknown = [n for n in names if not isinstance(n, str) or n not in by_name]
-        if unknown:
-            raise OptimStateError(
-                f"parameter group {g} of the state dict lists {unknown}: unknown to this "
-                "model (names are those of FlatView.named_parameters())"
-            )
-        indices = [by_name[n] for n in names]
-        mine = set(group)
-        missing = [params[i].name for i in group if i not in set(indices)]
-        extra = [n for n, i in zip(names, indices, strict=True) if i not in mine]
-        if missing or extra or len(set(indices)) != len(indices):
-            problems = []
-            if missing:
-                problems.append(f"missing from the state dict: {missing}")
-            if extra:
-                problems.append(f"not in the optimizer's group: {extra}")
-            if len(set(indices)) != len(indices):
-                problems.append("some parameter is listed twice")
-            raise OptimStateError(
-                f"parameter group {g} of the state dict does not match parameter group {g} "
-                f"of {type(optimizer).__name__}: " + "; ".join(problems)
-            )
-        listed.update(indices)
-        internal = {
-            k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", "param_names")
-        }
-        internal["params"] = [position_of[i] for i in group]
-        internal_groups.append(internal)
+    match = _regrouped if regroup else _matched
+    internal_groups = match(_Matching(table, optimizer, groups, saved_groups, by_name, position_of))
+    listed = set(position_of)
 
     internal_state: dict[int, dict[Any, Any]] = {}
     for name, entry in saved_state.items():
@@ -421,6 +391,8 @@ def load(
             )
         index = found
         if index not in listed:
+            if regroup:
+                continue  # another optimizer's (regrouping takes what this one holds)
             raise OptimStateError(
                 f"the state dict has optimizer state for {name!r}, which none of its "
                 "parameter groups lists"
@@ -445,3 +417,89 @@ def load(
     # Parameters it now holds without state never had a gradient: a checkpoint of it
     # must not prime it as a fresh optimizer.
     wrapped_models.record_history(optimizer)
+
+
+def _matched(m: _Matching) -> list[dict[str, Any]]:
+    """The optimizer's groups as ``load_state_dict`` takes them, from the saved groups:
+    group by group, the same parameters (by name), the saved hyperparameters."""
+    params, optimizer, groups, saved_groups = m.table.params, m.optimizer, m.held, m.saved
+    if len(saved_groups) != len(groups):
+        raise OptimStateError(
+            f"the state dict has {len(saved_groups)} parameter group(s), "
+            f"{type(optimizer).__name__} has {len(groups)}"
+        )
+    internal_groups = []
+    for g, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
+        indices = _listed(saved, g, m.by_name)
+        mine = set(group)
+        missing = [params[i].name for i in group if i not in set(indices)]
+        names = list(saved.get("params", ()))
+        extra = [n for n, i in zip(names, indices, strict=True) if i not in mine]
+        if missing or extra or len(set(indices)) != len(indices):
+            problems = []
+            if missing:
+                problems.append(f"missing from the state dict: {missing}")
+            if extra:
+                problems.append(f"not in the optimizer's group: {extra}")
+            if len(set(indices)) != len(indices):
+                problems.append("some parameter is listed twice")
+            raise OptimStateError(
+                f"parameter group {g} of the state dict does not match parameter group {g} "
+                f"of {type(optimizer).__name__}: " + "; ".join(problems)
+            )
+        internal_groups.append(_internal(saved, group, m.position_of))
+    return internal_groups
+
+
+def _regrouped(m: _Matching) -> list[dict[str, Any]]:
+    """The optimizer's own groups and hyperparameters, as they are: regrouping takes
+    only per-parameter state from the dict. Every parameter the optimizer holds must
+    be listed by some saved group (the saved optimizer held it)."""
+    saved = {i for g, group in enumerate(m.saved) for i in _listed(group, g, m.by_name)}
+    missing = [m.table.params[i].name for group in m.held for i in group if i not in saved]
+    if missing:
+        raise OptimStateError(
+            f"{type(m.optimizer).__name__} holds {missing}, which no parameter group of the "
+            "state dict lists: it was saved without them"
+        )
+    return [
+        _internal(own, group, m.position_of)
+        for own, group in zip(m.optimizer.param_groups, m.held, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class _Matching:
+    """What matching an optimizer's groups to a saved state's takes."""
+
+    table: ParamTable
+    optimizer: torch.optim.Optimizer
+    held: Sequence[Sequence[int]]
+    """Per group of the optimizer, the indices of the parameters it holds."""
+    saved: Sequence[Mapping[str, Any]]
+    """The state dict's groups."""
+    by_name: Mapping[str, int]
+    position_of: Mapping[int, int]
+    """Each held parameter's position in the optimizer (what its state is keyed by)."""
+
+
+def _internal(
+    hyper: Mapping[str, Any], group: Sequence[int], position_of: Mapping[int, int]
+) -> dict[str, Any]:
+    """A group as ``load_state_dict`` takes it: ``hyper``'s hyperparameters, the positions
+    of ``group``'s parameters."""
+    internal = {k: copy.deepcopy(v) for k, v in hyper.items() if k not in ("params", "param_names")}
+    internal["params"] = [position_of[i] for i in group]
+    return internal
+
+
+def _listed(saved: Mapping[str, Any], g: int, by_name: Mapping[str, int]) -> list[int]:
+    """The indices of the parameters saved group ``g`` lists by name."""
+    names = list(saved.get("params", ()))
+    unknown = [n for n in names if not isinstance(n, str) or n not in by_name]
+    if unknown:
+        raise OptimStateError(
+            f"parameter group {g} of the state dict lists {unknown}: unknown to this "
+            "model (names are those of FlatView.named_parameters())"
+        )
+    return [by_name[n] for n in names]

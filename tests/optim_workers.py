@@ -461,3 +461,39 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
         )
         for n in a["state"]
     )
+
+
+def regrouped(scenario: Scenario) -> dict[str, Any]:
+    """One AdamW over every view (one group) trains two steps; its consolidated state
+    loads with ``regroup=True`` into two new AdamWs, the body's in two groups (weight
+    decay on matrices only) and the rest's: each one's state afterwards, the saved
+    state, their groups' weight decays, and what loading without ``regroup`` raised."""
+    with backend_context(scenario.backend):
+        model, fv, _ = _build(scenario)
+        opt = torch.optim.AdamW(fv.parameters(), lr=0.05, weight_decay=0.1)
+        _train(model, fv, [opt], scenario, optimizer_steps(scenario)[:2])
+        saved = fv.optim_state_dict(opt)
+        named = dict(fv.named_parameters())
+        matrices = [
+            p for n, p in named.items() if n.startswith("body.") and len(fv.shape_of(p)) > 1
+        ]
+        others = [p for n, p in named.items() if n.startswith("body.") and len(fv.shape_of(p)) <= 1]
+        rest = [p for n, p in named.items() if not n.startswith("body.")]
+        split = torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
+            lr=0.05,
+        )
+        head = torch.optim.AdamW(rest, lr=0.05, weight_decay=0.1)
+        try:
+            fv.load_optim_state_dict(split, copy.deepcopy(saved))
+            refused = ""
+        except OptimStateError as error:
+            refused = str(error)
+        for new in (split, head):
+            fv.load_optim_state_dict(new, copy.deepcopy(saved), regroup=True)
+        return {
+            "saved": as_numpy(saved),
+            "loaded": [as_numpy(fv.optim_state_dict(new)) for new in (split, head)],
+            "decays": [[g["weight_decay"] for g in new.param_groups] for new in (split, head)],
+            "refused": refused,
+        }

@@ -291,6 +291,26 @@ def test_state_the_bare_wrapper_saved_resumes(
             assert other_units == "", (rank, other_units)
 
 
+def test_regroup_takes_state_by_name_into_other_groups(dist_pool: PoolFactory) -> None:
+    """``load_optim_state_dict(..., regroup=True)``: one optimizer's state over the whole
+    model loads into optimizers grouped otherwise (the body's in two groups by weight
+    decay, the rest's apart), each taking the per-parameter state of what it holds,
+    keeping its own hyperparameters; without ``regroup`` the group count differs and it
+    is refused. At 3 ranks (pieces of parameters on each)."""
+    results = dist_pool(3).run(ow.regrouped, FULL_SHARD.scenario(world_size=3), timeout=TIMEOUT)
+    for rank, out in enumerate(results):
+        assert "parameter group(s)" in out["refused"], (rank, out["refused"])
+        assert out["decays"] == [[0.1, 0.0], [0.1]], rank
+        saved = out["saved"]["state"]
+        held = [name for loaded in out["loaded"] for name in loaded["state"]]
+        assert sorted(held) == sorted(saved), rank
+        for loaded in out["loaded"]:
+            for name, entry in loaded["state"].items():
+                assert sorted(entry) == sorted(saved[name]), (rank, name)
+                for key, value in entry.items():
+                    np.testing.assert_array_equal(value, saved[name][key], err_msg=f"{name} {key}")
+
+
 @pytest.mark.parametrize("backend", [backend_param(FULL_SHARD)])
 def test_parameters_fsdp_does_not_flatten_are_taken_as_they_are(
     dist_pool: PoolFactory, backend: BackendConfig
