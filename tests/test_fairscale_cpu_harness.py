@@ -143,6 +143,7 @@ def test_tensor_cuda_untouched_outside_clip_grad_norm() -> None:
                 torch.ones(1).pin_memory()
 
 
+@pytest.mark.slow  # a fresh interpreter (3-5 s) for the harness's own import error
 def test_imports_without_fairscale_and_explains() -> None:
     # A fresh interpreter in which fairscale cannot be imported.
     code = textwrap.dedent(
