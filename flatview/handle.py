@@ -545,9 +545,9 @@ class FlatView:
             flatview.OptimStateError: the optimizer holds a tensor that is
                 not one of this model's parameters; the dict names parameters this model
                 does not have, lacks ones the optimizer holds, or has a different number
-                of parameter groups (unless ``regroup``); or a per-element tensor does not have its
-                parameter's shape; or a state by position (fairscale's) does not fit
-                this model's fairscale units. Nothing is loaded then.
+                of parameter groups (unless ``regroup``); or a per-element tensor does
+                not have its parameter's shape; or a state by position (fairscale's)
+                does not fit this model's fairscale units. Nothing is loaded then.
         """
         state_dict = loadable(self.table, self._modules, self.adapter.backend, state_dict)
         load_consolidated(self.table, optimizer, state_dict, regroup=regroup)

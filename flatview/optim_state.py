@@ -431,17 +431,16 @@ def _matched(m: _Matching) -> list[dict[str, Any]]:
     internal_groups = []
     for g, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
         indices = _listed(saved, g, m.by_name)
-        mine = set(group)
-        missing = [params[i].name for i in group if i not in set(indices)]
-        names = list(saved.get("params", ()))
-        extra = [n for n, i in zip(names, indices, strict=True) if i not in mine]
-        if missing or extra or len(set(indices)) != len(indices):
+        mine, theirs = set(group), set(indices)
+        missing = [params[i].name for i in group if i not in theirs]
+        extra = [n for n, i in zip(saved.get("params", ()), indices, strict=True) if i not in mine]
+        if missing or extra or len(theirs) != len(indices):
             problems = []
             if missing:
                 problems.append(f"missing from the state dict: {missing}")
             if extra:
                 problems.append(f"not in the optimizer's group: {extra}")
-            if len(set(indices)) != len(indices):
+            if len(theirs) != len(indices):
                 problems.append("some parameter is listed twice")
             raise OptimStateError(
                 f"parameter group {g} of the state dict does not match parameter group {g} "

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from flatview import wrapped_models
 from flatview.backends.base import Adapter
 from flatview.backends.messages import double_count
+from flatview.backends.unit_tree import label
 from flatview.comm.collectives import gather_objects
 from flatview.errors import OptimStateError, ParamGroupError
 from flatview.layout import Placement
@@ -193,7 +194,7 @@ class OptimizerChecks:
         for flat in table.flats:
             if id(flat.spec.flat) not in held:
                 continue
-            unit = table.units[flat.unit].name or "<root>"
+            unit = label(table.units[flat.unit].name)
             for index in flat.params:
                 if id(table.tensor(index)) in held:
                     raise double_count(
@@ -249,9 +250,9 @@ class OptimizerChecks:
         table = self.table
         units: dict[int | None, str] = {}
         for param in table.params:
-            units[storage_key(param.tensor)] = table.units[param.unit].name or "<root>"
+            units[storage_key(param.tensor)] = label(table.units[param.unit].name)
         for flat in table.flats:
-            name = table.units[flat.unit].name or "<root>"
+            name = label(table.units[flat.unit].name)
             buffers = [flat.spec.flat, *vars(flat.spec.flat).values()]
             for buffer in buffers:
                 if isinstance(buffer, torch.Tensor):

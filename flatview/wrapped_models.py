@@ -183,7 +183,7 @@ def _check_stale(optimizer: torch.optim.Optimizer) -> None:
                 del _stale[id(p)]
                 continue
             if lent:
-                raise lent_tensor_error(optimizer, f"{name!r} as it was")
+                raise lent_tensor_error(optimizer, f"the tensor that stood for {name!r}")
             raise StateError(
                 f"optimizer {type(optimizer).__name__} holds the view {name!r} of a model "
                 "that FlatView.unwrap() detached: the model no longer reads it, so the "
