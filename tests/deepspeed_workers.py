@@ -770,10 +770,7 @@ def refused_while_wrapped(stage: int) -> dict[str, str]:
         engine.step()
         calls = {
             "early optimizer": (early.step,),
-            "save_checkpoint": (engine.save_checkpoint, directory),
-            "load_checkpoint": (engine.load_checkpoint, directory),
             "no_sync": (engine.no_sync,),
-            "optimizer.state_dict": (engine.optimizer.state_dict,),
         }
         for name, (method, *args) in calls.items():
             try:

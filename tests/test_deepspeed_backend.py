@@ -315,8 +315,7 @@ def test_internals_and_version_checked_at_wrap(dist_pool: PoolFactory) -> None:
 def test_deepspeed_operations_that_would_be_wrong_are_refused(
     dist_pool: PoolFactory, stage: int
 ) -> None:
-    """DeepSpeed's own checkpoints would save optimizer state kept per view as its flat
-    partitions' (and load it so); no_sync accumulates in a way flatview does not drive;
+    """no_sync accumulates in a way flatview does not drive;
     an optimizer built before wrapping over DeepSpeed's own parameters would train
     copies the engine overwrites (refused at its first step). torch's get_state_dict,
     which would take a view's optimizer state for a whole parameter's, gives what

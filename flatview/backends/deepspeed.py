@@ -11,9 +11,10 @@ communication after the step, its engine bookkeeping. What flatview does instead
   own) begins the iteration: the views step aside, DeepSpeed's module parameters are
   registered again (the forward and ZeRO 3's gathering hooks read them), the ones of
   skipped parameters guarded. If the master partitions were written since they were last
-  published (values written through views outside ``engine.step()``), they are published
-  first. A forward hook settles the skip-set check, ends a forward without autograd and
-  hooks the outputs.
+  published (values written through views outside ``engine.step()``, or loaded), they are
+  published first (ZeRO 3 releases what it keeps gathered, so that publishing gathers it
+  again from the new partitions); ``fv.unwrap()`` publishes them too. A forward hook
+  settles the skip-set check, ends a forward without autograd and hooks the outputs.
 * **Gradients.** DeepSpeed's per-parameter gradient hooks and its end-of-backward
   reduction are made no-ops. When the backward reaches the forward's outputs a callback
   is queued that autograd runs once the whole backward is done: every flat parameter's
@@ -39,10 +40,12 @@ communication after the step, its engine bookkeeping. What flatview does instead
   optimizer's ``backward_epilogue`` (which runs after flatview's end of the backward;
   ZeRO 3 releases there what the backward left gathered) run with DeepSpeed's
   parameters registered (ZeRO 1/2: a load is copied into the fp32 masters).
-* **Refused** while wrapped (``StateError``): DeepSpeed's checkpoints
-  (``save_checkpoint`` / ``load_checkpoint`` and the ZeRO optimizer's ``state_dict``:
-  its optimizer state is per view now; use ``flatview.checkpoint`` or
-  ``FlatView.optim_state_dict``) and ``no_sync``; a backward of a forward flatview did
+* **Checkpoints.** ``engine.save_checkpoint`` / ``load_checkpoint`` run DeepSpeed's own
+  code between iterations, lent; the ZeRO optimizer's ``state_dict`` /
+  ``load_state_dict`` they reach are :mod:`flatview.backends.deepspeed_checkpoint`'s (this
+  rank's masters and the state of the optimizer over its views; a bare DeepSpeed file is
+  converted per view).
+* **Refused** while wrapped (``StateError``): ``no_sync``; a backward of a forward flatview did
   not see begin (run before ``flatview.wrap``, or a second backward through one forward),
   on every rank before anything is reduced. At wrap time, every configuration of
   :mod:`flatview.backends.deepspeed_checks`.
@@ -54,7 +57,8 @@ fresh state). The adapter is assembled from components: the layout of ZeRO's par
 and the order DeepSpeed's parameters are registered back in
 (:mod:`~flatview.backends.deepspeed_zero`), the step (:mod:`~flatview.backends.deepspeed_step`),
 flatview's sharded reduction (:class:`~flatview.comm.sharded.ShardedReduction`), and the
-one state it keeps between hooks, :class:`Backward`.
+one state it keeps between hooks, :class:`Backward`; its checkpoints
+(:mod:`~flatview.backends.deepspeed_checkpoint`).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from torch.utils._pytree import tree_leaves
 
 from flatview.autograd import at_end_of_backward, in_backward
 from flatview.backends.base import Adapter, UnitSpec
+from flatview.backends.deepspeed_checkpoint import ZeroCheckpoint
 from flatview.backends.deepspeed_checks import DeepSpeedModel
 from flatview.backends.deepspeed_step import ZeroStep, unseen_backward
 from flatview.backends.deepspeed_zero import (
@@ -112,13 +117,9 @@ backward; the stages have different ones), made no-ops: flatview reduces instead
 _REFUSED = (
     ("engine", "no_sync", "accumulate with one engine.backward per engine.step"),
     ("engine", "coalesce_grad_reduction", "accumulate nothing across backwards"),
-    ("engine", "save_checkpoint", "save with flatview.checkpoint.get_state_dict"),
-    ("engine", "load_checkpoint", "load with flatview.checkpoint.set_state_dict"),
-    ("zero", "state_dict", "use FlatView.optim_state_dict"),
-    ("zero", "load_state_dict", "use FlatView.load_optim_state_dict"),
 )
 """(object, method, what to do instead): DeepSpeed operations that would be wrong on a
-wrapped engine (its optimizer state is per view; its windows accumulate nothing)."""
+wrapped engine (its windows accumulate nothing)."""
 
 
 _SECOND_BACKWARD = (
@@ -201,6 +202,9 @@ class DeepSpeedAdapter(Adapter):
         self._backward = Transitions(Backward.NONE_QUEUED, _BACKWARD_MOVES)
         self._order = ModuleOrder(self.layout)
         self.zero_step = ZeroStep(self.engine, self.layout, self.group, self.world_size, self._lent)
+        self.checkpoint = ZeroCheckpoint(
+            self.zero, self.layout, self.stage, self.group, self.rank, self.world_size
+        )
 
     @property
     def runtime(self) -> Runtime:
@@ -269,6 +273,12 @@ class DeepSpeedAdapter(Adapter):
         patches.lending(zero, ("backward_epilogue",), self._lent)
         patches.patch(zero, "step", self.zero_step.step)
         patches.patch(zero, "zero_grad", self.zero_step.zero_grad)
+        # DeepSpeed's checkpoints: its files, with flatview's state in the ZeRO ones.
+        self.checkpoint.install(runtime)
+        patches.patch(zero, "state_dict", self.checkpoint.state_dict)
+        patches.patch(zero, "load_state_dict", self.checkpoint.load_state_dict)
+        for name in ("save_checkpoint", "load_checkpoint"):
+            patches.patch(engine, name, self._between_iterations(getattr(engine, name)))
         owners = {"engine": engine, "zero": zero}
         for owner, name, instead in _REFUSED:
             if hasattr(owners[owner], name):
@@ -298,6 +308,10 @@ class DeepSpeedAdapter(Adapter):
         return trained
 
     def uninstall(self) -> None:
+        if self.zero_step.changed():
+            # Written through views since the last publishing: bare DeepSpeed computes
+            # from its own copies, which nothing would update again.
+            self.zero_step.publish_written()
         self._patches.remove()
         client = self.zero.optimizer
         for group, params in zip(client.param_groups, self.layout.client_restore(), strict=True):
@@ -327,7 +341,7 @@ class DeepSpeedAdapter(Adapter):
         for param, _ in self.layout.compute_params():
             param.grad = None
         if self.zero_step.changed():
-            self.zero_step.publish()
+            self.zero_step.publish_written()
         for flat in self.layout.flats:
             runtime.guard_skipped(flat.holder)
         runtime.guard_skipped_plain()
@@ -434,6 +448,24 @@ class DeepSpeedAdapter(Adapter):
             return result
 
         return load
+
+    def _between_iterations(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """One of the engine's checkpoint calls, between iterations only (every rank is
+        in the same phase: all raise before DeepSpeed's first collective), run with
+        DeepSpeed's parameters registered, as its code reads them."""
+
+        @functools.wraps(method)
+        def between(*args: Any, **kwargs: Any) -> Any:
+            phase = self.runtime.phase
+            if phase is not Phase.IDLE:
+                raise StateError(
+                    f"engine.{method.__name__}() while the model is {phase.name}: save and "
+                    "load between iterations"
+                )
+            with self._lent():
+                return method(*args, **kwargs)
+
+        return between
 
 
 def _refusing(name: str, instead: str) -> Callable[..., Any]:

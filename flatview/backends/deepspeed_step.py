@@ -113,6 +113,13 @@ class ZeroStep:
         self.layout.publish()
         self._published = self._versions()
 
+    def publish_written(self) -> None:
+        """Masters written outside ``engine.step()`` (through views, or loaded) into what
+        DeepSpeed computes from: what it keeps gathered is released first, so that
+        publishing gathers it again from the new partitions."""
+        self.layout.release()
+        self.publish()
+
     def mark_published(self) -> None:
         """The masters are what DeepSpeed computes from (it copied them itself)."""
         self._published = self._versions()

@@ -191,6 +191,9 @@ class FlatGroups:
     def prepare_step(self) -> None:
         """Nothing to do before ZeRO 1/2's optimizer step."""
 
+    def release(self) -> None:
+        """Nothing is kept gathered between ZeRO 1/2's steps: publishing gathers all."""
+
     def publish(self) -> None:
         """The stepped fp32 partitions into the flat buffers every rank computes on."""
         self.zero.update_lp_params()
@@ -289,6 +292,12 @@ class ShardedParams:
         """What DeepSpeed's ZeRO 3 step does first: reset its per-step bookkeeping and
         free any parameter still gathered."""
         self.zero._pre_step()
+        self.zero._partition_all_parameters()
+
+    def release(self) -> None:
+        """Free every gathered parameter, the persistent ones too (ZeRO 3 keeps small
+        parameters gathered between steps, and :meth:`publish` gathers only what is
+        not): before publishing masters written outside a step."""
         self.zero._partition_all_parameters()
 
     def publish(self) -> None:
