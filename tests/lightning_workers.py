@@ -4,6 +4,7 @@ through :func:`tests.integration_workers.call`, so only the workers import Light
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch.utils.data import DataLoader
 
 import flatview
 from flatview.integrations.lightning import FlatViewCallback, FlatViewFSDPStrategy, flatview_of
+from flatview.testing import deepspeed_on_cpu
+from tests.deepspeed_workers import full_params
 from tests.integration_workers import (
     Run,
     framework_env,
@@ -122,7 +125,31 @@ class CPUFlatViewFSDP(FlatViewFSDPStrategy):
         return model
 
 
+class CPUDeepSpeed(pl.strategies.DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy on CPU for tests, under
+    :func:`flatview.testing.deepspeed_on_cpu` (Lightning refuses every accelerator but
+    CUDA): DDP's environment setup without that check, no check of device indices, and
+    the local rank as the device index (DeepSpeed's engine takes one). The rest is the
+    strategy as users run it, ``trainer.save_checkpoint`` and ``ckpt_path`` included."""
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu", self.local_rank)
+
+    def setup_environment(self) -> None:
+        pl.strategies.DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+
 def _strategy(name: str) -> Any:
+    if name.startswith("deepspeed"):
+        return CPUDeepSpeed(stage=int(name.removeprefix("deepspeed")), logging_batch_size_per_gpu=1)
     if name == "fsdp2":
         return pl.strategies.ModelParallelStrategy(
             data_parallel_size=dist.get_world_size(), tensor_parallel_size=1
@@ -172,7 +199,8 @@ def trainer(run: Run, strategy: str = "ddp", user_steps: str = "") -> dict[str, 
     """Fit ``run`` with the Trainer and FlatViewCallback; rank 0's final parameters.
     With ``run.epochs == 2`` the first epoch ends in ``trainer.save_checkpoint`` and a
     new Trainer, module and callback resume from it for the second."""
-    with framework_env() as tmp:
+    deepspeed = strategy.startswith("deepspeed")
+    with framework_env() as tmp, deepspeed_on_cpu() if deepspeed else contextlib.nullcontext():
         path = os.path.join(tmp, "resume.ckpt")
         for epoch in range(run.epochs):
             module = _module(run, strategy, user_steps)
@@ -184,7 +212,10 @@ def trainer(run: Run, strategy: str = "ddp", user_steps: str = "") -> dict[str, 
             fit.fit(module, _loader(run), ckpt_path=path if epoch else None)
             if epoch + 1 < run.epochs:
                 fit.save_checkpoint(path)
-        params = without_prefix(params_of(fit.strategy.model), PREFIX)
+        if deepspeed:
+            params = without_prefix(full_params(flatview_of(fit), fit.strategy.model), PREFIX)
+        else:
+            params = without_prefix(params_of(fit.strategy.model), PREFIX)
     return params if dist.get_rank() == 0 else None
 
 

@@ -34,6 +34,9 @@ TIMEOUT = 240.0
 needs_lightning = pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="lightning is not installed"
 )
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+)
 needs_accelerate = pytest.mark.skipif(
     importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed"
 )
@@ -122,6 +125,22 @@ def test_flatview_fsdp_strategy_with_activation_checkpointing(dist_pool: PoolFac
     # the scenario's skip sets name gates below it (body.i.gate).
     run = iw.Run(clip=0.05)
     _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy="fsdp1_cpu_recompute"), run)
+
+
+@needs_lightning
+@needs_deepspeed
+@pytest.mark.parametrize(
+    "stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+)
+def test_trainer_deepspeed_trains_and_resumes_like_the_reference(
+    dist_pool: PoolFactory, stage: int
+) -> None:
+    # Lightning's DeepSpeedStrategy (on CPU through a test subclass) with the callback and
+    # skip sets; trainer.save_checkpoint after the first epoch (DeepSpeed's
+    # engine.save_checkpoint), a new Trainer resuming with ckpt_path (its
+    # load_checkpoint): the reference's training, uninterrupted.
+    run = iw.Run(iw.EVEN, epochs=2)
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=f"deepspeed{stage}"), run)
 
 
 @needs_lightning
