@@ -164,20 +164,31 @@ def refused_checkpoints(scenario: Any, stage: int) -> dict[str, str]:
 
 def writes_between_steps(scenario: Any, stage: int) -> dict[str, float]:
     """After a step, every view written in place (as a user's re-initialisation or a
-    loaded checkpoint writes it): the next forward computes on the written values; so
-    does bare DeepSpeed's after writing again and ``fv.unwrap()``."""
+    loaded checkpoint writes it): the next forward computes on the written values;
+    written again, ``engine.save_16bit_model`` saves them; written again and
+    ``fv.unwrap()``, bare DeepSpeed's forward computes on them."""
     from tests.scenarios import local_batch, make_net
 
+    zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}
+    extra = {"zero_optimization": zero}
     out = {}
-    with deepspeed_on_cpu() as deepspeed:
-        engine, fv, opts = flatview_engine(deepspeed, scenario, stage, "several", 0.0)
+    with deepspeed_on_cpu() as deepspeed, _shared_directory() as directory:
+        engine, fv, opts = flatview_engine(deepspeed, scenario, stage, "several", 0.0, extra)
         _train(engine, fv, scenario, range(2))
         xs, _ = local_batch(scenario, 2)
-        for case, scale in (("forward", 0.5), ("after unwrap", 2.0)):
+        for case, scale in (("forward", 0.5), ("save_16bit_model", 1.5), ("after unwrap", 2.0)):
             with torch.no_grad():
                 for number, view in enumerate(fv.parameters()):
                     view.mul_(scale).add_(0.01 * number)
             written = full_params(fv, engine)
+            if case == "save_16bit_model":
+                engine.save_16bit_model(directory)
+                dist.barrier()
+                saved = torch.load(f"{directory}/pytorch_model.bin", weights_only=True)
+                out[case] = max(
+                    float(np.abs(saved[k].numpy() - v).max()) for k, v in written.items()
+                )
+                continue
             if case == "after unwrap":
                 fv.unwrap()
             with torch.no_grad():

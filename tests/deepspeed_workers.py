@@ -952,3 +952,31 @@ def reference_norms(scenario: Any) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def gathered_parameters(scenario: Any, stage: int) -> dict[str, str]:
+    """``deepspeed.zero.GatheredParameters`` over a wrapped engine's views (refused: it
+    would gather nothing), disabled (allowed), over DeepSpeed's own parameters while
+    they are lent (allowed); then training goes on, and after ``fv.unwrap()`` bare
+    DeepSpeed gathers its parameters again."""
+    out = {}
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "several", 0.0)
+        _train(engine, fv, scenario, range(1))
+        module = engine.module
+        gathered = deepspeed.zero.GatheredParameters
+
+        def enter(*args: Any, **kwargs: Any) -> None:
+            with gathered(*args, **kwargs):
+                pass
+
+        out["all views"] = _error(enter, module.parameters())
+        out["one view, modifier"] = _error(lambda: enter(module.stem.weight, modifier_rank=0))
+        out["disabled"] = _error(lambda: enter(list(module.parameters()), enabled=False))
+        _train(engine, fv, scenario, range(1, 2))
+        fv.unwrap()
+        with gathered(list(module.parameters())):
+            shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        out["after unwrap"] = "whole" if shapes["stem.weight"] == (5, 3) else str(shapes)
+        del engine, fv
+    return out

@@ -435,3 +435,16 @@ def test_whole_parameter_norms(dist_pool: PoolFactory, stage: int) -> None:
                     assert mine["grads"][name] is None, (step, name)
                 else:
                     assert mine["grads"][name] == pytest.approx(value, rel=1e-4), (step, name)
+
+
+@pytest.mark.parametrize("stage", _stages(ci=(3,)))
+def test_gathered_parameters_over_views_is_refused(dist_pool: PoolFactory, stage: int) -> None:
+    """ZeRO 3 code's deepspeed.zero.GatheredParameters(module.parameters()) on a wrapped
+    engine would gather nothing (views are not DeepSpeed's): refused on every rank,
+    naming the view; disabled, it passes; after fv.unwrap() it gathers again."""
+    for got in dist_pool(2).run(w.gathered_parameters, SC, stage, timeout=TIMEOUT):
+        for case in ("all views", "one view, modifier"):
+            assert got[case].startswith("StateError: deepspeed.zero.GatheredParameters"), got
+        assert "stem.weight" in got["one view, modifier"], got
+        assert got["disabled"] == "nothing raised", got
+        assert got["after unwrap"] == "whole", got

@@ -39,7 +39,7 @@ def _same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-@pytest.mark.parametrize("stage", _stages(ci=(1, 3)))
+@pytest.mark.parametrize("stage", _stages(ci=(3,)))
 def test_engine_checkpoints_resume_exactly(dist_pool: PoolFactory, stage: int) -> None:
     """Per-submodule optimizers and skip sets: saved with engine.save_checkpoint after
     three steps, loaded into a fresh wrapped engine with engine.load_checkpoint, trained
@@ -61,7 +61,7 @@ def test_engine_checkpoints_resume_exactly(dist_pool: PoolFactory, stage: int) -
         _same(got["bare_loaded"], got["at_save"])
 
 
-@pytest.mark.parametrize("stage", _stages(ci=(2, 3)))
+@pytest.mark.parametrize("stage", _stages(ci=(2,)))
 def test_a_run_bare_deepspeed_started_resumes_under_flatview(
     dist_pool: PoolFactory, stage: int
 ) -> None:
@@ -88,12 +88,13 @@ def test_refused_checkpoint_calls_raise_on_every_rank(dist_pool: PoolFactory, st
         assert "flatview.optim.Deferred" in got["bare into Deferred"], got
 
 
-@pytest.mark.parametrize("stage", _stages(ci=(2, 3)))
+@pytest.mark.parametrize("stage", _stages(ci=(3,)))
 def test_writes_into_views_between_steps_reach_the_forward(
     dist_pool: PoolFactory, stage: int
 ) -> None:
     """Views written in place after a step: the next forward computes on those values
-    (under ZeRO 3 too, which keeps small parameters gathered between steps), and so
-    does bare DeepSpeed's after fv.unwrap()."""
+    (under ZeRO 3 too, which keeps small parameters gathered between steps),
+    engine.save_16bit_model saves them, and bare DeepSpeed's forward after fv.unwrap()
+    computes on them."""
     for got in dist_pool(2).run(w.writes_between_steps, SC, stage, timeout=TIMEOUT):
-        assert got == {"forward": 0.0, "after unwrap": 0.0}
+        assert got == {"forward": 0.0, "save_16bit_model": 0.0, "after unwrap": 0.0}

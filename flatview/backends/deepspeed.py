@@ -45,7 +45,9 @@ communication after the step, its engine bookkeeping. What flatview does instead
   ``load_state_dict`` they reach are :mod:`flatview.backends.deepspeed_checkpoint`'s (this
   rank's masters and the state of the optimizer over its views; a bare DeepSpeed file is
   converted per view).
-* **Refused** while wrapped (``StateError``): ``no_sync``; a backward of a forward flatview did
+* **Refused** while wrapped (``StateError``): ``no_sync``;
+  ``deepspeed.zero.GatheredParameters`` over views
+  (:mod:`~flatview.backends.deepspeed_gathering`); a backward of a forward flatview did
   not see begin (run before ``flatview.wrap``, or a second backward through one forward),
   on every rank before anything is reduced. At wrap time, every configuration of
   :mod:`flatview.backends.deepspeed_checks`.
@@ -53,11 +55,13 @@ communication after the step, its engine bookkeeping. What flatview does instead
 Everything changed is an instance attribute or a hook on DeepSpeed's objects, kept in
 one :class:`~flatview.backends.patches.Patches`; :meth:`DeepSpeedAdapter.uninstall`
 takes it back (the engine's optimizer then steps DeepSpeed's partitions again, with
-fresh state). The adapter is assembled from components: the layout of ZeRO's partitions
-and the order DeepSpeed's parameters are registered back in
-(:mod:`~flatview.backends.deepspeed_zero`), the step (:mod:`~flatview.backends.deepspeed_step`),
-flatview's sharded reduction (:class:`~flatview.comm.sharded.ShardedReduction`), and the
-one state it keeps between hooks, :class:`Backward`; its checkpoints
+fresh state). The one change to a class, ``GatheredParameters.__init__``, is shared by
+all wrapped engines and undone with the last of them. The adapter is assembled from
+components: the layout of ZeRO's partitions and the order DeepSpeed's parameters are
+registered back in (:mod:`~flatview.backends.deepspeed_zero`), the step
+(:mod:`~flatview.backends.deepspeed_step`), flatview's sharded reduction
+(:class:`~flatview.comm.sharded.ShardedReduction`), the one state it keeps between
+hooks, :class:`Backward`, and its checkpoints
 (:mod:`~flatview.backends.deepspeed_checkpoint`).
 """
 
@@ -75,6 +79,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from flatview.autograd import at_end_of_backward, in_backward
+from flatview.backends import deepspeed_gathering
 from flatview.backends.base import Adapter, UnitSpec
 from flatview.backends.deepspeed_checkpoint import ZeroCheckpoint
 from flatview.backends.deepspeed_checks import DeepSpeedModel
@@ -120,6 +125,16 @@ _REFUSED = (
 )
 """(object, method, what to do instead): DeepSpeed operations that would be wrong on a
 wrapped engine (its windows accumulate nothing)."""
+
+
+_BETWEEN_ITERATIONS = (
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_16bit_model",
+    "_zero3_consolidated_16bit_state_dict",
+)
+"""The engine's collective saving and loading calls (also what accelerate's
+``get_state_dict`` calls under ZeRO 3): run lent, between iterations."""
 
 
 _SECOND_BACKWARD = (
@@ -277,12 +292,22 @@ class DeepSpeedAdapter(Adapter):
         self.checkpoint.install(runtime)
         patches.patch(zero, "state_dict", self.checkpoint.state_dict)
         patches.patch(zero, "load_state_dict", self.checkpoint.load_state_dict)
-        for name in ("save_checkpoint", "load_checkpoint"):
-            patches.patch(engine, name, self._between_iterations(getattr(engine, name)))
+        for name in _BETWEEN_ITERATIONS:
+            if hasattr(engine, name):
+                patches.patch(engine, name, self._between_iterations(getattr(engine, name)))
+        deepspeed_gathering.watch(self)
         owners = {"engine": engine, "zero": zero}
         for owner, name, instead in _REFUSED:
             if hasattr(owners[owner], name):
                 patches.patch(owners[owner], name, _refusing(name, instead))
+
+    def view_name(self, tensor: torch.Tensor) -> str | None:
+        """The original name of ``tensor`` if it is one of this engine's views (not one
+        of DeepSpeed's own parameters): what ``GatheredParameters`` refuses."""
+        if self._installed is None or hasattr(tensor, "ds_id"):
+            return None
+        index = self._installed.index_of(tensor)
+        return None if index is None else self._installed.name(index)
 
     def _view_indices(self) -> dict[int, int]:
         """Per DeepSpeed parameter (by id), the table index of its view (the views are
@@ -308,10 +333,7 @@ class DeepSpeedAdapter(Adapter):
         return trained
 
     def uninstall(self) -> None:
-        if self.zero_step.changed():
-            # Written through views since the last publishing: bare DeepSpeed computes
-            # from its own copies, which nothing would update again.
-            self.zero_step.publish_written()
+        deepspeed_gathering.unwatch(self)
         self._patches.remove()
         client = self.zero.optimizer
         for group, params in zip(client.param_groups, self.layout.client_restore(), strict=True):
@@ -322,6 +344,11 @@ class DeepSpeedAdapter(Adapter):
         for flat in self.layout.flats:
             flat.holder.grad = None
         self._order.register()
+        if self.zero_step.changed():
+            # Written through views since the last publishing: bare DeepSpeed computes
+            # from its own copies, which nothing would update again. (Its parameters
+            # are registered: ZeRO 3 releases them by walking the modules.)
+            self.zero_step.publish_written()
 
     # ------------------------------------------------------------- lifecycle
 
@@ -450,19 +477,25 @@ class DeepSpeedAdapter(Adapter):
         return load
 
     def _between_iterations(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        """One of the engine's checkpoint calls, between iterations only (every rank is
-        in the same phase: all raise before DeepSpeed's first collective), run with
-        DeepSpeed's parameters registered, as its code reads them."""
+        """One of the engine's collective saving and loading calls (every rank makes
+        it), between iterations only (every rank is in the same phase: all raise before
+        DeepSpeed's first collective), with values written through views published
+        first and DeepSpeed's parameters registered, as its code reads them."""
 
         @functools.wraps(method)
         def between(*args: Any, **kwargs: Any) -> Any:
             phase = self.runtime.phase
+            if phase is Phase.LENT:  # inside another of them
+                return method(*args, **kwargs)
             if phase is not Phase.IDLE:
                 raise StateError(
                     f"engine.{method.__name__}() while the model is {phase.name}: save and "
                     "load between iterations"
                 )
             with self._lent():
+                if self.zero_step.changed():
+                    # What they read of DeepSpeed's parameters must hold what views wrote.
+                    self.zero_step.publish_written()
                 return method(*args, **kwargs)
 
         return between
