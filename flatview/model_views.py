@@ -16,6 +16,7 @@ from torch import nn
 
 from flatview.errors import WrapError
 from flatview.table import ParamTable
+from flatview.view_hooks import arm
 
 
 class ModelViews:
@@ -27,10 +28,13 @@ class ModelViews:
         model: nn.Module,
         clean_name: Callable[[str], str],
         extra_owners: Iterable[Any],
+        armed: bool,
     ) -> None:
         self.table = table
         self.model = model
         self._clean_name = clean_name
+        self._armed = armed
+        """Whether autograd never reaches the views (hooks on them refused: ``arm``)."""
         self._owners = _owners_by_module(
             [o for flat in table.flats for owners in flat.spec.owners for o in owners]
             + list(extra_owners)
@@ -41,6 +45,13 @@ class ModelViews:
         for flat in self.table.flats:
             flat.views.show()
             flat.views.pull_grads(used=None)
+        self._arm(range(len(self.table.params)))
+
+    def _arm(self, indices: Iterable[int]) -> None:
+        if self._armed:
+            for index in indices:
+                if self.table.own_view(index):
+                    arm(self.table.tensor(index), self.table.name(index))
 
     def hide(self) -> None:
         for flat in self.table.flats:
@@ -80,6 +91,7 @@ class ModelViews:
         for flat, names in zip(table.flats, table.flat_names, strict=True):
             for segment, param in flat.views.write_back(names):
                 table.replace_view(flat.params[segment], param)
+                self._arm([flat.params[segment]])
                 replaced = True
         return replaced
 

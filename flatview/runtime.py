@@ -88,8 +88,8 @@ class Runtime:
         self._plain_window: frozenset[int] = frozenset()
         self._guards = SkipGuards(table)
         self._binder = Binder(table)
-        self.views = ModelViews(table, model, adapter.clean_name, adapter.view_owners())
-        """Every flat parameter's views, moved together."""
+        armed = not adapter.computes_on_views  # autograd never reaches the views
+        self.views = ModelViews(table, model, adapter.clean_name, adapter.view_owners(), armed)
 
     # ------------------------------------------------------------------ phases
 

@@ -8,16 +8,24 @@ per-parameter clamping) and ``view.register_post_accumulate_grad_hook(fn)`` (an
 optimizer stepped inside the backward) would never run, and training would go on
 without them, in silence. Bare FSDP runs a hook on its flat parameter.
 
-:func:`refuse_view_hooks` names the views that carry one. It runs where flatview looks
-at the views anyway, off the per-step path: at the first step of a wrapped model, and
-before each optimizer's first step (over that optimizer's parameters). A hook registered
-later, after both, is not seen. Where the model computes on the views themselves (torch
-``NO_SHARD`` computed on views), autograd runs their hooks, and nothing is refused.
+Registering one raises at once: :func:`arm` gives each view hook dicts of its own
+(torch keeps a tensor's hooks in ``_backward_hooks`` and ``_post_accumulate_grad_hooks``
+and registers into them) that refuse an entry, naming the view. Nothing is added to any
+step. :func:`refuse_view_hooks` names the views that carry hooks anyway (put there
+before the view was armed: a parameter the user set in a view's place). It runs where
+flatview looks at the views anyway, off the per-step path: at the first step of a
+wrapped model, and before each optimizer's first step (over that optimizer's
+parameters). Where the model computes on the views themselves (torch ``NO_SHARD``
+computed on views), autograd runs their hooks, and nothing is refused.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 from flatview.backends.base import Adapter
 from flatview.errors import StateError
@@ -45,12 +53,37 @@ def refuse_view_hooks(
         if view._backward_hooks or getattr(view, "_post_accumulate_grad_hooks", None):
             hooked.append(table.name(index))
     if hooked:
-        shown = ", ".join(repr(n) for n in hooked[:4]) + (", ..." if len(hooked) > 4 else "")
-        raise StateError(
-            f"autograd hooks are registered on flatview's views ({shown}): the model "
-            "computes on the wrapper's unsharded tensors, not on the views, so "
-            "register_hook and register_post_accumulate_grad_hook hooks on them would "
-            "never run. Transform gradients between the backward and the optimizer step "
-            "(each view's .grad is its reduced piece then), or step the optimizers after "
-            "the backward"
-        )
+        raise _refusal(hooked)
+
+
+def arm(view: torch.Tensor, name: str) -> None:
+    """Make registering an autograd hook on ``view`` raise at once, naming ``name`` (a
+    view that carries hooks already is left to :func:`refuse_view_hooks`)."""
+    if view._backward_hooks is None:
+        view._backward_hooks = _Refusing(name)
+    if getattr(view, "_post_accumulate_grad_hooks", None) is None:
+        view._post_accumulate_grad_hooks = _Refusing(name)
+
+
+class _Refusing(OrderedDict[Any, Any]):
+    """A view's hook dict: empty, and an entry raises (autograd calls it, as any hook
+    dict, if a user's own computation reaches the view: it holds nothing to run)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise _refusal([self.name])
+
+
+def _refusal(names: list[str]) -> StateError:
+    shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    return StateError(
+        f"autograd hooks are registered on flatview's views ({shown}): the model "
+        "computes on the wrapper's unsharded tensors, not on the views, so "
+        "register_hook and register_post_accumulate_grad_hook hooks on them would "
+        "never run. Transform gradients between the backward and the optimizer step "
+        "(each view's .grad is its reduced piece then), or step the optimizers after "
+        "the backward"
+    )

@@ -241,9 +241,9 @@ def hooks_on_views(scenario: Scenario, kind: str, when: str) -> dict[str, Any]:
     """A ``kind`` hook (``"grad"``: ``register_hook``, halving; ``"post"``:
     ``register_post_accumulate_grad_hook``, counting; ``"step"``: that hook stepping an
     optimizer of the parameter and zeroing its gradient) on every parameter of
-    ``fv.parameters()``, registered ``when``: ``"before"`` the first step, or
-    ``"after"`` it (before the optimizer's first step). What is raised (empty if
-    nothing), and how often a hook ran."""
+    ``fv.parameters()``, registered ``when``: ``"before"`` the first step,
+    ``"after"`` it (before the optimizer's first step), or ``"late"`` (after both). What
+    is raised (empty if nothing), and how often a hook ran."""
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         fv = flatview.wrap(model)
@@ -269,16 +269,16 @@ def hooks_on_views(scenario: Scenario, kind: str, when: str) -> dict[str, Any]:
                 else:
                     p.register_post_accumulate_grad_hook(post_hook)
 
-        if when == "before":
-            register()
         opt = torch.optim.SGD(fv.parameters(), lr=0.1)
         error = ""
         try:
-            for micro in range(2):
+            if when == "before":
+                register()
+            for micro in range(3):
                 x, y = local_batch(scenario, micro)
                 with fv.step():
                     loss_of(model(x), y).backward()
-                if when == "after" and micro == 0:
+                if micro == {"after": 0, "late": 1}.get(when):
                     register()
                 opt.step()
                 opt.zero_grad()

@@ -135,10 +135,11 @@ def test_flatview_fsdp_strategy_with_activation_checkpointing(dist_pool: PoolFac
 def test_trainer_deepspeed_trains_and_resumes_like_the_reference(
     dist_pool: PoolFactory, stage: int
 ) -> None:
-    # Lightning's DeepSpeedStrategy (on CPU through a test subclass) with the callback and
-    # skip sets, gradient_clip_val (DeepSpeed's gradient_clipping); trainer.save_checkpoint after the first epoch (DeepSpeed's
-    # engine.save_checkpoint), a new Trainer resuming with ckpt_path (its
-    # load_checkpoint): the reference's training, uninterrupted.
+    # Lightning's DeepSpeedStrategy (on CPU through a test subclass) with the callback,
+    # skip sets and gradient_clip_val (DeepSpeed's gradient_clipping);
+    # trainer.save_checkpoint after the first epoch (DeepSpeed's engine.save_checkpoint),
+    # a new Trainer resuming with ckpt_path (its load_checkpoint): the reference's
+    # training, uninterrupted.
     run = iw.Run(iw.EVEN, epochs=2, clip=0.05)
     _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=f"deepspeed{stage}"), run)
 

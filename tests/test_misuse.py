@@ -189,9 +189,13 @@ HOOK_CASES = [
     (FAIRSCALE, "post", "after"),
     (_TORCH, "post", "before"),
     (_TORCH, "grad", "after"),
+    # Registered after both check points: refused as it is registered.
+    (FAIRSCALE, "post", "late"),
+    (_TORCH, "grad", "late"),
     # Parameters autograd reaches: hooks run.
     (_NO_SHARD, "grad", "before"),
     (_NO_SHARD, "post", "after"),
+    (_NO_SHARD, "grad", "late"),
     (DDP, "post", "before"),
     (DDP, "grad", "after"),
 ]
@@ -205,9 +209,10 @@ def test_hooks_on_views_that_would_never_run(
 ) -> None:
     """Autograd hooks on views (a gradient transform, an optimizer stepped in the
     backward) never ran where the model computes on the wrapper's tensors: training went
-    on without them, in silence. Refused on every rank, at the first step or before the
-    optimizer's first step; where autograd reaches the parameters (torch ``NO_SHARD``
-    computed on views, DDP) they run."""
+    on without them, in silence. Refused on every rank as they are registered (one put
+    on a view before, at the first step or before the optimizer's first step); where
+    autograd reaches the parameters (torch ``NO_SHARD`` computed on views, DDP) they
+    run."""
     results = dist_pool(2).run(w.hooks_on_views, backend.scenario(SC), kind, when, timeout=TIMEOUT)
     for got in results:
         if backend.backend == "ddp" or backend.strategy == "NO_SHARD":
