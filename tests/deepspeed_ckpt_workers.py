@@ -200,3 +200,44 @@ def writes_between_steps(scenario: Any, stage: int) -> dict[str, float]:
             out[case] = float((got - want).abs().max())
         del engine, fv, opts
     return out
+
+
+def whole_engine_checkpoints(scenario: Any, stage: int, split: int) -> dict[str, Any]:
+    """``Whole(torch.optim.Muon)`` on the matrices and AdamW on the rest, handed to the
+    engine's Deferred: ``split`` steps, ``engine.save_checkpoint``, the rest; a fresh
+    engine loads and trains the rest again."""
+    import flatview
+    import flatview.optim
+    from tests.scenarios import make_net
+
+    def build(deepspeed: Any) -> tuple[Any, Any]:
+        net = make_net(scenario)
+        deferred = flatview.optim.Deferred(net.parameters())
+        engine, _, _, _ = deepspeed.initialize(
+            model=net, optimizer=deferred, config=ds_config(scenario, stage, 0.0, None)
+        )
+        fv = flatview.wrap(engine)
+        named = list(fv.named_parameters())
+        matrices = [p for _, p in named if fv.shape_of(p).ndim == 2]
+        rest = [p for _, p in named if fv.shape_of(p).ndim != 2]
+        deferred.set(
+            flatview.optim.Whole(torch.optim.Muon, fv, matrices, lr=0.02),
+            torch.optim.AdamW(rest, lr=0.01),
+        )
+        return engine, fv
+
+    steps = len(scenario.skips)
+    out = {}
+    with deepspeed_on_cpu() as deepspeed, _shared_directory() as directory:
+        engine, fv = build(deepspeed)
+        _train(engine, fv, scenario, range(split))
+        engine.save_checkpoint(directory)
+        _train(engine, fv, scenario, range(split, steps))
+        out["continued"] = full_params(fv, engine)
+        del engine, fv
+        engine, fv = build(deepspeed)
+        engine.load_checkpoint(directory)
+        _train(engine, fv, scenario, range(split, steps))
+        out["resumed"] = full_params(fv, engine)
+        del engine, fv
+    return out

@@ -98,3 +98,11 @@ def test_writes_into_views_between_steps_reach_the_forward(
     computes on them."""
     for got in dist_pool(2).run(w.writes_between_steps, SC, stage, timeout=TIMEOUT):
         assert got == {"forward": 0.0, "save_16bit_model": 0.0, "after unwrap": 0.0}
+
+
+@pytest.mark.parametrize("stage", _stages(ci=(2,)))
+def test_whole_muon_resumes_through_engine_checkpoints(dist_pool: PoolFactory, stage: int) -> None:
+    """flatview.optim.Whole (torch's Muon over whole matrices) and AdamW in the engine's
+    Deferred: resumed from engine.save_checkpoint, bit for bit the run that went on."""
+    for got in dist_pool(2).run(w.whole_engine_checkpoints, SC, stage, 3, timeout=TIMEOUT):
+        _same(got["resumed"], got["continued"])
