@@ -19,6 +19,7 @@ from tests.deepspeed_workers import (
     flatview_engine,
     full_params,
     grouped_optimizer,
+    muon_engine,
     one_optimizer,
 )
 
@@ -206,24 +207,9 @@ def whole_engine_checkpoints(scenario: Any, stage: int, split: int) -> dict[str,
     """``Whole(torch.optim.Muon)`` on the matrices and AdamW on the rest, handed to the
     engine's Deferred: ``split`` steps, ``engine.save_checkpoint``, the rest; a fresh
     engine loads and trains the rest again."""
-    import flatview
-    import flatview.optim
-    from tests.scenarios import make_net
 
     def build(deepspeed: Any) -> tuple[Any, Any]:
-        net = make_net(scenario)
-        deferred = flatview.optim.Deferred(net.parameters())
-        engine, _, _, _ = deepspeed.initialize(
-            model=net, optimizer=deferred, config=ds_config(scenario, stage, 0.0, None)
-        )
-        fv = flatview.wrap(engine)
-        named = list(fv.named_parameters())
-        matrices = [p for _, p in named if fv.shape_of(p).ndim == 2]
-        rest = [p for _, p in named if fv.shape_of(p).ndim != 2]
-        deferred.set(
-            flatview.optim.Whole(torch.optim.Muon, fv, matrices, lr=0.02),
-            torch.optim.AdamW(rest, lr=0.01),
-        )
+        engine, fv, _, _ = muon_engine(deepspeed, scenario, stage, {"lr": 0.02})
         return engine, fv
 
     steps = len(scenario.skips)

@@ -884,33 +884,44 @@ def reference_unwrapped(scenario: Any, split: int) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
 
 
+def muon_engine(
+    deepspeed: Any, scenario: Any, stage: int, muon_kwargs: dict[str, Any]
+) -> tuple[Any, Any, Any, torch.optim.Optimizer]:
+    """A ZeRO ``stage`` engine of the scenario's net, wrapped, whose Deferred steps
+    ``Whole(torch.optim.Muon, ...)`` on the matrices (by original shape) and AdamW on the
+    rest: the engine, flatview, the two optimizers."""
+    import flatview
+    import flatview.optim
+    from tests.scenarios import make_net
+
+    net = make_net(scenario)
+    deferred = flatview.optim.Deferred(net.parameters())
+    engine, _, _, _ = deepspeed.initialize(
+        model=net, optimizer=deferred, config=ds_config(scenario, stage, 0.0, None)
+    )
+    fv = flatview.wrap(engine)
+    named = list(fv.named_parameters())
+    matrices = [p for _, p in named if fv.shape_of(p).ndim == 2]
+    rest = [p for _, p in named if fv.shape_of(p).ndim != 2]
+    muon = flatview.optim.Whole(torch.optim.Muon, fv, matrices, **muon_kwargs)
+    adamw = torch.optim.AdamW(rest, lr=0.01)
+    deferred.set(muon, adamw)
+    return engine, fv, muon, adamw
+
+
 def muon_whole(run: Any, stage: int) -> dict[str, Any]:
     """tests.whole_workers.MuonRun on DeepSpeed: ``Whole(torch.optim.Muon, ...)`` on the
     matrices (by original shape) and AdamW on the rest, handed to a Deferred; every step
     inside ``fv.step``, then ``engine.step()``."""
-    import flatview
-    import flatview.optim
-    from tests.scenarios import make_net
     from tests.whole_workers import newton_schulz
 
     scenario = run.scenario
     with deepspeed_on_cpu() as deepspeed, newton_schulz(run):
-        net = make_net(scenario)
-        deferred = flatview.optim.Deferred(net.parameters())
-        engine, _, _, _ = deepspeed.initialize(
-            model=net, optimizer=deferred, config=ds_config(scenario, stage, 0.0, None)
-        )
-        fv = flatview.wrap(engine)
-        named = list(fv.named_parameters())
-        matrices = [p for _, p in named if fv.shape_of(p).ndim == 2]
-        rest = [p for _, p in named if fv.shape_of(p).ndim != 2]
-        muon = flatview.optim.Whole(torch.optim.Muon, fv, matrices, **run.muon_kwargs)
-        adamw = torch.optim.AdamW(rest, lr=0.01)
-        deferred.set(muon, adamw)
+        engine, fv, muon, adamw = muon_engine(deepspeed, scenario, stage, run.muon_kwargs)
         _train(engine, fv, scenario, range(len(scenario.skips)))
         state = fv.optim_state_dict(muon)
         params = full_params(fv, engine)
-        del engine, fv, deferred, muon, adamw
+        del engine, fv, muon, adamw
     return {"params": params, "state": state}
 
 

@@ -262,8 +262,8 @@ class ZeroCheckpoint:
                     state[position] = _cut(entry, masters[master_index], first, view)
                 members.append(position)
                 position += 1
-            param_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}})
-            param_groups[-1]["params"] = members
+            hyperparameters = {k: v for k, v in saved_group.items() if k != "params"}
+            param_groups.append({**hyperparameters, "params": members})
         return {"state": state, "param_groups": param_groups}
 
     def _bare_positions(self, groups: int) -> list[int]:
