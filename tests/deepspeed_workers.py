@@ -573,7 +573,7 @@ def resume(scenario: Any, first: int, then: int, split: int, sharded: bool) -> d
 REFUSALS: dict[str, tuple[int, dict[str, Any], str]] = {
     # label: (stage, config entries, what the engine is built with)
     "stage0": (0, {}, "adamw"),
-    "bf16": (1, {"bf16": {"enabled": True}}, "adamw"),
+    "bf16": (3, {"bf16": {"enabled": True}}, "adamw"),
     "fp16": (2, {"fp16": {"enabled": True}}, "adamw"),
     "offload": (
         2,
@@ -990,4 +990,39 @@ def gathered_parameters(scenario: Any, stage: int) -> dict[str, str]:
             shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         out["after unwrap"] = "whole" if shapes["stem.weight"] == (5, 3) else str(shapes)
         del engine, fv
+    return out
+
+
+def bf16_against_bare(scenario: Any, stage: int, skipping: bool, clip: float) -> dict[str, Any]:
+    """bf16 training (``"bf16": {"enabled": True}``: bf16 parameters and gradients over
+    fp32 masters) bare and wrapped, in the same processes. Skipping: flatview skips
+    the scenario's blocks, bare DeepSpeed runs them with their residual times zero
+    (:class:`tests.precision_workers.ZeroedNet`: exactly zero gradients, every other
+    gradient the skipping model's), and both step plain SGD, which zero gradients leave
+    exactly where they were. Nothing skipped: AdamW. Every rank's bf16 parameters and
+    fp32 master partitions after the run, bare's and flatview's."""
+    import flatview
+    from tests.precision_workers import _net
+    from tests.scenarios import local_batch, loss_of, skip_names
+
+    out: dict[str, Any] = {}
+    with deepspeed_on_cpu() as deepspeed:
+        for wrapped in (False, True):
+            net = _net(scenario, zeroed=skipping and not wrapped)
+            params = net.parameters()
+            client = torch.optim.SGD(params, lr=0.1) if skipping else one_optimizer(params)
+            config = ds_config(scenario, stage, clip, {"bf16": {"enabled": True}})
+            engine, _, _, _ = deepspeed.initialize(model=net, optimizer=client, config=config)
+            fv = flatview.wrap(engine) if wrapped else None
+            for micro in range(len(scenario.skips)):
+                x, y = local_batch(scenario, micro)
+                skip = list(skip_names(scenario, micro)) if skipping else []
+                with fv.step(skip=skip) if fv is not None else contextlib.nullcontext():
+                    engine.backward(loss_of(engine(x.bfloat16(), skip), y))
+                engine.step()
+            state = {k: v.float().numpy().copy() for k, v in engine.module_state_dict().items()}
+            for i, master in enumerate(engine.optimizer.single_partition_of_fp32_groups):
+                state[f"master {i}"] = master.detach().numpy().copy()
+            out["flatview" if wrapped else "bare"] = state
+            del engine, fv, client
     return out

@@ -438,8 +438,11 @@ class DeepSpeedAdapter(Adapter):
                 padded = self.layout.padded_gradient(index, plan.used)
                 shard = flat.layout.shard_numel
                 if world == 1:
-                    flat.holder.grad = padded[:shard].clone()
+                    flat.holder.grad = padded[:shard].to(flat.holder.dtype, copy=True)
                     continue
+                if padded.dtype != flat.holder.dtype:
+                    # As DeepSpeed reduces bf16 gradients: divided first, summed in bf16.
+                    padded.div_(world)
                 rows = list(padded.view(world, shard))
                 done = functools.partial(self._reduced, flat.holder)
                 self.reduction.add(rows, plan, done, padded=padded)
@@ -449,7 +452,10 @@ class DeepSpeedAdapter(Adapter):
             raise
 
     def _reduced(self, holder: nn.Parameter, shard: torch.Tensor) -> None:
-        holder.grad = shard.div_(self.world_size)
+        if shard.dtype == holder.dtype:
+            holder.grad = shard.div_(self.world_size)
+        else:  # divided before the sum
+            holder.grad = shard.to(holder.dtype)
 
     # ---------------------------------------------------------------- lending
 

@@ -5,7 +5,8 @@ has not made exact, each refused with a :class:`WrapError` that names it (before
 anything is patched, and before any collective).
 
 Supported: ZeRO stages 1, 2 and 3 of a ``DeepSpeedEngine`` over one data-parallel group,
-fp32 parameters and gradients, no offload, one micro-batch per step, any
+fp32 parameters and gradients, or under ZeRO 1 and 2 bf16 ones over fp32 masters
+(reduced in bf16 as DeepSpeed reduces them by default), no offload, one micro-batch per step, any
 ``gradient_clipping`` (flatview clips by the global norm exactly as
 ``torch.nn.utils.clip_grad_norm_``), any bucket sizes, ``overlap_comm``,
 ``contiguous_gradients``, ``round_robin_gradients``, ZeRO 3's prefetching, persistence
@@ -171,34 +172,37 @@ def _check(engine: Any) -> int:
         )
     require_attrs(zero, _ZERO_COMMON, f"DeepSpeed's {type(zero).__name__}", found)
     require_attrs(zero, _ZERO_3 if stage == 3 else _ZERO_12, type(zero).__name__, found)
-    _check_precision(engine, zero)
+    _check_precision(engine, zero, stage)
     _check_config(engine)
     _check_parallelism(engine, zero, stage)
     _check_optimizer(engine, zero)
     return stage
 
 
-def _check_precision(engine: Any, zero: Any) -> None:
-    if engine.fp16_enabled() or engine.bfloat16_enabled():
+def _check_precision(engine: Any, zero: Any, stage: int) -> None:
+    bf16 = engine.bfloat16_enabled()
+    if engine.fp16_enabled() or (bf16 and stage == 3):
         raise WrapError(
-            "flatview supports DeepSpeed's fp32 training only; this engine trains with "
-            f"{'fp16' if engine.fp16_enabled() else 'bf16'} and fp32 master weights (turn "
-            "off the config's fp16/bf16 sections)"
+            "flatview supports DeepSpeed's fp32 training, and bf16 under ZeRO 1 and 2; this "
+            f"engine trains with {'fp16' if engine.fp16_enabled() else 'bf16 under ZeRO 3'} "
+            "and fp32 master weights"
         )
     autocast = getattr(engine, "torch_autocast_enabled", None)
     if autocast is not None and autocast():
-        raise WrapError("flatview does not support DeepSpeed's torch_autocast; train in fp32")
+        raise WrapError("flatview does not support DeepSpeed's torch_autocast")
+    dtype = torch.bfloat16 if bf16 else torch.float32
     dtypes = {p.dtype for p in engine.module.parameters()}
-    if dtypes != {torch.float32}:
+    if dtypes != {dtype}:
         raise WrapError(
-            "flatview supports fp32 parameters under DeepSpeed; this model has "
+            f"flatview supports {dtype} parameters on this DeepSpeed engine; this model has "
             f"{', '.join(sorted(map(str, dtypes)))}"
         )
     communication = engine.communication_data_type
-    if communication not in (None, torch.float32):
+    if communication not in (None, dtype):
         raise WrapError(
             f"the config reduces gradients in {communication} (communication_data_type); "
-            "flatview reduces fp32 gradients in fp32: leave it unset"
+            f"flatview reduces {dtype} gradients in {dtype}, as DeepSpeed does by default: "
+            "leave it unset"
         )
 
 

@@ -130,12 +130,12 @@ class FlatGroups:
             )
             layout = FlatLayout(segments, flat_buffer.numel(), world_size)
             partition = zero.single_partition_of_fp32_groups[i]
-            if layout.shard_numel != partition.numel() or flat_buffer.dtype != partition.dtype:
+            if layout.shard_numel != partition.numel() or partition.dtype != torch.float32:
                 raise WrapError(
                     f"DeepSpeed's parameter group {i}: a flat buffer of {flat_buffer.numel()} "
                     f"{flat_buffer.dtype} elements over {world_size} ranks, but an fp32 "
                     f"partition of {partition.numel()} {partition.dtype} elements; flatview "
-                    "supports fp32 training with one partition per rank"
+                    "supports fp32 masters, one partition per rank"
                 )
             owners, names = zip(*(_owners_and_names(p, places) for p in params), strict=True)
 
@@ -146,6 +146,9 @@ class FlatGroups:
                 Flat(_holder(partition, True), layout, tuple(params), owners, names, local_shard)
             )
         self.flats: tuple[Flat, ...] = tuple(flats)
+        self.grad_dtype = zero.bit16_groups_flat[0].dtype if flats else torch.float32
+        """What DeepSpeed's parameters and their gradients are (fp32, or bf16 over fp32
+        masters): the padded gradients are, and are reduced in."""
         # The padded gradient of each group, kept between steps: gaps and the padding at
         # its end stay zero, so that a gradient used whole is reduced as it lies.
         self._buffers: list[torch.Tensor | None] = [None] * len(self.flats)
@@ -167,7 +170,7 @@ class FlatGroups:
         buffer = self._buffers[index]
         if buffer is None:
             buffer = torch.zeros(
-                flat.layout.numel, dtype=flat.holder.dtype, device=flat.holder.device
+                flat.layout.numel, dtype=self.grad_dtype, device=flat.holder.device
             )
             self._buffers[index] = buffer
         for segment, param, flag in zip(flat.layout.segments, flat.members, used, strict=True):
@@ -215,6 +218,7 @@ class ShardedParams:
         self, zero: Any, places: Registrations, world_size: int, module: nn.Module
     ) -> None:
         self.zero = zero
+        self.grad_dtype = torch.float32
         self.world_size = world_size
         flats = []
         trained: set[int] = set()
