@@ -5,8 +5,8 @@ has not made exact, each refused with a :class:`WrapError` that names it (before
 anything is patched, and before any collective).
 
 Supported: ZeRO stages 1, 2 and 3 of a ``DeepSpeedEngine`` over one data-parallel group,
-fp32 parameters and gradients, or under ZeRO 1 and 2 bf16 ones over fp32 masters
-(reduced in bf16 as DeepSpeed reduces them by default), no offload, one micro-batch per step, any
+fp32 parameters and gradients, or bf16 ones over fp32 masters (reduced in bf16 as
+DeepSpeed reduces them by default), no offload, one micro-batch per step, any
 ``gradient_clipping`` (flatview clips by the global norm exactly as
 ``torch.nn.utils.clip_grad_norm_``), any bucket sizes, ``overlap_comm``,
 ``contiguous_gradients``, ``round_robin_gradients``, ZeRO 3's prefetching, persistence
@@ -172,21 +172,21 @@ def _check(engine: Any) -> int:
         )
     require_attrs(zero, _ZERO_COMMON, f"DeepSpeed's {type(zero).__name__}", found)
     require_attrs(zero, _ZERO_3 if stage == 3 else _ZERO_12, type(zero).__name__, found)
-    _check_precision(engine, zero, stage)
+    _check_precision(engine, zero)
     _check_config(engine)
     _check_parallelism(engine, zero, stage)
     _check_optimizer(engine, zero)
     return stage
 
 
-def _check_precision(engine: Any, zero: Any, stage: int) -> None:
-    bf16 = engine.bfloat16_enabled()
-    if engine.fp16_enabled() or (bf16 and stage == 3):
+def _check_precision(engine: Any, zero: Any) -> None:
+    if engine.fp16_enabled():
         raise WrapError(
-            "flatview supports DeepSpeed's fp32 training, and bf16 under ZeRO 1 and 2; this "
-            f"engine trains with {'fp16' if engine.fp16_enabled() else 'bf16 under ZeRO 3'} "
-            "and fp32 master weights"
+            "flatview supports DeepSpeed's fp32 and bf16 training; this engine trains with "
+            "fp16 and fp32 master weights (fp16 cannot be driven on a CPU, where flatview "
+            "is tested: use bf16)"
         )
+    bf16 = engine.bfloat16_enabled()
     autocast = getattr(engine, "torch_autocast_enabled", None)
     if autocast is not None and autocast():
         raise WrapError("flatview does not support DeepSpeed's torch_autocast")

@@ -218,7 +218,8 @@ class ShardedParams:
         self, zero: Any, places: Registrations, world_size: int, module: nn.Module
     ) -> None:
         self.zero = zero
-        self.grad_dtype = torch.float32
+        computed = {p.dtype for p in module.parameters()}
+        self.grad_dtype = computed.pop() if len(computed) == 1 else torch.float32
         self.world_size = world_size
         flats = []
         trained: set[int] = set()
@@ -254,7 +255,10 @@ class ShardedParams:
         shape = tuple(int(d) for d in param.ds_shape)
         layout = FlatLayout.packed([shape], self.world_size)
         shard = local_shard()
-        if shard.numel() != layout.shard_numel or shard.dtype != torch.float32:
+        if shard.numel() != layout.shard_numel or shard.dtype not in (
+            torch.float32,
+            self.grad_dtype,
+        ):
             raise WrapError(
                 f"a ZeRO 3 partition of {shard.numel()} {shard.dtype} elements for a parameter "
                 f"of shape {shape} over {self.world_size} ranks; flatview expects fp32 chunks "
@@ -279,7 +283,7 @@ class ShardedParams:
         flat = self.flats[index]
         (param,) = flat.members
         padded = torch.zeros(
-            flat.layout.padded_numel, dtype=flat.holder.dtype, device=flat.holder.device
+            flat.layout.padded_numel, dtype=self.grad_dtype, device=flat.holder.device
         )
         if param.grad is not None:
             padded[: flat.layout.numel].copy_(param.grad.reshape(-1))
