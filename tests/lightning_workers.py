@@ -72,6 +72,7 @@ class Lit(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         micro = self.micro(batch_idx)
         x, y = local_batch(self.run.scenario, micro)
+        x = x.to(self.net.stem.weight.dtype)  # bf16 under DeepSpeed's bf16
         skip = skip_names(self.run.scenario, micro)
         if not self.run.manual:
             return loss_of(self(x, skip), y)
@@ -168,8 +169,11 @@ def _strategy(name: str) -> Any:
     return name
 
 
-def _trainer(run: Run, strategy: str, tmp: str, callbacks: list[Any], epochs: int) -> Any:
+def _trainer(
+    run: Run, strategy: str, tmp: str, callbacks: list[Any], epochs: int, precision: str = "32"
+) -> Any:
     return pl.Trainer(
+        precision=precision,  # type: ignore[arg-type]
         accelerator="cpu",
         devices=dist.get_world_size(),
         strategy=_strategy(strategy),
@@ -357,4 +361,31 @@ def fabric_optimizers_over_views() -> dict[str, str]:
         out["flat"] = f"{type(error).__name__}: {error}"
     out["restored"] = str("setup_optimizer" not in vars(fabric.strategy))
     fv.unwrap()
+    return out
+
+
+def deepspeed_bf16_bare_and_wrapped(run: Run, stage: int) -> dict[str, Any]:
+    """Lightning's DeepSpeedStrategy in ``precision="bf16-mixed"`` (DeepSpeed's bf16),
+    fitted bare and with FlatViewCallback (nothing skipped: bare DeepSpeed cannot skip),
+    in the same processes: the fp32 masters, whole, by name, of each."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out: dict[str, Any] = {}
+    with framework_env() as tmp, deepspeed_on_cpu():
+        for wrapped in (False, True):
+            callbacks = [FlatViewCallback(skip=None)] if wrapped else []
+            fit = _trainer(run, f"deepspeed{stage}", tmp, callbacks, 1, precision="bf16-mixed")
+            fit.fit(Lit(run), _loader(run))
+            engine = fit.strategy.model
+            if wrapped:
+                masters = full_params(flatview_of(fit), engine)
+            else:
+                masters = {
+                    n: safe_get_full_fp32_param(p).detach().numpy().copy()
+                    for n, p in engine.module.named_parameters()
+                }
+            out["flatview" if wrapped else "bare"] = {
+                name[name.index(PREFIX) :]: value for name, value in masters.items()
+            }
+            del fit, engine
     return out
