@@ -201,10 +201,12 @@ class DeepSpeedAdapter(Adapter):
         self.wrapper_reduces = self.world_size > 1
         module: nn.Module = self.engine.module
         places = registrations(module)
+        # What DeepSpeed computes in (its parameters and gradients; the masters are fp32).
+        computed = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
         self.layout: ZeroLayout = (
-            ShardedParams(self.zero, places, self.world_size, module)
+            ShardedParams(self.zero, places, self.world_size, module, computed)
             if self.stage == 3
-            else FlatGroups(self.zero, places, self.world_size)
+            else FlatGroups(self.zero, places, self.world_size, computed)
         )
         self._plain = plain_specs(module, self.layout, places)
         first = self.layout.flats[0].holder if self.layout.flats else None

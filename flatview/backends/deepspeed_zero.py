@@ -117,7 +117,9 @@ def _holder(shard: torch.Tensor, requires_grad: bool) -> nn.Parameter:
 class FlatGroups:
     """ZeRO 1 and 2: one flat parameter per parameter group (see the module docstring)."""
 
-    def __init__(self, zero: Any, places: Registrations, world_size: int) -> None:
+    def __init__(
+        self, zero: Any, places: Registrations, world_size: int, grad_dtype: torch.dtype
+    ) -> None:
         self.zero = zero
         self.world_size = world_size
         flats = []
@@ -146,7 +148,7 @@ class FlatGroups:
                 Flat(_holder(partition, True), layout, tuple(params), owners, names, local_shard)
             )
         self.flats: tuple[Flat, ...] = tuple(flats)
-        self.grad_dtype = zero.bit16_groups_flat[0].dtype if flats else torch.float32
+        self.grad_dtype = grad_dtype
         """What DeepSpeed's parameters and their gradients are (fp32, or bf16 over fp32
         masters): the padded gradients are, and are reduced in."""
         # The padded gradient of each group, kept between steps: gaps and the padding at
@@ -215,11 +217,16 @@ class ShardedParams:
     docstring)."""
 
     def __init__(
-        self, zero: Any, places: Registrations, world_size: int, module: nn.Module
+        self,
+        zero: Any,
+        places: Registrations,
+        world_size: int,
+        module: nn.Module,
+        grad_dtype: torch.dtype,
     ) -> None:
         self.zero = zero
-        computed = {p.dtype for p in module.parameters()}
-        self.grad_dtype = computed.pop() if len(computed) == 1 else torch.float32
+        self.grad_dtype = grad_dtype
+        """As :attr:`FlatGroups.grad_dtype` (a frozen parameter's partition is too)."""
         self.world_size = world_size
         flats = []
         trained: set[int] = set()
