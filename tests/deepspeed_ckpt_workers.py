@@ -227,3 +227,43 @@ def whole_engine_checkpoints(scenario: Any, stage: int, split: int) -> dict[str,
         out["resumed"] = full_params(fv, engine)
         del engine, fv
     return out
+
+
+def bf16_engine_checkpoints(scenario: Any, stage: int, split: int) -> dict[str, Any]:
+    """DeepSpeed's bf16 with the engine's AdamW, skip sets and clipping: ``split`` steps,
+    ``engine.save_checkpoint``, the rest; a fresh engine loads and trains the rest again.
+    The fp32 masters, whole, of both."""
+    import flatview
+    from tests.scenarios import local_batch, loss_of, make_net, skip_names
+
+    def build(deepspeed: Any) -> tuple[Any, Any]:
+        net = make_net(scenario)
+        config = ds_config(scenario, stage, 1.0, {"bf16": {"enabled": True}})
+        engine, _, _, _ = deepspeed.initialize(
+            model=net, optimizer=one_optimizer(net.parameters()), config=config
+        )
+        return engine, flatview.wrap(engine)
+
+    def train(engine: Any, fv: Any, micros: range) -> None:
+        for micro in micros:
+            x, y = local_batch(scenario, micro)
+            skip = list(skip_names(scenario, micro))
+            with fv.step(skip=skip):
+                engine.backward(loss_of(engine(x.bfloat16(), skip), y))
+            engine.step()
+
+    steps = range(split, len(scenario.skips))
+    out = {}
+    with deepspeed_on_cpu() as deepspeed, _shared_directory() as directory:
+        engine, fv = build(deepspeed)
+        train(engine, fv, range(split))
+        engine.save_checkpoint(directory)
+        train(engine, fv, steps)
+        out["continued"] = full_params(fv, engine)
+        del engine, fv
+        engine, fv = build(deepspeed)
+        engine.load_checkpoint(directory)
+        train(engine, fv, steps)
+        out["resumed"] = full_params(fv, engine)
+        del engine, fv
+    return out

@@ -106,3 +106,11 @@ def test_whole_muon_resumes_through_engine_checkpoints(dist_pool: PoolFactory, s
     Deferred: resumed from engine.save_checkpoint, bit for bit the run that went on."""
     for got in dist_pool(2).run(w.whole_engine_checkpoints, SC, stage, 3, timeout=TIMEOUT):
         _same(got["resumed"], got["continued"])
+
+
+@pytest.mark.parametrize("stage", _stages(ci=(2,)))
+def test_bf16_resumes_through_engine_checkpoints(dist_pool: PoolFactory, stage: int) -> None:
+    """DeepSpeed's bf16 (fp32 masters) with skip sets and clipping: resumed from
+    engine.save_checkpoint, bit for bit the run that went on."""
+    for got in dist_pool(2).run(w.bf16_engine_checkpoints, SC, stage, 3, timeout=TIMEOUT):
+        _same(got["resumed"], got["continued"])
