@@ -132,7 +132,7 @@ def test_flatview_fsdp_strategy_with_activation_checkpointing(dist_pool: PoolFac
 @needs_lightning
 @needs_deepspeed
 @pytest.mark.parametrize(
-    "stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+    "stage", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)]
 )
 def test_trainer_deepspeed_trains_and_resumes_like_the_reference(
     dist_pool: PoolFactory, stage: int
@@ -148,7 +148,7 @@ def test_trainer_deepspeed_trains_and_resumes_like_the_reference(
 
 @needs_lightning
 @needs_deepspeed
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_trainer_deepspeed_bf16_trains_as_bare(dist_pool: PoolFactory, stage: int) -> None:
     # Lightning's DeepSpeedStrategy with precision="bf16-mixed": adding the callback to a
     # working Trainer gives the training it had, bit for bit (the fp32 masters). Nothing
