@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -134,7 +135,8 @@ def _error(call: Any, *args: Any, **kwargs: Any) -> str:
 def refused_checkpoints(scenario: Any, stage: int) -> dict[str, str]:
     """What a wrapped engine refuses of DeepSpeed's checkpoints, each on every rank:
     saving inside an iteration; loading into an optimizer built otherwise than the one
-    that saved; a bare DeepSpeed file into flatview.optim.Deferred. Training goes on."""
+    that saved; a bare DeepSpeed file into flatview.optim.Deferred; a file damaged on
+    one rank only (every rank raises, none waits). Training goes on."""
     from tests.scenarios import local_batch, loss_of
 
     out = {}
@@ -160,7 +162,23 @@ def refused_checkpoints(scenario: Any, stage: int) -> dict[str, str]:
         out["bare into Deferred"] = _error(engine.load_checkpoint, directory, tag="bare")
         _train(engine, fv, scenario, range(1))
         del engine, fv, opts
+        # One rank's ZeRO file damaged (its masters gone): that rank alone refuses it.
+        if dist.get_rank() == 1:
+            (path,) = glob.glob(f"{directory}/views/*zero_pp_rank_1_*optim_states.pt")
+            damaged = torch.load(path, weights_only=False)
+            damaged["optimizer_state_dict"].pop(_MASTERS[stage])
+            torch.save(damaged, path)
+        dist.barrier()
+        engine, fv, opts = flatview_engine(deepspeed, scenario, stage, "several", 0.0)
+        out["one rank's file"] = _error(engine.load_checkpoint, directory, tag="views")
+        _train(engine, fv, scenario, range(1))
+        del engine, fv, opts
     return out
+
+
+_FLAT_GROUPS = "single_partition_of_fp32_groups"
+_MASTERS = {1: _FLAT_GROUPS, 2: _FLAT_GROUPS, 3: "fp32_flat_groups"}
+"""Where DeepSpeed's ZeRO files keep the fp32 masters, per stage."""
 
 
 def writes_between_steps(scenario: Any, stage: int) -> dict[str, float]:

@@ -77,8 +77,9 @@ def test_a_run_bare_deepspeed_started_resumes_under_flatview(
 @pytest.mark.parametrize("stage", _stages(ci=(2,)))
 def test_refused_checkpoint_calls_raise_on_every_rank(dist_pool: PoolFactory, stage: int) -> None:
     """Saving inside an iteration, loading into an optimizer built otherwise than the
-    one that saved, a bare DeepSpeed file into flatview.optim.Deferred: an error on
-    every rank, before anything loads; training goes on."""
+    one that saved, a bare DeepSpeed file into flatview.optim.Deferred, a file damaged
+    on one rank only: an error on every rank (the others name the refusing rank),
+    before anything loads; training goes on."""
     for got in dist_pool(2).run(w.refused_checkpoints, SC, stage, timeout=TIMEOUT):
         assert got["inside an iteration"].startswith("StateError: "), got
         assert "between iterations" in got["inside an iteration"], got
@@ -86,6 +87,10 @@ def test_refused_checkpoint_calls_raise_on_every_rank(dist_pool: PoolFactory, st
         assert "holds other parameters" in got["another optimizer"], got
         assert got["bare into Deferred"].startswith("OptimStateError: "), got
         assert "flatview.optim.Deferred" in got["bare into Deferred"], got
+        assert got["one rank's file"].startswith("OptimStateError: "), got
+        assert "single_partition_of_fp32_groups" in got["one rank's file"] or (
+            "fp32_flat_groups" in got["one rank's file"]
+        ), got
 
 
 @pytest.mark.parametrize("stage", _stages(ci=(3,)))
