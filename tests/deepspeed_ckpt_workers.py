@@ -221,36 +221,46 @@ def writes_between_steps(scenario: Any, stage: int) -> dict[str, float]:
     return out
 
 
-def whole_engine_checkpoints(scenario: Any, stage: int, split: int) -> dict[str, Any]:
-    """``Whole(torch.optim.Muon)`` on the matrices and AdamW on the rest, handed to the
-    engine's Deferred: ``split`` steps, ``engine.save_checkpoint``, the rest; a fresh
-    engine loads and trains the rest again."""
-
-    def build(deepspeed: Any) -> tuple[Any, Any]:
-        engine, fv, _, _ = muon_engine(deepspeed, scenario, stage, {"lr": 0.02})
-        return engine, fv
-
-    steps = len(scenario.skips)
+def _continued_and_resumed(
+    build: Any, train: Any, split: int, steps: int
+) -> dict[str, dict[str, np.ndarray]]:
+    """``split`` steps of ``build(deepspeed)``'s engine, ``engine.save_checkpoint``, the
+    rest (``"continued"``); a fresh engine loads and trains the rest again
+    (``"resumed"``): the full parameters after each."""
     out = {}
     with deepspeed_on_cpu() as deepspeed, _shared_directory() as directory:
         engine, fv = build(deepspeed)
-        _train(engine, fv, scenario, range(split))
+        train(engine, fv, range(split))
         engine.save_checkpoint(directory)
-        _train(engine, fv, scenario, range(split, steps))
+        train(engine, fv, range(split, steps))
         out["continued"] = full_params(fv, engine)
         del engine, fv
         engine, fv = build(deepspeed)
         engine.load_checkpoint(directory)
-        _train(engine, fv, scenario, range(split, steps))
+        train(engine, fv, range(split, steps))
         out["resumed"] = full_params(fv, engine)
         del engine, fv
     return out
 
 
+def whole_engine_checkpoints(scenario: Any, stage: int, split: int) -> dict[str, Any]:
+    """``Whole(torch.optim.Muon)`` on the matrices and AdamW on the rest, handed to the
+    engine's Deferred, resumed through the engine's checkpoints
+    (:func:`_continued_and_resumed`)."""
+
+    def build(deepspeed: Any) -> tuple[Any, Any]:
+        engine, fv, _, _ = muon_engine(deepspeed, scenario, stage, {"lr": 0.02})
+        return engine, fv
+
+    def train(engine: Any, fv: Any, micros: range) -> None:
+        _train(engine, fv, scenario, micros)
+
+    return _continued_and_resumed(build, train, split, len(scenario.skips))
+
+
 def bf16_engine_checkpoints(scenario: Any, stage: int, split: int) -> dict[str, Any]:
-    """DeepSpeed's bf16 with the engine's AdamW, skip sets and clipping: ``split`` steps,
-    ``engine.save_checkpoint``, the rest; a fresh engine loads and trains the rest again.
-    The fp32 masters, whole, of both."""
+    """DeepSpeed's bf16 with the engine's AdamW, skip sets and clipping, resumed through
+    the engine's checkpoints (:func:`_continued_and_resumed`; the fp32 masters, whole)."""
     import flatview
     from tests.scenarios import local_batch, loss_of, make_net, skip_names
 
@@ -270,18 +280,4 @@ def bf16_engine_checkpoints(scenario: Any, stage: int, split: int) -> dict[str, 
                 engine.backward(loss_of(engine(x.bfloat16(), skip), y))
             engine.step()
 
-    steps = range(split, len(scenario.skips))
-    out = {}
-    with deepspeed_on_cpu() as deepspeed, _shared_directory() as directory:
-        engine, fv = build(deepspeed)
-        train(engine, fv, range(split))
-        engine.save_checkpoint(directory)
-        train(engine, fv, steps)
-        out["continued"] = full_params(fv, engine)
-        del engine, fv
-        engine, fv = build(deepspeed)
-        engine.load_checkpoint(directory)
-        train(engine, fv, steps)
-        out["resumed"] = full_params(fv, engine)
-        del engine, fv
-    return out
+    return _continued_and_resumed(build, train, split, len(scenario.skips))

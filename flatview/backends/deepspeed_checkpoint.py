@@ -334,12 +334,11 @@ class ZeroCheckpoint:
         ]
 
     def _name_of(self, tensor: torch.Tensor) -> str:
-        index = self._runtime_now().index_of(tensor)
-        return (
-            f"<a tensor of shape {tuple(tensor.shape)}>"
-            if index is None
-            else (self._runtime_now().name(index))
-        )
+        runtime = self._runtime_now()
+        index = runtime.index_of(tensor)
+        if index is None:
+            return f"<a tensor of shape {tuple(tensor.shape)}>"
+        return runtime.name(index)
 
     def _runtime_now(self) -> Runtime:
         assert self._runtime is not None, "ZeroCheckpoint used before install()"

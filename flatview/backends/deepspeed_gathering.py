@@ -36,26 +36,28 @@ class ViewNames(Protocol):
 
 
 _watched: weakref.WeakSet[Any] = weakref.WeakSet()
-_original: list[Callable[..., None]] = []
+_original: Callable[..., None] | None = None
 """``GatheredParameters.__init__`` as DeepSpeed defines it, while patched."""
 
 
 def watch(owner: ViewNames) -> None:
     """Refuse ``owner``'s views in ``GatheredParameters`` until :func:`unwatch`."""
+    global _original
     cls = _gathered_class()
     if cls is None:
         return
-    if not _original:
-        _original.append(cls.__init__)
+    if _original is None:
+        _original = cls.__init__
         cls.__init__ = _refusing_views(cls.__init__)
     _watched.add(owner)
 
 
 def unwatch(owner: ViewNames) -> None:
+    global _original
     _watched.discard(owner)
     cls = _gathered_class()
-    if not _watched and _original and cls is not None:
-        cls.__init__ = _original.pop()
+    if not _watched and _original is not None and cls is not None:
+        cls.__init__, _original = _original, None
 
 
 def _gathered_class() -> Any:
