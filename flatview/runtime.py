@@ -39,13 +39,13 @@ from flatview.binding import backward_outside_step, backward_without_forward, ch
 from flatview.comm.gather import masked_all_gather, masking_pays
 from flatview.comm.ledger import Ledger
 from flatview.comm.packing import plan_index
-from flatview.errors import FlatViewError, SkippedParameterUsedError, StateError
+from flatview.errors import FlatViewError, StateError
 from flatview.guards import SkipGuards
 from flatview.iteration import Binder, Iteration
 from flatview.layout import MaskPlan
 from flatview.model_views import ModelViews
 from flatview.phase import Phase
-from flatview.skip import SkipSet, skipped_used
+from flatview.skip import SkipSet, skipped_unit_called, skipped_used
 from flatview.stats import StepStats
 from flatview.step_agreement import SkipAgreement
 from flatview.table import FlatRecord, ParamTable
@@ -308,11 +308,7 @@ class Runtime:
         units = self.table.units
         if iteration is None or unit not in iteration.skipped_units or units[unit].is_root:
             return
-        raise SkippedParameterUsedError(
-            f"FSDP unit {units[unit].name!r} is declared skipped for this step, but "
-            "its forward was called. Don't call skipped units (skipping them is what saves "
-            "their communication), or don't put them in the skip set."
-        )
+        raise skipped_unit_called(units[unit].name)
 
     def unit_skipped(self, unit: int) -> bool:
         """Whether every parameter of ``unit`` is skipped in the current iteration."""
@@ -369,13 +365,15 @@ class Runtime:
 
     # ------------------------------------------------------------ communication
 
-    def reduction_plan(self, flat: nn.Parameter) -> MaskPlan | None:
-        """The mask for reducing ``flat``'s gradient now, or ``None`` if it is unknown."""
+    def reduction_plan(self, flat: nn.Parameter, *, window: bool = True) -> MaskPlan | None:
+        """The mask for reducing ``flat``'s gradient now (``window``: what the backwards
+        since the last synchronising one used too, as the wrapper reduces their sum), or
+        ``None`` if it is unknown."""
         record = self.table.flat_record(flat)
         if record is None:
             return None
         self.check_backward_binding()
-        return record.plan(self._used_so_far(record.index))
+        return record.plan(self._used_so_far(record.index, window))
 
     def gather_plan(self, flat: nn.Parameter, min_saved: int) -> MaskPlan | None:
         """The mask for all-gathering ``flat`` in this iteration, or ``None`` to gather it
@@ -400,16 +398,16 @@ class Runtime:
             rows, local_shard, plan, plan_index(plan, local_shard.device), *where, self.ledger
         )
 
-    def _used_so_far(self, flat: int) -> tuple[bool, ...]:
-        """The *used* flags of flat parameter ``flat`` in this iteration, joined with
-        those of the backwards since the last synchronising one."""
+    def _used_so_far(self, flat: int, window: bool = True) -> tuple[bool, ...]:
+        """The *used* flags of flat parameter ``flat`` in this iteration, joined (with
+        ``window``) with those of the backwards since the last synchronising one."""
         iteration = self.iteration
         now = (
             iteration.used[flat]
             if iteration is not None
             else (True,) * len(self.table.flats[flat].params)
         )
-        if self._window is None:
+        if self._window is None or not window:
             return now
         return tuple(a or b for a, b in zip(self._window[flat], now, strict=True))
 
@@ -422,10 +420,15 @@ class Runtime:
         return self._plain_window | used if self._plain_window else used
 
     def forget_plain_window(self) -> None:
-        """The plain parameters' window is over before the backward ends: a synchronising
-        backward reduces it now (an error in that reduction must not leave it to the next
-        backward), or the wrapper dropped what it accumulated (FSDP2, after an aborted
-        backward)."""
+        """The plain parameters' window is over before the backward ends: reduced now (an
+        error there must not leave it to the next backward), or dropped (FSDP2, aborted)."""
+        self._plain_window = frozenset()
+
+    def forget_window(self) -> None:
+        """The wrapper dropped what it accumulated (DeepSpeed's ``zero_grad`` before its
+        boundary): nothing counts as used in the window any more."""
+        if self._window is not None:
+            self._window = [(False,) * len(used) for used in self._window]
         self._plain_window = frozenset()
 
     def flat_used_so_far(self, flat: nn.Parameter) -> bool:
@@ -493,8 +496,8 @@ class Runtime:
         if self._window is not None:
             # Flat parameters hold the window's gradients, views the earlier: unmerged.
             raise StateError(
-                "unwrap() inside a no_sync() window: finish the accumulation with a "
-                "synchronising backward first"
+                "unwrap() inside an accumulation window (no_sync(), DeepSpeed before its "
+                "boundary): finish the accumulation with a synchronising backward first"
             )
         # The flat parameters carry on alone: what the views hold must be theirs.
         self.write_back()
@@ -510,11 +513,8 @@ class Runtime:
     def stats(self) -> StepStats | None:
         """Communication figures of the last backward pass (``None`` before the first)."""
         if isinstance(self._stats, StatsSource):
-            adapter = self.adapter
+            reduces, replicas = self.adapter.wrapper_reduces, self.adapter.replicas
             self._stats = step_stats(
-                self.table,
-                self._stats,
-                wrapper_reduces=adapter.wrapper_reduces,
-                replicas=adapter.replicas,
+                self.table, self._stats, wrapper_reduces=reduces, replicas=replicas
             )
         return self._stats

@@ -131,6 +131,15 @@ def _value(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def skipped_unit_called(name: str) -> SkippedParameterUsedError:
+    """The error of a unit ``name`` whose parameters are all skipped, called anyway."""
+    return SkippedParameterUsedError(
+        f"FSDP unit {name!r} is declared skipped for this step, but its forward was "
+        "called. Don't call skipped units (skipping them is what saves their "
+        "communication), or don't put them in the skip set."
+    )
+
+
 def skipped_used(name: str) -> SkippedParameterUsedError:
     """The error of a skipped parameter ``name`` that received a gradient."""
     return SkippedParameterUsedError(

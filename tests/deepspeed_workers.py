@@ -185,7 +185,7 @@ def harness_refuses_builds() -> dict[str, Any]:
 def ds_config(scenario: Any, stage: int, clip: float, extra: dict[str, Any] | None) -> dict:
     return {
         "train_micro_batch_size_per_gpu": scenario.batch_per_rank,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": scenario.accumulate,
         "gradient_clipping": clip,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage},
@@ -263,7 +263,9 @@ def run_flatview(
 ) -> Any:
     """Train the scenario with DeepSpeed and flatview: each micro-batch one step (inside
     ``fv.step(skip=...)``: forward, ``engine.backward`` or with ``direct`` the loss's own
-    ``backward()``, which DeepSpeed supports too), then engine.step()."""
+    ``backward()``, which DeepSpeed supports too), then engine.step(), which steps the
+    optimizers every ``scenario.accumulate`` micro-batches (DeepSpeed's
+    ``gradient_accumulation_steps``; gradients and norms recorded there)."""
     from tests.scenarios import Outcome, local_batch, loss_of, skip_names
 
     with deepspeed_on_cpu() as deepspeed:
@@ -279,9 +281,12 @@ def run_flatview(
                     loss.backward()
                 else:
                     engine.backward(loss)
-            none_grads.append(sorted(n for n, p in fv.named_parameters() if p.grad is None))
+            boundary = engine.is_gradient_accumulation_boundary()
+            if boundary:
+                none_grads.append(sorted(n for n, p in fv.named_parameters() if p.grad is None))
             engine.step()
-            grad_norms.append(engine.get_global_grad_norm())
+            if boundary:
+                grad_norms.append(engine.get_global_grad_norm())
             held = {id(p) for p in module.parameters()}
             on_modules.append(held == {id(p) for p in fv.parameters()})
         names = [n for n, _ in fv.named_parameters()]
@@ -293,10 +298,14 @@ def run_flatview(
     return outcome
 
 
-def run_reference(scenario: Any, mode: str = "several", clip: float = 0.0) -> Any:
+def run_reference(
+    scenario: Any, mode: str = "several", clip: float = 0.0, steps: list[range] | None = None
+) -> Any:
     """The scenario in one process, without any wrapper, as DeepSpeed steps: the
-    optimizers after every micro-batch, the gradients clipped first (``clip`` > 0), then
-    dropped (``zero_grad(set_to_none=True)``, as the engine does)."""
+    optimizers after every ``scenario.accumulate`` micro-batches (each loss divided by
+    that, as ``engine.backward`` does), the gradients clipped first (``clip`` > 0), then
+    dropped (``zero_grad(set_to_none=True)``, as the engine does). ``steps``: the
+    micro-batches of each optimizer step, if not every ``scenario.accumulate``."""
     from tests.scenarios import Outcome, optimizer_steps, reference_model, reference_training
 
     net, opts = reference_model(scenario)
@@ -305,7 +314,8 @@ def run_reference(scenario: Any, mode: str = "several", clip: float = 0.0) -> An
     elif mode == "groups":
         opts = [grouped_optimizer(net)]
     none_grads, norms = [], []
-    for _ in reference_training(scenario, net, opts, optimizer_steps(scenario)):
+    steps = steps or optimizer_steps(scenario)
+    for _ in reference_training(scenario, net, opts, steps, 1 / scenario.accumulate):
         none_grads.append(sorted(n for n, p in net.named_parameters() if p.grad is None))
         norm = torch.nn.utils.clip_grad_norm_(net.parameters(), clip if clip > 0 else math.inf)
         norms.append(float(norm))
@@ -361,6 +371,34 @@ def recovery(scenario: Any, stage: int, kinds: tuple[str, ...]) -> dict[str, Any
     return {"errors": errors, "params": params, "phase": phase}
 
 
+def recovery_in_window(scenario: Any, stage: int, kind: str) -> dict[str, Any]:
+    """``scenario.accumulate`` = 2: a first micro-step that uses every parameter, then
+    the boundary's micro-step fails (``kind`` as in :func:`recovery`), caught on every
+    rank, and ``engine.zero_grad()`` drops what the window held. The scenario's
+    micro-batches follow, the first of them ending that window alone."""
+    from tests.scenarios import local_batch, loss_of
+
+    errors = []
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "several", 0.0)
+        xs, ys = local_batch(scenario, 500)
+        with fv.step(skip=[]):
+            engine.backward(loss_of(engine(xs, ()), ys))
+        engine.step()
+        declared = ["body.1"] if kind == "used" or dist.get_rank() == 0 else []
+        try:
+            with fv.step(skip=declared):
+                engine.backward(loss_of(engine(xs, ()), ys))
+        except Exception as err:
+            errors.append(f"{type(err).__name__}: {err}")
+        engine.zero_grad()
+        none_grads = _train(engine, fv, scenario, range(len(scenario.skips)))
+        params = full_params(fv, engine)
+        empty = {n for n, p in fv.named_parameters() if p.numel() == 0}
+        del engine, fv
+    return {"errors": errors, "params": params, "none_grads": none_grads, "empty": empty}
+
+
 def _error(call: Any, *args: Any) -> str:
     try:
         call(*args)
@@ -410,11 +448,15 @@ def unseen_backwards(scenario: Any, stage: int) -> dict[str, Any]:
     return {"errors": errors, "params": params, "phase": phase}
 
 
-def gradient_bytes(scenario: Any, stage: int, strategy: str, bare: bool) -> dict[str, Any]:
+def gradient_bytes(
+    scenario: Any, stage: int, strategy: str, bare: bool, accumulate: int = 1
+) -> dict[str, Any]:
     """Bytes of gradient-reducing collectives (counted at the calls) in the backward of
     each micro-batch of the scenario, with flatview (``bare=False``) or on the bare
-    engine; with flatview also what flatview's ledger says, and each flat parameter's
-    layout and used flags, to compute the used bytes from."""
+    engine, ``accumulate`` micro-batches per optimizer step; the collectives of the whole
+    micro-step (forward and backward) by kind; with flatview also what flatview's ledger
+    says, and each flat parameter's layout and used flags, to compute the used bytes
+    from."""
     import flatview
     from flatview.testing.counting import GRADIENT_KINDS, CollectiveCounter
     from tests.scenarios import local_batch, loss_of, make_net, skip_names
@@ -425,21 +467,22 @@ def gradient_bytes(scenario: Any, stage: int, strategy: str, bare: bool) -> dict
         engine, _, _, _ = deepspeed.initialize(
             model=net,
             optimizer=one_optimizer(net.parameters()),
-            config=ds_config(scenario, stage, 0.0, None),
+            config=ds_config(scenario, stage, 0.0, {"gradient_accumulation_steps": accumulate}),
         )
         fv = None if bare else flatview.wrap(engine, reduce_strategy=strategy)
         for micro in range(len(scenario.skips)):
             xs, ys = local_batch(scenario, micro)
             skip = skip_names(scenario, micro)
-            counter = CollectiveCounter()
+            counter, whole = CollectiveCounter(), CollectiveCounter()
             step = fv.step(skip=list(skip)) if fv is not None else contextlib.nullcontext()
-            with step:
+            with whole, step:
                 loss = loss_of(engine(xs, skip), ys)
                 with counter:
                     engine.backward(loss)
             row: dict[str, Any] = {
                 "counted": sum(counter.bytes.get(k, 0) for k in GRADIENT_KINDS),
                 "calls": {k: counter.calls[k] for k in GRADIENT_KINDS if counter.calls[k]},
+                "all calls": {k: n for k, n in whole.calls.items() if n},
             }
             if fv is not None:
                 stats = fv.stats
@@ -584,7 +627,17 @@ REFUSALS: dict[str, tuple[int, dict[str, Any], str]] = {
         },
         "adamw",
     ),
-    "accumulation": (1, {"gradient_accumulation_steps": 2}, "adamw"),
+    "unmanaged accumulation": (2, {"managed_gradient_accumulation": False}, "adamw"),
+    "fp32 accumulation": (
+        2,
+        {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+        "adamw",
+    ),
+    "fp32 accumulation, ZeRO 1": (
+        1,
+        {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+        "adamw",
+    ),
     "communication": (2, {"communication_data_type": "fp16"}, "adamw"),
     "prescale": (1, {"prescale_gradients": True}, "adamw"),
     "quantized": (
@@ -996,32 +1049,38 @@ def gathered_parameters(scenario: Any, stage: int) -> dict[str, str]:
     return out
 
 
-def bf16_against_bare(scenario: Any, stage: int, skipping: bool) -> dict[str, Any]:
-    """bf16 training (``"bf16": {"enabled": True}``: bf16 parameters and gradients over
-    fp32 masters) bare and wrapped, in the same processes. Skipping: flatview skips
-    the scenario's blocks, bare DeepSpeed runs them with their residual times zero
+def against_bare(
+    scenario: Any, stage: int, skipping: bool, bf16: bool = True, accumulate: int = 1
+) -> dict[str, Any]:
+    """Training bare and wrapped, in the same processes: bf16 (``"bf16": {"enabled":
+    True}``: bf16 parameters and gradients over fp32 masters) or fp32, ``accumulate``
+    micro-steps per optimizer step (``gradient_accumulation_steps``). Skipping: flatview
+    skips the scenario's blocks, bare DeepSpeed runs them with their residual times zero
     (:class:`tests.precision_workers.ZeroedNet`: exactly zero gradients, every other
     gradient the skipping model's), and both step plain SGD, which zero gradients leave
-    exactly where they were. Nothing skipped: AdamW. Every rank's bf16 parameters and
-    fp32 masters after the run, bare's and flatview's."""
+    exactly where they were. Nothing skipped: AdamW. Every rank's parameters (ZeRO 1/2)
+    and fp32 masters after the run, bare's and flatview's."""
     import flatview
     from tests.precision_workers import _net
     from tests.scenarios import local_batch, loss_of, skip_names
 
     out: dict[str, Any] = {}
+    extra = {"gradient_accumulation_steps": accumulate, "bf16": {"enabled": bf16}}
     with deepspeed_on_cpu() as deepspeed:
         for wrapped in (False, True):
             net = _net(scenario, zeroed=skipping and not wrapped)
+            if not bf16:
+                net = net.float()
             params = net.parameters()
             client = torch.optim.SGD(params, lr=0.1) if skipping else one_optimizer(params)
-            config = ds_config(scenario, stage, 0.0, {"bf16": {"enabled": True}})
+            config = ds_config(scenario, stage, 0.0, extra)
             engine, _, _, _ = deepspeed.initialize(model=net, optimizer=client, config=config)
             fv = flatview.wrap(engine) if wrapped else None
             for micro in range(len(scenario.skips)):
                 x, y = local_batch(scenario, micro)
                 skip = list(skip_names(scenario, micro)) if skipping else []
                 with fv.step(skip=skip) if fv is not None else contextlib.nullcontext():
-                    engine.backward(loss_of(engine(x.bfloat16(), skip), y))
+                    engine.backward(loss_of(engine(x.bfloat16() if bf16 else x, skip), y))
                 engine.step()
             state = {}
             if stage < 3:  # ZeRO 3's module holds empty partitions between passes

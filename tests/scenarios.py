@@ -757,13 +757,17 @@ def reference_backward(
     net: Net,
     micros: Iterable[int],
     before_backward: Callable[[], None] | None = None,
+    loss_scale: float = 1.0,
 ) -> None:
     """The backward passes of micro-batches ``micros`` in one process, on the whole batch;
     skipped parts do not run. ``before_backward`` runs between the first forward and its
-    backward."""
+    backward; each loss is multiplied by ``loss_scale`` (DeepSpeed divides by the
+    accumulation steps)."""
     for number, micro in enumerate(micros):
         x, y = batch(scenario, micro)
         loss = loss_of(net(x, skip_names(scenario, micro)), y)
+        if loss_scale != 1.0:
+            loss = loss * loss_scale
         if number == 0 and before_backward is not None:
             before_backward()
         loss.backward()
@@ -785,6 +789,7 @@ def reference_training(
     net: Net,
     opts: Sequence[torch.optim.Optimizer],
     steps: Sequence[range] | None = None,
+    loss_scale: float = 1.0,
 ) -> Iterator[None]:
     """The training loop of :func:`run_reference` on ``net``, for ``steps`` (by default
     every optimizer step of the scenario). Pauses (yields) once per optimizer step: after
@@ -796,7 +801,7 @@ def reference_training(
         if at == "before_forward":
             zero_grads(scenario, opts)
         between = functools.partial(zero_grads, scenario, opts) if at == "between" else None
-        reference_backward(scenario, net, micros, between)
+        reference_backward(scenario, net, micros, between, loss_scale)
         yield
         for opt in opts:
             opt.step()

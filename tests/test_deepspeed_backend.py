@@ -10,9 +10,10 @@ scenarios are ``slow`` (``nox -s tests_thorough``).
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -73,6 +74,53 @@ def test_several_optimizers_and_skip_sets_train_like_the_reference(
     for got in results:
         # engine.get_global_grad_norm(): the norm before clipping, as DeepSpeed reports it.
         assert got.grad_norms == pytest.approx(reference.norms, rel=1e-5)
+
+
+@pytest.mark.parametrize(("stage", "world"), _cases((2, 3)))
+def test_gradient_accumulation_trains_like_the_reference(
+    dist_pool: PoolFactory, stage: int, world: int
+) -> None:
+    """gradient_accumulation_steps=2 with per-submodule optimizers, clipping and a skip
+    set per micro-step: the unwrapped model accumulating two micro-batches per step
+    (each loss divided by 2, as engine.backward does). At each boundary a parameter's
+    view has a gradient exactly where some micro-step of the window used it."""
+    skips = (*SC.skips, (0, 1, 2, 3), (0, 1, 2, 3))  # the last window skips every block
+    scenario = replace(SC, world_size=world, accumulate=2, skips=skips)
+    results = dist_pool(world).run(w.run_flatview, scenario, stage, "several", 0.6, timeout=TIMEOUT)
+    reference = w.run_reference(scenario, "several", 0.6)
+    assert max(reference.norms) > 0.6  # clipping acts
+    assert_equivalent(results, reference, scenario)
+    for got in results:
+        assert got.grad_norms == pytest.approx(reference.norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_accumulation_communicates_as_the_stage_does(dist_pool: PoolFactory, stage: int) -> None:
+    """gradient_accumulation_steps=2, bytes counted at the calls (the exact exchange):
+    ZeRO 1 makes no collective at all before the boundary (its skip-set check waits for
+    the boundary's) and reduces there exactly what the window used; ZeRO 2/3 reduce in
+    every micro-step exactly what it used. Bare DeepSpeed reduces in the same
+    micro-steps."""
+    pool = dist_pool(2)
+    flatview_rows = pool.run(w.gradient_bytes, SC, stage, "all_to_all", False, 2, timeout=TIMEOUT)
+    bare_rows = pool.run(w.gradient_bytes, SC, stage, "auto", True, 2, timeout=TIMEOUT)
+    for mine, bare in zip(flatview_rows, bare_rows, strict=True):
+        rows = mine["rows"]
+        for micro, row in enumerate(rows):
+            assert row["counted"] == row["ledger"], (micro, row)
+            if stage == 1 and micro % 2 == 0:
+                assert row["all calls"] == {}, (micro, row)
+                assert bare["rows"][micro]["counted"] == 0, micro
+                continue
+            flats = row["flats"]
+            if stage == 1:  # the window's: this micro-step's and the one before
+                earlier = rows[micro - 1]["flats"]
+                flats = [
+                    (layout, tuple(map(operator.or_, used, before)))
+                    for (layout, used), (_, before) in zip(flats, earlier, strict=True)
+                ]
+            assert row["counted"] == _used_bytes(flats) > 0, (micro, row)
+            assert bare["rows"][micro]["counted"] > 0, micro
 
 
 @pytest.mark.parametrize(("stage", "world"), _cases((1, 2, 3), ci_stages=(1, 2)))
@@ -153,6 +201,29 @@ def test_errors_raise_on_every_rank_and_training_goes_on_exactly(
             assert re.search(EXPECTED[kind], message), (kind, message)
         assert got["phase"] == "IDLE"
     compare(results[0]["params"], w.run_reference(SC).params)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("kind", ["used", "mismatch"])
+def test_errors_inside_an_accumulation_window(
+    dist_pool: PoolFactory, stage: int, kind: str
+) -> None:
+    """gradient_accumulation_steps=2: the boundary's micro-step raises on every rank after
+    a micro-step that used every parameter; engine.zero_grad() drops the window, so the
+    next boundary steps only what follows (a parameter only the dropped micro-step used
+    has no gradient: no weight decay, no momentum), as the unwrapped model after
+    zero_grad(set_to_none=True)."""
+    scenario = replace(SC, accumulate=2, skips=SC.skips[:5])
+    got = dist_pool(2).run(w.recovery_in_window, scenario, stage, kind, timeout=TIMEOUT)
+    steps = [range(0, 1), range(1, 3), range(3, 5)]  # the first ends the broken window
+    reference = w.run_reference(scenario, "several", 0.0, steps)
+    for rank in got:
+        (message,) = rank["errors"]
+        assert re.search(EXPECTED[kind], message), (kind, message)
+        # Views without elements on a rank never have a gradient there.
+        assert set(rank["none_grads"][0]) == {*reference.none_grads[0], *rank["empty"]}
+    assert "body.1.up.weight" in reference.none_grads[0]  # the dropped micro-step used it
+    compare(got[0]["params"], reference.params)
 
 
 @pytest.mark.parametrize("stage", _stages())
@@ -272,7 +343,9 @@ REFUSED = {
     "stage0": r"ZeRO stages 1, 2 and 3; this engine runs stage 0",
     "fp16 as reported": r"fp32 and bf16 training; this engine trains with fp16",
     "offload": r"does not support ZeRO offload",
-    "accumulation": r"gradient_accumulation_steps=2",
+    "unmanaged accumulation": r"managed_gradient_accumulation",
+    "fp32 accumulation": r"accumulates gradients in torch.float32 \(data_types.grad_accum_dtype\)",
+    "fp32 accumulation, ZeRO 1": r"data_types.grad_accum_dtype",
     "communication": r"communication_data_type",
     "prescale": r"prescale_gradients",
     "quantized": r"ZeRO\+\+ quantized",
@@ -473,7 +546,30 @@ def test_bf16_trains_as_bare_deepspeed_bf16(
     Clipping is left out: flatview clips as torch's clip_grad_norm_, which DeepSpeed's
     formula matches only to the last fp32 bit.)"""
     scenario = Scenario(world_size=world, skips=((), (1,), (0,), (), (1,)))
-    for got in dist_pool(world).run(w.bf16_against_bare, scenario, stage, skipping):
+    _assert_as_bare(dist_pool(world).run(w.against_bare, scenario, stage, skipping))
+
+
+def _assert_as_bare(results: list[dict[str, Any]]) -> None:
+    for got in results:
         assert got["bare"].keys() == got["flatview"].keys()
         for name, value in got["bare"].items():
             np.testing.assert_array_equal(got["flatview"][name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "skipping", [True, pytest.param(False, marks=slow)], ids=["skipping", "adamw"]
+)
+def test_gradient_accumulation_trains_as_bare_deepspeed(
+    dist_pool: PoolFactory, stage: int, bf16: bool, skipping: bool
+) -> None:
+    """gradient_accumulation_steps=2: ZeRO 1 accumulates on DeepSpeed's parameters and
+    reduces at the boundary, ZeRO 2/3 reduce every micro-step and add the averaged
+    shards in the parameters' dtype, as bare DeepSpeed does: bit for bit, bf16 and
+    fp32, skipping against bare DeepSpeed running the skipped blocks times zero."""
+    skips = ((), (1,), (0,), (1,), (1,), (1,))  # the last window never uses body.1
+    scenario = Scenario(world_size=2, skips=skips)
+    _assert_as_bare(
+        dist_pool(2).run(w.against_bare, scenario, stage, skipping, bf16, 2, timeout=TIMEOUT)
+    )

@@ -148,6 +148,20 @@ def test_trainer_deepspeed_trains_and_resumes_like_the_reference(
 
 @needs_lightning
 @needs_deepspeed
+@pytest.mark.parametrize(
+    "stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
+)
+def test_trainer_deepspeed_accumulates_like_the_reference(
+    dist_pool: PoolFactory, stage: int
+) -> None:
+    # accumulate_grad_batches=2 (DeepSpeed's gradient_accumulation_steps; Lightning hands
+    # DeepSpeed every micro-batch), skip sets per micro-batch, gradient_clip_val.
+    run = iw.Run(iw.EVEN, accumulate=2, clip=0.05)
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=f"deepspeed{stage}"), run)
+
+
+@needs_lightning
+@needs_deepspeed
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_trainer_deepspeed_bf16_trains_as_bare(dist_pool: PoolFactory, stage: int) -> None:
     # Lightning's DeepSpeedStrategy with precision="bf16-mixed": adding the callback to a

@@ -17,12 +17,11 @@ communication after the step, its engine bookkeeping. What flatview does instead
   settles the skip-set check, ends a forward without autograd and hooks the outputs.
 * **Gradients.** DeepSpeed's per-parameter gradient hooks and its end-of-backward
   reduction are made no-ops. When the backward reaches the forward's outputs a callback
-  is queued that autograd runs once the whole backward is done: every flat parameter's
-  used segments (gradients of DeepSpeed's parameters, padded into its layout) go through
-  flatview's sharded reduction (masked reduce-scatter, bucketed), in the same order on
-  every rank whatever its backward did, summed and divided by the world size into the
-  holder's gradient (what the views hold pieces of); DeepSpeed's parameters drop theirs.
-  Skipped parameters' gradients never travel and their views keep ``None``.
+  is queued that autograd runs once the whole backward is done: flatview's sharded
+  reduction of the used segments, accumulated across micro-steps as the stage does
+  (:mod:`~flatview.backends.deepspeed_grads`), into the holders' gradients (what the
+  views hold pieces of) at DeepSpeed's accumulation boundary. Skipped parameters'
+  gradients never travel and their views keep ``None``.
 * **Step.** ``engine.step()`` calls its ZeRO optimizer's ``step``, replaced: ZeRO 3's
   preparation, the config's ``gradient_clipping`` by the global norm of the views'
   gradients (one all-reduce of one number; torch's ``clip_grad_norm_`` formula), the
@@ -83,6 +82,7 @@ from flatview.backends import deepspeed_gathering
 from flatview.backends.base import Adapter, UnitSpec
 from flatview.backends.deepspeed_checkpoint import ZeroCheckpoint
 from flatview.backends.deepspeed_checks import DeepSpeedModel
+from flatview.backends.deepspeed_grads import ZeroGrads
 from flatview.backends.deepspeed_step import ZeroStep, unseen_backward
 from flatview.backends.deepspeed_zero import (
     FlatGroups,
@@ -217,8 +217,12 @@ class DeepSpeedAdapter(Adapter):
         self._installed: Runtime | None = None
         self._patches = Patches()
         self._backward = Transitions(Backward.NONE_QUEUED, _BACKWARD_MOVES)
+        self._depth = 0  # forwards of the engine's module in flight, one inside another
         self._order = ModuleOrder(self.layout)
-        self.zero_step = ZeroStep(self.engine, self.layout, self.group, self.world_size, self._lent)
+        self.grads = ZeroGrads(self.engine, self.stage, self.layout, self.world_size)
+        self.zero_step = ZeroStep(
+            self.engine, self.layout, self.group, self.world_size, self._lent, self.grads.drop
+        )
         self.checkpoint = ZeroCheckpoint(
             self.zero, self.layout, self.stage, self.group, self.rank, self.world_size
         )
@@ -262,14 +266,16 @@ class DeepSpeedAdapter(Adapter):
 
     def install(self, runtime: Runtime) -> None:
         self._installed = runtime
-        self.reduction = ShardedReduction(
+        reduction = ShardedReduction(
             self.group, self.rank, self.world_size, runtime.ledger, self.options, self.bucket_numel
         )
+        self.grads.install(runtime, reduction)
         self.zero_step.install(runtime, self._point_optimizer(self._view_indices()))
         module, zero, engine = self.engine.module, self.zero, self.engine
         patches = self._patches
         patches.hook(module.register_forward_pre_hook(self._pre_forward, prepend=True))
         patches.hook(module.register_forward_hook(self._post_forward))
+        patches.hook(module.register_forward_hook(self._forward_left, always_call=True))
         patches.lending(module, ("state_dict", "_apply"), self._lent)
         patches.patch(module, "load_state_dict", self._loading(module.load_state_dict))
         patches.lending(engine, ("module_state_dict",), self._lent)
@@ -290,6 +296,7 @@ class DeepSpeedAdapter(Adapter):
         patches.lending(zero, ("backward_epilogue",), self._lent)
         patches.patch(zero, "step", self.zero_step.step)
         patches.patch(zero, "zero_grad", self.zero_step.zero_grad)
+        patches.patch(engine, "zero_grad", self._engine_zero_grad(engine.zero_grad))
         # DeepSpeed's checkpoints: its files, with flatview's state in the ZeRO ones.
         self.checkpoint.install(runtime)
         patches.patch(zero, "state_dict", self.checkpoint.state_dict)
@@ -302,6 +309,9 @@ class DeepSpeedAdapter(Adapter):
         for owner, name, instead in _REFUSED:
             if hasattr(owners[owner], name):
                 patches.patch(owners[owner], name, _refusing(name, instead))
+
+    def synchronizing(self) -> bool:
+        return self.grads.communicates()
 
     def view_name(self, tensor: torch.Tensor) -> str | None:
         """The original name of ``tensor`` if it is one of this engine's views (not one
@@ -357,6 +367,12 @@ class DeepSpeedAdapter(Adapter):
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if in_backward():
             return  # a recomputation (activation checkpointing): not a new iteration
+        self._depth += 1
+        if self._depth > 1:
+            # A forward of the module inside its own (Lightning's DeepSpeedStrategy runs
+            # training_step in the engine's forward, and ``self(x)`` there goes through
+            # the engine again): part of the iteration in flight.
+            return
         runtime = self.runtime
         if self._backward.state is Backward.QUEUED:
             # The last backward raised before it ended: its end never ran.
@@ -365,10 +381,11 @@ class DeepSpeedAdapter(Adapter):
         # DeepSpeed's own parameters back on the submodules (the views stepped aside):
         # what its forward and its hooks read.
         self._order.register()
-        # Gradients DeepSpeed's parameters hold now were left by a backward that raised
-        # (flatview's end of the backward takes them all): they must not add to this one.
-        for param, _ in self.layout.compute_params():
-            param.grad = None
+        if not self.grads.keeps_local(runtime):
+            # Gradients DeepSpeed's parameters hold now were left by a backward that
+            # raised (flatview's end of the backward takes them): not to add to this one.
+            for param, _ in self.layout.compute_params():
+                param.grad = None
         if self.zero_step.changed():
             self.zero_step.publish_written()
         for flat in self.layout.flats:
@@ -376,7 +393,7 @@ class DeepSpeedAdapter(Adapter):
         runtime.guard_skipped_plain()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if in_backward():
+        if in_backward() or self._depth > 1:
             return
         runtime = self.runtime
         runtime.settle_agreement()
@@ -387,6 +404,11 @@ class DeepSpeedAdapter(Adapter):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 # Not kept for uninstall: these die with the output.
                 leaf.register_hook(self._backward_starts)
+
+    def _forward_left(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After every forward, also one that raised (``always_call``)."""
+        if not in_backward():
+            self._depth -= 1
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         if self._installed is None or self._backward.state is Backward.QUEUED:
@@ -419,45 +441,7 @@ class DeepSpeedAdapter(Adapter):
         runtime = self.runtime
         if runtime.phase is not Phase.COMPUTING:
             raise StateError(_SECOND_BACKWARD)
-        try:
-            self._reduce()
-        finally:
-            for param, _ in self.layout.compute_params():
-                param.grad = None
-        runtime.end_backward(synced=True)
-
-    @torch.no_grad()
-    def _reduce(self) -> None:
-        """Every flat parameter's used gradient, reduced (the module docstring)."""
-        runtime = self.runtime
-        world = self.world_size
-        try:
-            for index, flat in enumerate(self.layout.flats):
-                flat.holder.grad = None
-                plan = runtime.reduction_plan(flat.holder)
-                if plan is None or plan.none_used:
-                    continue
-                padded = self.layout.padded_gradient(index, plan.used)
-                shard = flat.layout.shard_numel
-                if world == 1:
-                    flat.holder.grad = padded[:shard].to(flat.holder.dtype, copy=True)
-                    continue
-                if padded.dtype != flat.holder.dtype:
-                    # As DeepSpeed reduces bf16 gradients: divided first, summed in bf16.
-                    padded.div_(world)
-                rows = list(padded.view(world, shard))
-                done = functools.partial(self._reduced, flat.holder)
-                self.reduction.add(rows, plan, done, padded=padded)
-            self.reduction.finish()
-        except BaseException:
-            self.reduction.abandon()
-            raise
-
-    def _reduced(self, holder: nn.Parameter, shard: torch.Tensor) -> None:
-        if shard.dtype == holder.dtype:
-            holder.grad = shard.div_(self.world_size)
-        else:  # divided before the sum
-            holder.grad = shard.to(holder.dtype)
+        runtime.end_backward(synced=self.grads.end_backward())
 
     # ---------------------------------------------------------------- lending
 
@@ -483,6 +467,18 @@ class DeepSpeedAdapter(Adapter):
             return result
 
         return load
+
+    def _engine_zero_grad(self, method: Callable[[], None]) -> Callable[[], None]:
+        """The engine's ``zero_grad`` (its module's parameters: the views), dropping also
+        what was accumulated towards DeepSpeed's boundary, as ``zero_grad`` on the
+        unwrapped model drops what it accumulated."""
+
+        @functools.wraps(method)
+        def zero_grad() -> None:
+            method()
+            self.zero_step.zero_grad()
+
+        return zero_grad
 
     def _between_iterations(self, method: Callable[..., Any]) -> Callable[..., Any]:
         """One of the engine's collective saving and loading calls (every rank makes

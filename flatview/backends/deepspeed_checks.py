@@ -5,8 +5,9 @@ has not made exact, each refused with a :class:`WrapError` that names it (before
 anything is patched, and before any collective).
 
 Supported: ZeRO stages 1, 2 and 3 of a ``DeepSpeedEngine`` over one data-parallel group,
-fp32 parameters and gradients, or bf16 ones over fp32 masters (reduced in bf16 as
-DeepSpeed reduces them by default), no offload, one micro-batch per step, any
+fp32 parameters and gradients, or bf16 ones over fp32 masters (reduced and accumulated in
+bf16 as DeepSpeed does by default), no offload, any ``gradient_accumulation_steps``
+(:mod:`~flatview.backends.deepspeed_grads`), any
 ``gradient_clipping`` (flatview clips by the global norm exactly as
 ``torch.nn.utils.clip_grad_norm_``), any bucket sizes, ``overlap_comm``,
 ``contiguous_gradients``, ``round_robin_gradients``, ZeRO 3's prefetching, persistence
@@ -41,6 +42,9 @@ _ENGINE = (
     "fp16_enabled",
     "bfloat16_enabled",
     "gradient_accumulation_steps",
+    "is_gradient_accumulation_boundary",
+    "managed_gradient_accumulation",
+    "get_data_types",
     "gradient_clipping",
     "postscale_gradients",
     "gradient_predivide_factor",
@@ -170,10 +174,12 @@ def _check(engine: Any) -> int:
             "the DeepSpeed engine has no ZeRO optimizer: build it with an optimizer "
             "(deepspeed.initialize(model=..., optimizer=..., config=...))"
         )
+    # The configuration first: some choose another ZeRO optimizer class (bf16 with fp32
+    # accumulation on ZeRO 1), whose missing internals would hide the setting to change.
+    _check_config(engine)
     require_attrs(zero, _ZERO_COMMON, f"DeepSpeed's {type(zero).__name__}", found)
     require_attrs(zero, _ZERO_3 if stage == 3 else _ZERO_12, type(zero).__name__, found)
     _check_precision(engine, zero)
-    _check_config(engine)
     _check_parallelism(engine, zero, stage)
     _check_optimizer(engine, zero)
     return stage
@@ -207,10 +213,17 @@ def _check_precision(engine: Any, zero: Any) -> None:
 
 
 def _check_config(engine: Any) -> None:
-    if engine.gradient_accumulation_steps() != 1:
+    if not engine.managed_gradient_accumulation():
         raise WrapError(
-            f"gradient_accumulation_steps={engine.gradient_accumulation_steps()}: flatview "
-            "supports one micro-batch per engine.step() on DeepSpeed (set it to 1)"
+            "flatview supports DeepSpeed's managed gradient accumulation (the engine counts "
+            "micro-steps to its boundary): leave managed_gradient_accumulation on"
+        )
+    model_dtype, accumulated = engine.get_data_types()
+    if accumulated != model_dtype:
+        raise WrapError(
+            f"the config accumulates gradients in {accumulated} (data_types.grad_accum_dtype) "
+            f"over {model_dtype} parameters; flatview accumulates them in the parameters' "
+            "dtype, as DeepSpeed does by default: leave it unset"
         )
     if _offloads(engine.zero_offload_optimizer()) or _offloads(engine.zero_offload_param()):
         raise WrapError(

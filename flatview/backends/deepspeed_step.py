@@ -45,7 +45,8 @@ def unseen_backward(evidence: str) -> str:
 
 class ZeroStep:
     """The step of one wrapped engine (see the module docstring). ``lent`` runs DeepSpeed's
-    parts with its own parameters registered on the submodules (they walk them)."""
+    parts with its own parameters registered on the submodules (they walk them);
+    ``drop_accumulated`` forgets the gradients accumulated towards the next boundary."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class ZeroStep:
         group: dist.ProcessGroup | None,
         world_size: int,
         lent: Callable[[], AbstractContextManager[None]],
+        drop_accumulated: Callable[[], None],
     ) -> None:
         self.engine = engine
         self.zero = engine.optimizer
@@ -61,6 +63,7 @@ class ZeroStep:
         self.group = group
         self.world_size = world_size
         self._lent = lent
+        self._drop_accumulated = drop_accumulated
         self._installed: Runtime | None = None
         self.trained: list[int] = []
         """Table indices of the views the engine's optimizer trains (set at install)."""
@@ -152,8 +155,10 @@ class ZeroStep:
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """DeepSpeed's ``zero_grad``: its parameters' gradients and the views'."""
+        """DeepSpeed's ``zero_grad``: its parameters' gradients, the views' and what was
+        accumulated towards the next boundary."""
         runtime = self._runtime()
+        self._drop_accumulated()
         tensors = [p for p, _ in self.layout.compute_params()]
         tensors += [runtime.tensor(i) for i in self.trained]
         for tensor in tensors:
