@@ -184,8 +184,9 @@ def check_phase(rt: Runtime, method: str, *, grads: bool) -> None:
         )
     if grads and rt.accumulating:
         raise StateError(
-            f"FlatView.{method}() inside a no_sync() window: gradients are not reduced yet "
-            "(each rank holds its own unreduced ones); call it after the synchronising backward"
+            f"FlatView.{method}() inside an accumulation window (no_sync(), or a DeepSpeed "
+            "engine before its boundary): the views do not hold the window's gradients yet; "
+            "call it after the synchronising backward"
         )
 
 

@@ -297,7 +297,7 @@ def test_bad_arguments_raise_before_any_collective(
 
 WRONG_PHASE = {
     "forward": r"StateError: FlatView\.param_norms\(\) needs phase IDLE, the model is COMPUTING",
-    "no_sync": r"StateError: FlatView\.grad_norms\(\) inside a no_sync\(\) window",
+    "no_sync": r"StateError: FlatView\.grad_norms\(\) inside an accumulation window \(no_sync\(\)",
     "unwrapped": r"StateError: .*the model is DETACHED: flatview was unwrapped",
 }
 

@@ -41,9 +41,20 @@ from torch import nn
 
 from flatview.backends.deepspeed_zero import ZeroLayout
 from flatview.comm.sharded import ShardedReduction
+from flatview.layout import MaskPlan
 
 if TYPE_CHECKING:
     from flatview.backends.base import Runtime
+
+
+def _used_part(padded: torch.Tensor, plan: MaskPlan) -> torch.Tensor:
+    """On one rank, the gradient ``plan`` reduces: the used elements of ``padded``, zeros
+    elsewhere (unused places hold what an earlier backward left there), as the masked
+    reduction returns it on several ranks."""
+    shard = padded.new_zeros(plan.layout.shard_numel)
+    for start, end in plan.per_rank[0]:
+        shard[start:end] = padded[start:end]
+    return shard
 
 
 class ZeroGrads:
@@ -115,7 +126,7 @@ class ZeroGrads:
                 shard = flat.layout.shard_numel
                 done = functools.partial(self._reduced, index)
                 if world == 1:
-                    done(padded[:shard].clone())
+                    done(_used_part(padded, plan))
                     continue
                 if padded.dtype != flat.holder.dtype:
                     # As DeepSpeed reduces bf16 gradients: divided first, summed in bf16.
