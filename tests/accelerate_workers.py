@@ -8,6 +8,7 @@ out, so that the next task in the same worker starts from a fresh one."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,12 +34,48 @@ def _accelerator(**kwargs: Any) -> Iterator[Accelerator]:
             GradientState._reset_state()
 
 
-def train(run: Run, resume: bool = False) -> dict[str, np.ndarray] | None:
+@contextlib.contextmanager
+def _deepspeed_accelerator(run: Run, stage: int) -> Iterator[Accelerator]:
+    """An ``Accelerator`` with the DeepSpeed plugin, on CPU: accelerate runs DeepSpeed
+    when the launcher's environment says so and the accelerator is not told ``cpu=True``
+    (which falls back to DDP). The run's clipping is DeepSpeed's ``gradient_clipping``
+    (over all parameters: one optimizer)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from flatview.testing import deepspeed_on_cpu
+
+    with framework_env(), deepspeed_on_cpu():
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        plugin = DeepSpeedPlugin(
+            zero_stage=stage,
+            gradient_accumulation_steps=run.accumulate,
+            gradient_clipping=run.clip or 0.0,
+        )
+        micro = run.scenario.batch_per_rank
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
+        world = dist.get_world_size()
+        plugin.deepspeed_config["train_batch_size"] = micro * run.accumulate * world
+        try:
+            yield Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=run.accumulate)
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+
+def train(
+    run: Run, resume: bool = False, deepspeed_stage: int | None = None
+) -> dict[str, np.ndarray] | None:
     """Train ``run`` through :func:`prepare` with ``accelerator.accumulate`` and
     ``accelerator.clip_grad_norm_``; rank 0's final parameters. ``resume``: save the
     state (``accelerator.save_state``) after the first half, train on, then load it back
-    (``load_state``) and train the second half again: the end must not differ."""
-    with _accelerator(gradient_accumulation_steps=run.accumulate) as accelerator:
+    (``load_state``) and train the second half again: the end must not differ. With
+    ``deepspeed_stage``, accelerate's DeepSpeed plugin at that ZeRO stage."""
+    accelerating = (
+        _accelerator(gradient_accumulation_steps=run.accumulate)
+        if deepspeed_stage is None
+        else _deepspeed_accelerator(run, deepspeed_stage)
+    )
+    with accelerating as accelerator:
         net = make_net(run.scenario)
         model, fv, opts = prepare(accelerator, net, lambda m: make_optimizers(m, run))
         batches = list(enumerate(local_batches(run)))
@@ -49,7 +86,12 @@ def train(run: Run, resume: bool = False) -> dict[str, np.ndarray] | None:
             epoch(run, accelerator, model, fv, opts, batches[half:])
             accelerator.load_state("state")
         epoch(run, accelerator, model, fv, opts, batches[half:])
-        params = params_of(net)
+        if deepspeed_stage is None:
+            params = params_of(net)
+        else:  # views are this rank's pieces of DeepSpeed's partitions
+            from tests.deepspeed_workers import full_params
+
+            params = full_params(fv, model)
     return params if dist.get_rank() == 0 else None
 
 

@@ -205,14 +205,3 @@ def test_import_flatview_imports_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
-
-
-def test_accelerate_prepare_refuses_deepspeed_before_preparing() -> None:
-    """accelerate's DeepSpeed engine takes its optimizer when prepare builds it, before
-    there are views: prepare refuses, naming what flatview.wrap takes instead, before it
-    prepares anything (the stand-in accelerator has no prepare to call)."""
-    from flatview.integrations.accelerate import prepare
-
-    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="DEEPSPEED"))
-    with pytest.raises(WrapError, match="does not drive accelerate's DeepSpeed plugin"):
-        prepare(accelerator, nn.Linear(2, 2), lambda m: torch.optim.SGD(m.parameters()))

@@ -22,20 +22,28 @@ sharded ones); FSDP2 keeps the original parameters, so there the optimizers are 
 first and prepared with the model, then the model is wrapped. The caller sees no
 difference.
 
+Under the DeepSpeed plugin accelerate builds the engine in ``prepare(model, optimizer)``,
+and the engine takes its one optimizer then, before there are views: it is built with a
+:class:`flatview.optim.Deferred`, wrapped, and handed the optimizers the factory builds
+from views (:func:`_prepare_deepspeed`). The engine steps them in
+``accelerator.backward`` at its accumulation boundary, clipping as the DeepSpeed config
+says; the user's ``opt.step()`` / ``opt.zero_grad()`` do nothing there, as for any
+optimizer accelerate prepares for DeepSpeed.
+
 ``accelerator.clip_grad_norm_`` is exact afterwards: where accelerate would take the
 norm of this rank's pieces of views (any parameter list but ``model.parameters()`` under
 FSDP1, and every list under FSDP1 with views of flat parameters), the norm of the whole
 gradients is taken instead (:mod:`flatview.integrations.clipping`); everything else is
-accelerate's own.
+accelerate's own (under DeepSpeed it only reports the engine's norm).
 
 Refused (:class:`~flatview.errors.WrapError`, before anything is prepared): an
 ``Accelerator`` given an FSDP plugin that runs as something else (on CPU accelerate
-silently trains with DDP instead), one that is not distributed at all, and one that runs
-DeepSpeed (its engine takes its optimizer when it is built, before there are views).
+silently trains with DDP instead), and one that is not distributed at all.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -44,6 +52,7 @@ import torch
 from torch import nn
 
 import flatview
+from flatview.deferred import Deferred
 from flatview.errors import WrapError
 from flatview.handle import FlatView
 from flatview.integrations.clipping import clip_whole, clips_locally
@@ -71,7 +80,7 @@ def prepare(
     ``optimizers(model)`` and prepare them; route ``accelerator.clip_grad_norm_``.
 
     Args:
-        accelerator: an ``accelerate.Accelerator`` (DDP, FSDP1 or FSDP2).
+        accelerator: an ``accelerate.Accelerator`` (DDP, FSDP1, FSDP2 or DeepSpeed).
         model: the user's model, not prepared yet.
         optimizers: ``model -> optimizer or optimizers``, built from ``model``'s
             submodules (their ``parameters()`` are views when it is called).
@@ -82,7 +91,8 @@ def prepare(
             plugin but runs as something else (accelerate on CPU turns FSDP into DDP);
             or :func:`flatview.wrap` refuses the prepared model.
     """
-    _check_distributed(accelerator)
+    if _check_distributed(accelerator) == "DEEPSPEED":
+        return _prepare_deepspeed(accelerator, model, optimizers, wrap_options)
     if getattr(accelerator, "is_fsdp2", False):
         built = _built(optimizers, model)
         prepared_model, *prepared = accelerator.prepare(model, *built)
@@ -97,7 +107,26 @@ def prepare(
     return Prepared(prepared_model, fv, prepared)
 
 
-def _check_distributed(accelerator: Any) -> None:
+def _prepare_deepspeed(
+    accelerator: Any, model: nn.Module, optimizers: OptimizerFactory, wrap_options: Any
+) -> Prepared:
+    """The DeepSpeed plugin's order (see the module docstring). What is returned for
+    each optimizer is accelerate's own DeepSpeed optimizer wrapper around it (``step``
+    and ``zero_grad`` do nothing: ``accelerator.backward`` steps the engine)."""
+    # Looked up here: only the DeepSpeed plugin needs it (accelerate is untyped).
+    wrapper: Any = importlib.import_module("accelerate.utils").DeepSpeedOptimizerWrapper
+    # The stand-in is not an optimizer DeepSpeed knows; the ones it steps are the user's.
+    accelerator.state.deepspeed_plugin.deepspeed_config["zero_allow_untested_optimizer"] = True
+    deferred = Deferred(model.parameters())
+    engine, _ = accelerator.prepare(model, deferred)
+    fv = flatview.wrap(engine, **wrap_options)
+    built = _built(optimizers, model)
+    deferred.set(*built)
+    return Prepared(engine, fv, [wrapper(opt) for opt in built])
+
+
+def _check_distributed(accelerator: Any) -> str:
+    """The accelerator's distributed type, refused where flatview cannot serve it."""
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
     plugin_given = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if plugin_given and kind != "FSDP":
@@ -106,19 +135,12 @@ def _check_distributed(accelerator: Any) -> None:
             "with DDP instead of FSDP here (on CPU it always does). flatview refuses to "
             "stand in silently: drop the FSDP plugin to train with DDP, or run on GPUs"
         )
-    if kind == "DEEPSPEED":
-        raise WrapError(
-            "flatview.integrations.accelerate.prepare does not drive accelerate's DeepSpeed "
-            "plugin: the engine takes its one optimizer when accelerate builds it, before "
-            "flatview can make views to build optimizers from. flatview.wrap takes the "
-            "DeepSpeedEngine accelerator.prepare(model, optimizer) returns (untested with "
-            "accelerate, which runs DeepSpeed on GPUs only; docs/accelerate.md)"
-        )
     if kind == "NO":
         raise WrapError(
             "the Accelerator runs in one process without a distributed wrapper: flatview "
-            "needs DDP or FSDP (launch with torchrun or accelerate launch)"
+            "needs DDP, FSDP or DeepSpeed (launch with torchrun or accelerate launch)"
         )
+    return kind
 
 
 def _built(optimizers: OptimizerFactory, model: nn.Module) -> list[torch.optim.Optimizer]:
