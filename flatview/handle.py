@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flatview import clipping as _clipping
 from flatview import norms as _norms
 from flatview import wrapped_models
 from flatview.backends.base import Adapter
@@ -297,6 +298,9 @@ class FlatView:
 
         A collective: every rank calls it with the same arguments, between the backward
         and the optimizer step. Works on every backend, for any subset of parameters.
+        With expert units on process groups of their own, the total covers the shared
+        parameters and the experts of every expert group, each once (one more tiny
+        all-reduce): what the unwrapped model holding every group's experts clips by.
 
         Args:
             max_norm: the largest total norm allowed.
@@ -315,7 +319,7 @@ class FlatView:
                 clipping); the total norm is not finite and ``error_if_nonfinite`` is set.
             StateError: as for :meth:`grad_norms`.
         """
-        return _norms.clip_grad_norm(
+        return _clipping.clip_grad_norm(
             self.runtime, max_norm, norm_type, params, error_if_nonfinite=error_if_nonfinite
         )
 

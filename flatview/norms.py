@@ -274,7 +274,7 @@ def whole_norms(
 
 
 @contextlib.contextmanager
-def _refused_everywhere(rt: Runtime) -> Iterator[None]:
+def checked_everywhere(rt: Runtime) -> Iterator[None]:
     """Argument checks of a norm call: one that fails on this rank fails on every rank
     (:func:`refuse_everywhere`)."""
     try:
@@ -401,7 +401,7 @@ def grad_column(view: nn.Parameter) -> torch.Tensor | None:
 
 def param_norms(rt: Runtime, params: ParamSelection, norm_type: object) -> dict[str, torch.Tensor]:
     """See :meth:`flatview.FlatView.param_norms`."""
-    with _refused_everywhere(rt):
+    with checked_everywhere(rt):
         p = check_norm_type(norm_type)
         indices = select(rt.table, params)
         check_phase(rt, "param_norms", grads=False)
@@ -417,7 +417,7 @@ def grad_norms(
     rt: Runtime, params: ParamSelection, norm_type: object
 ) -> dict[str, torch.Tensor | None]:
     """See :meth:`flatview.FlatView.grad_norms`."""
-    with _refused_everywhere(rt):
+    with checked_everywhere(rt):
         p = check_norm_type(norm_type)
         indices = select(rt.table, params)
         check_phase(rt, "grad_norms", grads=True)
@@ -432,7 +432,7 @@ def tensor_norms(
 ) -> dict[str, torch.Tensor | None]:
     """See :meth:`flatview.FlatView.tensor_norms`."""
     table = rt.table
-    with _refused_everywhere(rt):
+    with checked_everywhere(rt):
         p = check_norm_type(norm_type)
         given = _given_tensors(table, tensors)
         check_phase(rt, "tensor_norms", grads=False)
@@ -457,51 +457,3 @@ def _given_tensors(table: ParamTable, tensors: TensorsByParam) -> dict[int, torc
             )
         given[index] = value
     return given
-
-
-def clip_grad_norm(
-    rt: Runtime,
-    max_norm: float,
-    norm_type: float,
-    params: ParamSelection,
-    *,
-    error_if_nonfinite: bool,
-) -> torch.Tensor:
-    """See :meth:`flatview.FlatView.clip_grad_norm_`."""
-    own = rt.table.own_group_params
-    if own:
-        # Decided by the model alone: every rank raises alike, before any collective.
-        raise NormError(
-            "clip_grad_norm_ refuses models with FSDP units on process groups of their own "
-            f"(experts, such as {rt.table.name(min(own))!r}): ranks of different expert "
-            "groups hold different experts, so a total norm over this rank's parameters "
-            "differs between ranks and would clip the shared parameters' gradients "
-            "differently on each (they would drift apart). Take the norms you mean with "
-            "fv.grad_norms (per parameter; an expert's over its own group) and scale the "
-            "gradients yourself"
-        )
-    # Refused on one rank, refused on every rank: the others are about to all-reduce.
-    with _refused_everywhere(rt):
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-            raise NormError(f"max_norm must be a number, got {type(max_norm).__name__}")
-        if not max_norm >= 0:
-            # inf is fine (measure without clipping); nan would scale by nan.
-            raise NormError(f"max_norm must be non-negative, got {max_norm}")
-        p = check_norm_type(norm_type)
-        indices = select(rt.table, params)
-    norms = [n for n in grad_norms(rt, params, p).values() if n is not None]
-    if not norms:
-        return torch.zeros((), device=rt.adapter.device)
-    stacked = torch.stack(norms)
-    total = stacked.max() if math.isinf(p) else torch.linalg.vector_norm(stacked, p)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise NormError(
-            f"the total {p}-norm of the gradients is {total.item()}: not finite "
-            "(error_if_nonfinite=True)"
-        )
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for index in indices:
-        grad = rt.table.tensor(index).grad
-        if grad is not None:
-            grad.mul_(scale.to(grad.device, grad.dtype))
-    return total

@@ -80,11 +80,23 @@ class MoECase:
     (:func:`writes`): ``.data = t`` on an expert's module attribute, ``.data.copy_(t)`` on
     a view, ``p.mul_`` under ``no_grad`` (FSDP2: the in-place one only)."""
 
+    clip: float | None = None
+    """Before each optimizer step, ``fv.clip_grad_norm_(clip, clip_p)``: the norm over the
+    shared parameters and every group's experts, as the reference (holding them all)
+    clips."""
+    clip_p: float = 2.0
+
     @property
     def user_patterns(self) -> bool:
-        """Zeroing elsewhere than after the step, zeroing in place, or writes: compared
-        with the reference only (the plain wrapper has no views to write through)."""
-        return self.zero_grad_at != "after_step" or not self.set_to_none or self.writes
+        """Zeroing elsewhere than after the step, zeroing in place, writes, or clipping:
+        compared with the reference only (the plain wrapper has no views to write
+        through, and clips otherwise)."""
+        return (
+            self.zero_grad_at != "after_step"
+            or not self.set_to_none
+            or self.writes
+            or self.clip is not None
+        )
 
     @property
     def groups(self) -> int:
@@ -277,6 +289,9 @@ def train(
                 if m == 0 and case.zero_grad_at == "between":
                     opt.zero_grad(set_to_none=case.set_to_none)
                 loss.backward()
+        if case.clip is not None:
+            assert fv is not None, "clipping is flatview's (the plain wrapper's is local)"
+            fv.clip_grad_norm_(case.clip, case.clip_p)
         opt.step()
         if case.zero_grad_at == "after_step":
             opt.zero_grad(set_to_none=case.set_to_none)
@@ -438,6 +453,8 @@ def reference(case: MoECase) -> list[dict[str, torch.Tensor]]:
             grad = grads.get(id(p))
             if grad is not None:
                 p.grad = grad if p.grad is None else p.grad + grad
+        if case.clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, case.clip, case.clip_p)
         opt.step()
         if case.writes:
             for g, model in enumerate(models):

@@ -157,10 +157,11 @@ class NormExchange:
 
 
 def reduce_within(
-    values: torch.Tensor, group: dist.ProcessGroup, maximum: bool, ledger: Ledger
+    values: torch.Tensor, group: dist.ProcessGroup | None, maximum: bool, ledger: Ledger
 ) -> torch.Tensor:
-    """``values`` (shares of the norms of parameters sharded over ``group``, a unit's own
-    group) summed, or their maximum taken, over ``group``."""
+    """``values`` (shares of norms: of parameters sharded over ``group``, a unit's own
+    group; or of every expert group's experts, over every rank) summed, or their maximum
+    taken, over ``group`` (``None``: the default group)."""
     values = values.clone()
     ledger.record("norms", values)
     dist.all_reduce(values, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=group)
