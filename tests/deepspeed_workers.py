@@ -212,25 +212,36 @@ def grouped_optimizer(net: nn.Module) -> torch.optim.Optimizer:
 
 
 def flatview_engine(
-    deepspeed: Any, scenario: Any, stage: int, mode: str, clip: float, extra: Any = None
+    deepspeed: Any,
+    scenario: Any,
+    stage: int,
+    mode: str,
+    clip: float,
+    extra: Any = None,
+    zero_init: bool = False,
 ) -> tuple[Any, Any, list[torch.optim.Optimizer]]:
     """The scenario's net in a ZeRO ``stage`` engine, wrapped by flatview; ``mode``:
     ``"several"`` (per-submodule optimizers over views, given to a Deferred) or
-    ``"one"`` (the engine's own AdamW over every parameter)."""
+    ``"one"`` (the engine's own AdamW over every parameter). ``zero_init``: the net is
+    built under ``deepspeed.zero.Init`` (ZeRO 3: partitioned as each module is made, as
+    large models are loaded)."""
     import flatview
     import flatview.optim
     from tests.scenarios import freeze, make_net, optimizers
 
-    net = make_net(scenario)
+    config = ds_config(scenario, stage, clip, extra)
+    building = (
+        deepspeed.zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext()
+    )
+    with building:
+        net = make_net(scenario)
     if mode == "several":
         client: torch.optim.Optimizer = flatview.optim.Deferred(net.parameters())
     elif mode == "groups":
         client = grouped_optimizer(net)
     else:
         client = one_optimizer(net.parameters())
-    engine, _, _, _ = deepspeed.initialize(
-        model=net, optimizer=client, config=ds_config(scenario, stage, clip, extra)
-    )
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=client, config=config)
     fv = flatview.wrap(engine, check_skip_agreement=scenario.check)
     freeze(fv.named_parameters(), scenario)
     if mode == "several":
@@ -260,6 +271,7 @@ def run_flatview(
     clip: float = 0.0,
     extra: Any = None,
     direct: bool = False,
+    zero_init: bool = False,
 ) -> Any:
     """Train the scenario with DeepSpeed and flatview: each micro-batch one step (inside
     ``fv.step(skip=...)``: forward, ``engine.backward`` or with ``direct`` the loss's own
@@ -269,7 +281,7 @@ def run_flatview(
     from tests.scenarios import Outcome, local_batch, loss_of, skip_names
 
     with deepspeed_on_cpu() as deepspeed:
-        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, mode, clip, extra)
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, mode, clip, extra, zero_init)
         module = engine.module
         none_grads, on_modules, grad_norms = [], [], []
         for micro in range(len(scenario.skips)):

@@ -76,6 +76,16 @@ def test_several_optimizers_and_skip_sets_train_like_the_reference(
         assert got.grad_norms == pytest.approx(reference.norms, rel=1e-5)
 
 
+def test_a_model_built_under_zero_init_trains_like_the_reference(dist_pool: PoolFactory) -> None:
+    """ZeRO 3 with the net built under deepspeed.zero.Init (each parameter partitioned as
+    its module is made, as large models are loaded): per-submodule optimizers, clipping
+    and skip sets train like the unwrapped model."""
+    results = dist_pool(2).run(
+        w.run_flatview, SC, 3, "several", 1.0, None, False, True, timeout=TIMEOUT
+    )
+    assert_equivalent(results, w.run_reference(SC, "several", 1.0), SC)
+
+
 @pytest.mark.parametrize(("stage", "world"), _cases((1, 2, 3)))
 def test_gradient_accumulation_trains_like_the_reference(
     dist_pool: PoolFactory, stage: int, world: int
