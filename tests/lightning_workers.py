@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy as FabricDDP
+from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeed
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
 from torch import nn
 from torch.utils.data import DataLoader
@@ -271,6 +273,61 @@ def fabric(run: Run, strategy: str) -> dict[str, np.ndarray] | None:
                 for opt in opts:
                     opt.step()
         params = params_of(net)
+    return params if dist.get_rank() == 0 else None
+
+
+class CPUFabricDeepSpeed(FabricDeepSpeed):
+    """Fabric's DeepSpeedStrategy on CPU for tests (Fabric refuses every accelerator but
+    CUDA), as :class:`CPUDeepSpeed` is the Trainer's: DDP's environment setup without
+    that check, no check of device indices, the local rank as the device index."""
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu", self.local_rank)
+
+    def setup_environment(self) -> None:
+        FabricDDP.setup_environment(self)
+
+    def _setup_distributed(self) -> None:
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self._set_world_ranks()
+        self._init_deepspeed_distributed()
+        if not self._config_initialized:
+            self._format_config()
+            self._config_initialized = True
+
+
+def fabric_deepspeed(run: Run, stage: int) -> dict[str, np.ndarray] | None:
+    """Train ``run`` with Fabric's DeepSpeedStrategy: the engine set up with a
+    :class:`flatview.optim.Deferred` (Fabric sets up a DeepSpeed model only together
+    with its one optimizer), wrapped, handed the optimizers built from views;
+    ``fabric.backward`` and the optimizer's ``step()`` (the engine's)."""
+    import flatview.optim
+
+    with framework_env(), deepspeed_on_cpu():
+        net = make_net(run.scenario)
+        config = {
+            "train_micro_batch_size_per_gpu": run.scenario.batch_per_rank,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": run.clip or 0.0,
+        }
+        strategy = CPUFabricDeepSpeed(config=config)
+        fab = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+        fab.launch()
+        deferred = flatview.optim.Deferred(net.parameters())
+        model, opt = fab.setup(net, deferred)
+        fv = flatview.wrap(model)
+        deferred.set(*make_optimizers(net, run))
+        for micro, (x, y) in enumerate(local_batches(run)):
+            skip = skip_names(run.scenario, micro)
+            with fv.step(skip=skip):
+                fab.backward(loss_of(model(x, skip), y))
+            opt.step()
+            opt.zero_grad()
+        params = full_params(fv, fv.model)
     return params if dist.get_rank() == 0 else None
 
 

@@ -228,6 +228,25 @@ def test_fabric_trains_like_the_reference(
     _check(_run(dist_pool(2), LIGHTNING, "fabric", run, strategy), run)
 
 
+@needs_lightning
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("stage", "run"),
+    [
+        pytest.param(2, iw.Run(iw.EVEN, clip=0.05), id="zero2-clip"),
+        pytest.param(
+            3, iw.Run(iw.EVEN, manual=True), id="zero3-two_optimizers", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_fabric_deepspeed_trains_like_the_reference(
+    dist_pool: PoolFactory, stage: int, run: iw.Run
+) -> None:
+    # Fabric's DeepSpeedStrategy (on CPU through a test subclass): fabric.setup(model,
+    # Deferred), flatview.wrap, the optimizers built from views handed to the Deferred.
+    _check(_run(dist_pool(2), LIGHTNING, "fabric_deepspeed", run, stage), run)
+
+
 # --------------------------------------------------------------------- accelerate
 
 

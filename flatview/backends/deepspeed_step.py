@@ -4,9 +4,10 @@ DeepSpeed engine (``engine.step()`` calls both): :class:`ZeroStep`.
 The step: ZeRO 3's preparation, the global norm of the views' gradients (one all-reduce
 of one number, as DeepSpeed's ``get_global_grad_norm`` reports it) and the config's
 ``gradient_clipping`` by it (torch's ``clip_grad_norm_`` formula), the engine's
-optimizer (over views), then DeepSpeed's own publishing of the stepped masters
+optimizer (over views), DeepSpeed's own publishing of the stepped masters
 (:meth:`flatview.backends.deepspeed_zero.FlatGroups.publish`,
-:meth:`~flatview.backends.deepspeed_zero.ShardedParams.publish`). The masters' version
+:meth:`~flatview.backends.deepspeed_zero.ShardedParams.publish`), then the gradients
+dropped, as DeepSpeed's step frees them. The masters' version
 counters are recorded then, so that values written into views later (outside a step)
 are seen and published before the next forward.
 """
@@ -107,6 +108,11 @@ class ZeroStep:
                 self.zero._global_grad_norm = None
             self.zero.optimizer.step()
             self.publish()
+        # DeepSpeed's own step frees every gradient it consumed, whoever calls it: a
+        # caller that steps the ZeRO optimizer without the engine's zero_grad (Fabric
+        # calls DeepSpeed's class method on a wrapper, which this instance's zero_grad
+        # never sees) must not find them added to by the next backward.
+        self.zero_grad(set_to_none=True)
 
     def _versions(self) -> list[int]:
         return [flat.holder._version for flat in self.layout.flats]
