@@ -303,10 +303,11 @@ def fabric_deepspeed(run: Run, stage: int) -> dict[str, np.ndarray] | None:
     """Train ``run`` with Fabric's DeepSpeedStrategy: the engine set up with a
     :class:`flatview.optim.Deferred` (Fabric sets up a DeepSpeed model only together
     with its one optimizer), wrapped, handed the optimizers built from views;
-    ``fabric.backward`` and the optimizer's ``step()`` (the engine's)."""
+    ``fabric.backward`` and the optimizer's ``step()``; ``fabric.save`` after the first
+    half, ``fabric.load`` after training on, and the second half trained again."""
     import flatview.optim
 
-    with framework_env(), deepspeed_on_cpu():
+    with framework_env() as tmp, deepspeed_on_cpu():
         net = make_net(run.scenario)
         config = {
             "train_micro_batch_size_per_gpu": run.scenario.batch_per_rank,
@@ -321,12 +322,25 @@ def fabric_deepspeed(run: Run, stage: int) -> dict[str, np.ndarray] | None:
         model, opt = fab.setup(net, deferred)
         fv = flatview.wrap(model)
         deferred.set(*make_optimizers(net, run))
-        for micro, (x, y) in enumerate(local_batches(run)):
-            skip = skip_names(run.scenario, micro)
-            with fv.step(skip=skip):
-                fab.backward(loss_of(model(x, skip), y))
-            opt.step()
-            opt.zero_grad()
+        batches = list(enumerate(local_batches(run)))
+        half = len(batches) // 2
+
+        def train(part: list[Any]) -> None:
+            for micro, (x, y) in part:
+                skip = skip_names(run.scenario, micro)
+                with fv.step(skip=skip):
+                    fab.backward(loss_of(model(x, skip), y))
+                opt.step()
+                opt.zero_grad()
+
+        train(batches[:half])
+        # fabric.save / load: the engine's save_checkpoint / load_checkpoint. Trained on
+        # past the save, loaded, trained again: the end must not differ.
+        state = {"model": model, "optimizer": opt}
+        fab.save(os.path.join(tmp, "fabric_ckpt"), state)
+        train(batches[half:])
+        fab.load(os.path.join(tmp, "fabric_ckpt"), state)
+        train(batches[half:])
         params = full_params(fv, fv.model)
     return params if dist.get_rank() == 0 else None
 

@@ -239,11 +239,12 @@ def test_fabric_trains_like_the_reference(
         ),
     ],
 )
-def test_fabric_deepspeed_trains_like_the_reference(
+def test_fabric_deepspeed_trains_and_resumes_like_the_reference(
     dist_pool: PoolFactory, stage: int, run: iw.Run
 ) -> None:
     # Fabric's DeepSpeedStrategy (on CPU through a test subclass): fabric.setup(model,
-    # Deferred), flatview.wrap, the optimizers built from views handed to the Deferred.
+    # Deferred), flatview.wrap, the optimizers built from views handed to the Deferred;
+    # fabric.save / fabric.load (the engine's checkpoints) resume exactly.
     _check(_run(dist_pool(2), LIGHTNING, "fabric_deepspeed", run, stage), run)
 
 
