@@ -838,7 +838,7 @@ def refused_while_wrapped(stage: int) -> dict[str, str]:
         engine.step()
         calls = {
             "early optimizer": (early.step,),
-            "no_sync": (engine.no_sync,),
+            "coalesce_grad_reduction": (_entered, engine.coalesce_grad_reduction),
         }
         for name, (method, *args) in calls.items():
             try:
@@ -1061,8 +1061,19 @@ def gathered_parameters(scenario: Any, stage: int) -> dict[str, str]:
     return out
 
 
+def _entered(context: Any) -> None:
+    """Enter and leave the context manager ``context()`` makes."""
+    with context():
+        pass
+
+
 def against_bare(
-    scenario: Any, stage: int, skipping: bool, bf16: bool = True, accumulate: int = 1
+    scenario: Any,
+    stage: int,
+    skipping: bool,
+    bf16: bool = True,
+    accumulate: int = 1,
+    no_sync: bool = False,
 ) -> dict[str, Any]:
     """Training bare and wrapped, in the same processes: bf16 (``"bf16": {"enabled":
     True}``: bf16 parameters and gradients over fp32 masters) or fp32, ``accumulate``
@@ -1070,14 +1081,16 @@ def against_bare(
     skips the scenario's blocks, bare DeepSpeed runs them with their residual times zero
     (:class:`tests.precision_workers.ZeroedNet`: exactly zero gradients, every other
     gradient the skipping model's), and both step plain SGD, which zero gradients leave
-    exactly where they were. Nothing skipped: AdamW. Every rank's parameters (ZeRO 1/2)
-    and fp32 masters after the run, bare's and flatview's."""
+    exactly where they were. Nothing skipped: AdamW. ``no_sync`` (ZeRO 1): instead of
+    ``gradient_accumulation_steps``, the first ``accumulate - 1`` micro-steps of each
+    step inside ``engine.no_sync()``, ``engine.step()`` after the last. Every rank's
+    parameters (ZeRO 1/2) and fp32 masters after the run, bare's and flatview's."""
     import flatview
     from tests.precision_workers import _net
     from tests.scenarios import local_batch, loss_of, skip_names
 
     out: dict[str, Any] = {}
-    extra = {"gradient_accumulation_steps": accumulate, "bf16": {"enabled": bf16}}
+    extra = {"gradient_accumulation_steps": 1 if no_sync else accumulate, "bf16": {"enabled": bf16}}
     with deepspeed_on_cpu() as deepspeed:
         for wrapped in (False, True):
             net = _net(scenario, zeroed=skipping and not wrapped)
@@ -1091,9 +1104,12 @@ def against_bare(
             for micro in range(len(scenario.skips)):
                 x, y = local_batch(scenario, micro)
                 skip = list(skip_names(scenario, micro)) if skipping else []
-                with fv.step(skip=skip) if fv is not None else contextlib.nullcontext():
+                last = (micro + 1) % accumulate == 0
+                unsynced = engine.no_sync() if no_sync and not last else contextlib.nullcontext()
+                with unsynced, fv.step(skip=skip) if fv is not None else contextlib.nullcontext():
                     engine.backward(loss_of(engine(x.bfloat16() if bf16 else x, skip), y))
-                engine.step()
+                if last or not no_sync:
+                    engine.step()
             state = {}
             if stage < 3:  # ZeRO 3's module holds empty partitions between passes
                 bit16 = engine.module_state_dict()

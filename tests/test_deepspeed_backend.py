@@ -86,6 +86,19 @@ def test_a_model_built_under_zero_init_trains_like_the_reference(dist_pool: Pool
     assert_equivalent(results, w.run_reference(SC, "several", 1.0), SC)
 
 
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_no_sync_on_zero1_trains_as_bare_deepspeed(dist_pool: PoolFactory, bf16: bool) -> None:
+    """ZeRO 1's engine.no_sync(): the micro-steps inside it keep their gradients on
+    DeepSpeed's parameters, the next backward outside it reduces the sums (masked by
+    what any of them used), as bare DeepSpeed: bit for bit, skipping against bare
+    running the skipped blocks times zero."""
+    skips = ((), (1,), (0,), (1,), (1,), (1,))
+    scenario = Scenario(world_size=2, skips=skips)
+    _assert_as_bare(
+        dist_pool(2).run(w.against_bare, scenario, 1, True, bf16, 2, True, timeout=TIMEOUT)
+    )
+
+
 @pytest.mark.parametrize(("stage", "world"), _cases((1, 2, 3)))
 def test_gradient_accumulation_trains_like_the_reference(
     dist_pool: PoolFactory, stage: int, world: int
@@ -398,7 +411,7 @@ def test_internals_and_version_checked_at_wrap(dist_pool: PoolFactory) -> None:
 def test_deepspeed_operations_that_would_be_wrong_are_refused(
     dist_pool: PoolFactory, stage: int
 ) -> None:
-    """no_sync accumulates in a way flatview does not drive;
+    """coalesce_grad_reduction accumulates in a way flatview does not drive;
     an optimizer built before wrapping over DeepSpeed's own parameters would train
     copies the engine overwrites (refused at its first step). torch's get_state_dict,
     which would take a view's optimizer state for a whole parameter's, gives what

@@ -44,7 +44,7 @@ communication after the step, its engine bookkeeping. What flatview does instead
   ``load_state_dict`` they reach are :mod:`flatview.backends.deepspeed_checkpoint`'s (this
   rank's masters and the state of the optimizer over its views; a bare DeepSpeed file is
   converted per view).
-* **Refused** while wrapped (``StateError``): ``no_sync``;
+* **Refused** while wrapped (``StateError``): ``coalesce_grad_reduction``;
   ``deepspeed.zero.GatheredParameters`` over views
   (:mod:`~flatview.backends.deepspeed_gathering`); a backward of a forward flatview did
   not see begin (run before ``flatview.wrap``, or a second backward through one forward),
@@ -120,8 +120,11 @@ _REPLACED = (
 backward; the stages have different ones), made no-ops: flatview reduces instead."""
 
 _REFUSED = (
-    ("engine", "no_sync", "accumulate with one engine.backward per engine.step"),
-    ("engine", "coalesce_grad_reduction", "accumulate nothing across backwards"),
+    (
+        "engine",
+        "coalesce_grad_reduction",
+        "accumulate with gradient_accumulation_steps (or engine.no_sync() on ZeRO 1)",
+    ),
 )
 """(object, method, what to do instead): DeepSpeed operations that would be wrong on a
 wrapped engine (its windows accumulate nothing)."""

@@ -56,6 +56,7 @@ _ENGINE = (
     "allreduce_gradients",
     "_backward_prologue",
     "no_sync",
+    "inside_no_sync_ctxt",
     "save_checkpoint",
     "load_checkpoint",
     "module_state_dict",

@@ -15,11 +15,12 @@ boundary (``engine.is_gradient_accumulation_boundary()``: every
 micro-steps before it its own way. flatview does as the stage does, in the same dtype,
 so that the sums are DeepSpeed's:
 
-* **ZeRO 1** reduces only at the boundary. Before it, DeepSpeed's parameters keep their
-  gradients and autograd adds each micro-step's into them; the boundary's backward
-  reduces the sums, masked by what any micro-step of the window used. The micro-steps
-  before it communicate nothing, so their skip-set checks wait for the boundary's
-  (:meth:`ZeroGrads.communicates`), as under ``no_sync()``.
+* **ZeRO 1** reduces only at the boundary, and never inside ``engine.no_sync()``. Until
+  then DeepSpeed's parameters keep their gradients and autograd adds each micro-step's
+  into them; the boundary's backward reduces the sums, masked by what any micro-step of
+  the window used. The micro-steps before it communicate nothing, so their skip-set
+  checks wait for the boundary's (:meth:`ZeroGrads.communicates`), as under other
+  wrappers' ``no_sync()``.
 * **ZeRO 2 and 3** reduce every micro-step, each masked by its own skip set, and add the
   averaged shards in the accumulation dtype (DeepSpeed's ``grad_accum_dtype``, which
   flatview requires to be the parameters' own: bf16 under bf16); the boundary's total
@@ -77,8 +78,11 @@ class ZeroGrads:
         self._installed = (runtime, reduction)
 
     def at_boundary(self) -> bool:
-        """Whether the backward now running (or the next) ends DeepSpeed's accumulation."""
-        return bool(self.engine.is_gradient_accumulation_boundary())
+        """Whether the backward now running (or the next) ends DeepSpeed's accumulation:
+        at its boundary, and not inside ``engine.no_sync()`` (ZeRO 1 only: DeepSpeed
+        refuses it on ZeRO 2/3), where DeepSpeed reduces nothing."""
+        engine = self.engine
+        return bool(engine.is_gradient_accumulation_boundary()) and not engine.inside_no_sync_ctxt
 
     def communicates(self) -> bool:
         """Whether the next backward reduces gradients (the adapter's ``synchronizing``)."""
