@@ -362,25 +362,33 @@ def recovery(scenario: Any, stage: int, kinds: tuple[str, ...]) -> dict[str, Any
     every rank and the gradients dropped (``engine.zero_grad()``): training is then the
     reference's. ``used``: a step declares ``body.1`` skipped and runs it;
     ``mismatch``: rank 0 skips ``body.1``, the others nothing."""
-    from tests.scenarios import local_batch, loss_of
+    from tests.scenarios import local_batch
 
     errors = []
     with deepspeed_on_cpu() as deepspeed:
         engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "several", 0.0)
         xs, ys = local_batch(scenario, 500)
         for kind in kinds:
-            declared = ["body.1"] if kind == "used" or dist.get_rank() == 0 else []
-            try:
-                with fv.step(skip=declared):
-                    engine.backward(loss_of(engine(xs, ()), ys))
-            except Exception as err:
-                errors.append(f"{type(err).__name__}: {err}")
+            errors.append(_failing_iteration(engine, fv, kind, xs, ys))
             engine.zero_grad()
         _train(engine, fv, scenario, range(len(scenario.skips)))
         params = full_params(fv, engine)
         phase = fv.phase.name
         del engine, fv
     return {"errors": errors, "params": params, "phase": phase}
+
+
+def _failing_iteration(engine: Any, fv: Any, kind: str, xs: Any, ys: Any) -> str:
+    """One iteration that fails as :func:`recovery`'s ``kind`` says, caught: its error."""
+    from tests.scenarios import loss_of
+
+    declared = ["body.1"] if kind == "used" or dist.get_rank() == 0 else []
+    try:
+        with fv.step(skip=declared):
+            engine.backward(loss_of(engine(xs, ()), ys))
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "nothing raised"
 
 
 def recovery_in_window(scenario: Any, stage: int, kind: str) -> dict[str, Any]:
@@ -397,12 +405,7 @@ def recovery_in_window(scenario: Any, stage: int, kind: str) -> dict[str, Any]:
         with fv.step(skip=[]):
             engine.backward(loss_of(engine(xs, ()), ys))
         engine.step()
-        declared = ["body.1"] if kind == "used" or dist.get_rank() == 0 else []
-        try:
-            with fv.step(skip=declared):
-                engine.backward(loss_of(engine(xs, ()), ys))
-        except Exception as err:
-            errors.append(f"{type(err).__name__}: {err}")
+        errors.append(_failing_iteration(engine, fv, kind, xs, ys))
         engine.zero_grad()
         none_grads = _train(engine, fv, scenario, range(len(scenario.skips)))
         params = full_params(fv, engine)

@@ -66,13 +66,23 @@ def test_several_optimizers_and_skip_sets_train_like_the_reference(
     flatview.optim.Deferred, DeepSpeed's default clipping (1.0, active in these steps),
     six steps of stochastic depth: the unwrapped model's training, skipped parameters
     without gradients (no weight decay, no momentum)."""
-    scenario = replace(SC, world_size=world)
-    results = dist_pool(world).run(w.run_flatview, scenario, stage, "several", 1.0, timeout=TIMEOUT)
-    reference = w.run_reference(scenario, "several", 1.0)
-    assert max(reference.norms) > 1.0  # clipping acts
+    _trains_like_the_reference(dist_pool, replace(SC, world_size=world), stage, 1.0)
+
+
+def _trains_like_the_reference(
+    dist_pool: PoolFactory, scenario: Scenario, stage: int, clip: float
+) -> None:
+    """Per-submodule optimizers and clipping at ``clip`` (which must act): the
+    reference's training, and the norms engine.get_global_grad_norm() reports (before
+    clipping, as DeepSpeed does) the reference's."""
+    world = scenario.world_size
+    results = dist_pool(world).run(
+        w.run_flatview, scenario, stage, "several", clip, timeout=TIMEOUT
+    )
+    reference = w.run_reference(scenario, "several", clip)
+    assert max(reference.norms) > clip  # clipping acts
     assert_equivalent(results, reference, scenario)
     for got in results:
-        # engine.get_global_grad_norm(): the norm before clipping, as DeepSpeed reports it.
         assert got.grad_norms == pytest.approx(reference.norms, rel=1e-5)
 
 
@@ -109,12 +119,7 @@ def test_gradient_accumulation_trains_like_the_reference(
     view has a gradient exactly where some micro-step of the window used it."""
     skips = (*SC.skips, (0, 1, 2, 3), (0, 1, 2, 3))  # the last window skips every block
     scenario = replace(SC, world_size=world, accumulate=2, skips=skips)
-    results = dist_pool(world).run(w.run_flatview, scenario, stage, "several", 0.6, timeout=TIMEOUT)
-    reference = w.run_reference(scenario, "several", 0.6)
-    assert max(reference.norms) > 0.6  # clipping acts
-    assert_equivalent(results, reference, scenario)
-    for got in results:
-        assert got.grad_norms == pytest.approx(reference.norms, rel=1e-5)
+    _trains_like_the_reference(dist_pool, scenario, stage, 0.6)
 
 
 @pytest.mark.parametrize("stage", STAGES)
