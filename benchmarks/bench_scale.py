@@ -10,7 +10,9 @@ per-tensor bookkeeping of the wrapper and of flatview is what a step costs), in
   ``Linear(8, 8)`` each (mixture-of-experts shaped), at 1,024 and 16,384 tensors.
 
 Every backend (fairscale FSDP via :func:`flatview.testing.fairscale_on_cpu`, torch FSDP1
-``use_orig_params=False``, FSDP2, DDP) trains the model bare and wrapped by flatview,
+``use_orig_params=False``, FSDP2, DDP, DeepSpeed ZeRO 2 via
+:func:`flatview.testing.deepspeed_on_cpu`, its engine's own SGD over the views, stepped
+by ``engine.step()``) trains the model bare and wrapped by flatview,
 built side by side in the same processes (``--world-size`` CPU processes over gloo),
 their steps interleaved (the order rotates every step), so that the load of a shared
 machine falls on both alike; torch FSDP1 also runs bare with ``use_orig_params=True``,
@@ -64,7 +66,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_skip as common  # process plumbing shared with bench_skip.py
 
 WIDTH = 8
-BACKENDS = ("fairscale", "torch", "fsdp2", "ddp")
+BACKENDS = ("fairscale", "torch", "fsdp2", "ddp", "deepspeed")
+DEEPSPEED_STAGE = 2
+"""The ZeRO stage of the ``deepspeed`` backend (the one DeepSpeed users run most: ZeRO 3's
+per-parameter all-gathers make its step a different study)."""
 FIT_RANGE = (256, 4096)
 """Sizes the per-tensor slope is fitted over (the issue's range)."""
 
@@ -220,6 +225,38 @@ class Variant:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+class EngineVariant(Variant):
+    """A DeepSpeed engine: its own backward and ``step()`` (which steps the optimizer it
+    was built with and drops the gradients)."""
+
+    def forward_backward(self, x: torch.Tensor, plan: Plan) -> None:
+        engine = self.model
+        if self.fv is None:
+            engine.backward(engine(x, plan.per_block))
+            return
+        with self.fv.step(skip=plan.names):
+            engine.backward(engine(x, plan.per_block))
+
+    def optimizer_step(self) -> None:
+        self.model.step()
+
+
+def _engine(cfg: Config, shape: str, size: int) -> tuple[Any, torch.optim.Optimizer]:
+    """The model in a DeepSpeed engine at ``DEEPSPEED_STAGE``, with SGD (``foreach``)."""
+    import deepspeed
+
+    net = make_net(cfg, shape, size)
+    optimizer = _optimizer("sgd", net.parameters(), cfg, foreach=True)
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.batch,
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": DEEPSPEED_STAGE},
+    }
+    engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
+    return engine, optimizer
+
+
 FOREACH_DTENSORS = 4096
 """Above this many tensors FSDP2's variants step with ``foreach=False``: in torch 2.13 the
 first two steps of ``foreach`` SGD over DTensors (cold sharding-propagation cache: before
@@ -285,6 +322,8 @@ def _wrapped(cfg: Config, shape: str, size: int, backend: str, **options: Any) -
 
 
 def _bare(name: str, cfg: Config, shape: str, size: int, backend: str, **options: Any) -> Variant:
+    if backend == "deepspeed":
+        return EngineVariant(name, *_engine(cfg, shape, size))
     model = _wrapped(cfg, shape, size, backend, **options)
     optimizer = _optimizer("sgd", model.parameters(), cfg, foreach=_foreach(backend, size))
     return Variant(name, model, optimizer)
@@ -297,12 +336,18 @@ def _flatview(
     by ``flatview.optim.Coalesced`` over the same SGD."""
     import flatview
 
-    model = _wrapped(cfg, shape, size, backend)
+    engine_optimizer = None
+    if backend == "deepspeed":
+        model, engine_optimizer = _engine(cfg, shape, size)
+    else:
+        model = _wrapped(cfg, shape, size, backend)
     before = common._resident_mib()
     started = time.perf_counter()
     fv = flatview.wrap(model)
     wrap_s = time.perf_counter() - started
     rss = common._resident_mib() - before
+    if engine_optimizer is not None:  # the engine's own, pointed at the views by the wrap
+        return EngineVariant("flatview", model, engine_optimizer, fv, wrap_s, rss)
     foreach = _foreach(backend, size)
     optimizer = _optimizer("sgd", fv.parameters(), cfg, coalesced=coalesced, foreach=foreach)
     return Variant("coalesced" if coalesced else "flatview", model, optimizer, fv, wrap_s, rss)
@@ -315,7 +360,7 @@ def build_variants(cfg: Config, shape: str, size: int, backend: str) -> dict[str
     anything."""
     bare = _bare("bare", cfg, shape, size, backend)
     variants = [bare, _flatview(cfg, shape, size, backend)]
-    if cfg.coalesced:
+    if cfg.coalesced and backend != "deepspeed":  # the engine steps the optimizer it has
         variants.append(_flatview(cfg, shape, size, backend, coalesced=True))
     if backend == "torch":
         variants.append(_bare("orig_params", cfg, shape, size, backend, use_orig_params=True))
@@ -405,7 +450,7 @@ def scale_worker(
     common._init(rank, cfg, port, out)  # type: ignore[arg-type]
     result: dict[str, Any] = {"backend": backend, "shape": shape, "size": size, "modes": {}}
     with _reported(rank, result, out):
-        context = common._runtime(backend == "fairscale")
+        context = common._runtime(backend == "fairscale", backend == "deepspeed")
         with context:
             built = build_variants(cfg, shape, size, backend)
             warmup, steps = steps_for(cfg, size)
@@ -857,7 +902,9 @@ def chart(rows: Sequence[Row], path: Path) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized: small models, few steps")
-    parser.add_argument("--only", help="comma-separated backends (fairscale,torch,fsdp2,ddp)")
+    parser.add_argument(
+        "--only", help="comma-separated backends (fairscale,torch,fsdp2,ddp,deepspeed)"
+    )
     parser.add_argument("--sizes", help="comma-separated dense sizes ('' for none)")
     parser.add_argument("--moe-sizes", help="comma-separated moe sizes ('' for none)")
     parser.add_argument("--steps", type=int)
