@@ -61,6 +61,22 @@ def test_engine_checkpoints_resume_exactly(dist_pool: PoolFactory, stage: int) -
         _same(got["bare_loaded"], got["at_save"])
 
 
+@pytest.mark.parametrize("stage", _stages(ci=(1,)))
+def test_engine_checkpoints_resume_exactly_with_accumulation(
+    dist_pool: PoolFactory, stage: int
+) -> None:
+    """gradient_accumulation_steps=2, saved at the second boundary: the run that went on,
+    and the unwrapped model accumulating two micro-batches per step."""
+    scenario = replace(SC, accumulate=2)
+    results = dist_pool(2).run(w.engine_checkpoints, scenario, stage, 4, timeout=TIMEOUT)
+    reference = run_reference(scenario).params
+    for got in results:
+        assert got["global_steps"] == 2
+        _same(got["loaded"], got["at_save"])
+        _same(got["resumed"], got["continued"])
+        compare(got["resumed"], reference)
+
+
 @pytest.mark.parametrize("stage", _stages(ci=(2,)))
 def test_a_run_bare_deepspeed_started_resumes_under_flatview(
     dist_pool: PoolFactory, stage: int
