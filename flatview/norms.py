@@ -5,7 +5,8 @@ norm of a piece. The p-norm of the whole parameter is ``(sum over ranks of
 sum |x|**p)**(1/p)`` and its infinity norm the largest ``|x|`` over ranks: each rank
 computes its share from its piece, and one all-reduce combines the shares of every
 requested parameter at once (:mod:`flatview.comm.norms`). This is what LARC, LAMB and
-per-parameter gradient clipping need (see the recipes).
+per-parameter gradient clipping need (see the recipes); clipping by their total is
+:mod:`flatview.clipping`'s.
 
 Where the elements are
 ----------------------
