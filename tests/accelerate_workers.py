@@ -35,7 +35,7 @@ def _accelerator(**kwargs: Any) -> Iterator[Accelerator]:
 
 
 @contextlib.contextmanager
-def _deepspeed_accelerator(run: Run, stage: int) -> Iterator[Accelerator]:
+def _deepspeed_accelerator(run: Run, stage: int, bf16: bool = False) -> Iterator[Accelerator]:
     """An ``Accelerator`` with the DeepSpeed plugin, on CPU: accelerate runs DeepSpeed
     when the launcher's environment says so and the accelerator is not told ``cpu=True``
     (which falls back to DDP). The run's clipping is DeepSpeed's ``gradient_clipping``
@@ -55,8 +55,13 @@ def _deepspeed_accelerator(run: Run, stage: int) -> Iterator[Accelerator]:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
         world = dist.get_world_size()
         plugin.deepspeed_config["train_batch_size"] = micro * run.accumulate * world
+        precision = "bf16" if bf16 else "no"
         try:
-            yield Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=run.accumulate)
+            yield Accelerator(
+                deepspeed_plugin=plugin,
+                gradient_accumulation_steps=run.accumulate,
+                mixed_precision=precision,
+            )
         finally:
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()
@@ -125,3 +130,41 @@ def refused_fsdp_on_cpu() -> str:
         except flatview.WrapError as error:
             return f"{accelerator.distributed_type.value}: {error}"
     return "nothing raised"
+
+
+def deepspeed_bf16_bare_and_wrapped(run: Run, stage: int) -> dict[str, Any]:
+    """accelerate's DeepSpeed plugin in bf16 (``mixed_precision="bf16"``), trained bare
+    (the model and its one optimizer prepared together, as accelerate users do) and
+    through :func:`prepare`, in the same processes, nothing skipped (bare DeepSpeed
+    cannot skip): the fp32 masters, whole, by name, of each."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from tests.deepspeed_workers import full_params
+
+    out: dict[str, Any] = {}
+    for wrapped in (False, True):
+        with _deepspeed_accelerator(run, stage, bf16=True) as accelerator:
+            net = make_net(run.scenario)
+            fv = None
+            if wrapped:
+                model, fv, opts = prepare(accelerator, net, lambda m: make_optimizers(m, run))
+            else:
+                (optimizer,) = make_optimizers(net, run)
+                model, optimizer = accelerator.prepare(net, optimizer)
+                opts = [optimizer]
+            for x, y in local_batches(run):
+                step = fv.step() if fv is not None else contextlib.nullcontext()
+                with accelerator.accumulate(model), step:
+                    accelerator.backward(loss_of(model(x.bfloat16(), ()), y))
+                    for opt in opts:
+                        opt.step()
+                        opt.zero_grad()
+            if fv is not None:
+                out["flatview"] = full_params(fv, model)
+            else:
+                out["bare"] = {
+                    n: safe_get_full_fp32_param(p).detach().numpy().copy()
+                    for n, p in model.module.named_parameters()
+                }
+            del model, fv, opts
+    return out

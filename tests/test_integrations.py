@@ -311,6 +311,20 @@ def test_accelerate_deepspeed_trains_and_resumes_like_the_reference(
 
 
 @needs_accelerate
+@needs_deepspeed
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_accelerate_deepspeed_bf16_trains_as_bare(dist_pool: PoolFactory, stage: int) -> None:
+    # accelerate's DeepSpeed plugin in bf16 with accumulation: going through prepare
+    # gives the training the bare prepare(model, optimizer) gave, bit for bit (the fp32
+    # masters). Nothing skipped: bare DeepSpeed cannot skip.
+    run = iw.Run(replace(iw.EVEN, skips=((),) * len(iw.EVEN.skips)), accumulate=2)
+    for got in _run(dist_pool(2), ACCELERATE, "deepspeed_bf16_bare_and_wrapped", run, stage):
+        assert got["bare"].keys() == got["flatview"].keys()
+        for name, value in got["bare"].items():
+            np.testing.assert_array_equal(got["flatview"][name], value, err_msg=name)
+
+
+@needs_accelerate
 def test_accelerate_save_and_load_state_resume_exactly(dist_pool: PoolFactory) -> None:
     run = iw.Run(iw.EVEN, manual=True)
     _check(_run(dist_pool(2), ACCELERATE, "train", run, resume=True), run)
