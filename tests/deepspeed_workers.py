@@ -235,6 +235,8 @@ def flatview_engine(
     )
     with building:
         net = make_net(scenario)
+    # Under zero.Init every parameter is partitioned as its module is made.
+    assert not zero_init or all(hasattr(p, "ds_id") for p in net.parameters())
     if mode == "several":
         client: torch.optim.Optimizer = flatview.optim.Deferred(net.parameters())
     elif mode == "groups":
