@@ -1066,6 +1066,23 @@ def gathered_parameters(scenario: Any, stage: int) -> dict[str, str]:
     return out
 
 
+def stepped_inside_window(stage: int) -> str:
+    """gradient_accumulation_steps=2: after the first micro-step's backward, the ZeRO
+    optimizer stepped directly (as Fabric steps it) instead of ``engine.step()``: what it
+    raises on this rank."""
+    from tests.scenarios import Scenario, local_batch, loss_of
+
+    scenario = Scenario(world_size=dist.get_world_size(), accumulate=2)
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "one", 0.0)
+        xs, ys = local_batch(scenario, 0)
+        with fv.step(skip=[]):
+            engine.backward(loss_of(engine(xs), ys))
+        found = _error(engine.optimizer.step)
+        del engine, fv
+    return found
+
+
 def _entered(context: Any) -> None:
     """Enter and leave the context manager ``context()`` makes."""
     with context():

@@ -433,6 +433,19 @@ def test_deepspeed_operations_that_would_be_wrong_are_refused(
             assert "not supported while flatview wraps" in message, (name, message)
 
 
+@pytest.mark.parametrize("stage", _stages(ci=(2,)))
+def test_a_step_before_the_accumulation_boundary_is_refused(
+    dist_pool: PoolFactory, stage: int
+) -> None:
+    """The ZeRO optimizer stepped directly inside an accumulation window (as Fabric steps
+    it; engine.step() steps only at the boundary) would step views without gradients
+    and drop what the window accumulated: StateError on every rank, before any
+    collective of the step."""
+    for message in dist_pool(2).run(w.stepped_inside_window, stage, timeout=TIMEOUT):
+        assert message.startswith("StateError: "), message
+        assert "before the engine's gradient accumulation boundary" in message, message
+
+
 @pytest.mark.parametrize("stage", _stages(ci=(1, 2)))
 def test_one_rank_refusing_raises_on_every_rank(dist_pool: PoolFactory, stage: int) -> None:
     """tests/test_refusals.py's cases on DeepSpeed: every collective entry point of the

@@ -90,6 +90,17 @@ class ZeroStep:
                 f"engine.step() while the model is {runtime.phase.name}: step after the "
                 "backward has ended"
             )
+        if runtime.accumulating:
+            # engine.step() steps only at the boundary, which ends the window: this is the
+            # ZeRO optimizer stepped directly (as Fabric does), whose step would find no
+            # reduced gradient on any view. Every rank is in the same window: all raise.
+            raise StateError(
+                "DeepSpeed's ZeRO optimizer stepped before the engine's gradient "
+                "accumulation boundary: the micro-steps since the last one are not reduced "
+                "yet. Call engine.step() after every micro-batch (it steps the optimizer at "
+                "the boundary); code that steps the ZeRO optimizer itself (Fabric) needs "
+                "gradient_accumulation_steps=1"
+            )
         if any(param.grad is not None for param, _ in self.layout.compute_params()):
             # flatview's end of the backward takes every gradient DeepSpeed's parameters
             # get: these come from a backward it did not see.
