@@ -44,6 +44,9 @@ needs_accelerate = pytest.mark.skipif(
 )
 
 
+SLOW = pytest.mark.slow
+
+
 def _run(pool: Any, module: str, name: str, *args: Any, **kwargs: Any) -> list[Any]:
     results: list[Any] = pool.run(iw.call, module, name, *args, timeout=TIMEOUT, **kwargs)
     return results
@@ -129,34 +132,31 @@ def test_flatview_fsdp_strategy_with_activation_checkpointing(dist_pool: PoolFac
     _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy="fsdp1_cpu_recompute"), run)
 
 
+def _deepspeed_runs() -> list[object]:
+    """(stage, run) cases of Lightning's DeepSpeedStrategy: resumed after the first epoch
+    (ZeRO 2 in CI), and with accumulate_grad_batches=2 (ZeRO 1 in CI)."""
+    resumed = iw.Run(iw.EVEN, epochs=2, clip=0.05)
+    accumulated = iw.Run(iw.EVEN, accumulate=2, clip=0.05)
+    return [
+        pytest.param(stage, run, id=f"{name}-zero{stage}", marks=() if stage == ci else SLOW)
+        for name, run, ci in (("resume", resumed, 2), ("accumulate", accumulated, 1))
+        for stage in (1, 2, 3)
+    ]
+
+
 @needs_lightning
 @needs_deepspeed
-@pytest.mark.parametrize(
-    "stage", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)]
-)
-def test_trainer_deepspeed_trains_and_resumes_like_the_reference(
-    dist_pool: PoolFactory, stage: int
+@pytest.mark.parametrize(("stage", "run"), _deepspeed_runs())
+def test_trainer_deepspeed_trains_like_the_reference(
+    dist_pool: PoolFactory, stage: int, run: iw.Run
 ) -> None:
     # Lightning's DeepSpeedStrategy (on CPU through a test subclass) with the callback,
-    # skip sets and gradient_clip_val (DeepSpeed's gradient_clipping);
+    # skip sets and gradient_clip_val (DeepSpeed's gradient_clipping). "resume":
     # trainer.save_checkpoint after the first epoch (DeepSpeed's engine.save_checkpoint),
     # a new Trainer resuming with ckpt_path (its load_checkpoint): the reference's
-    # training, uninterrupted.
-    run = iw.Run(iw.EVEN, epochs=2, clip=0.05)
-    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=f"deepspeed{stage}"), run)
-
-
-@needs_lightning
-@needs_deepspeed
-@pytest.mark.parametrize(
-    "stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
-)
-def test_trainer_deepspeed_accumulates_like_the_reference(
-    dist_pool: PoolFactory, stage: int
-) -> None:
-    # accumulate_grad_batches=2 (DeepSpeed's gradient_accumulation_steps; Lightning hands
-    # DeepSpeed every micro-batch), skip sets per micro-batch, gradient_clip_val.
-    run = iw.Run(iw.EVEN, accumulate=2, clip=0.05)
+    # training, uninterrupted. "accumulate": accumulate_grad_batches=2 (DeepSpeed's
+    # gradient_accumulation_steps; Lightning hands DeepSpeed every micro-batch), a skip
+    # set per micro-batch.
     _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=f"deepspeed{stage}"), run)
 
 

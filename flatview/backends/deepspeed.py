@@ -384,7 +384,7 @@ class DeepSpeedAdapter(Adapter):
         # DeepSpeed's own parameters back on the submodules (the views stepped aside):
         # what its forward and its hooks read.
         self._order.register()
-        if not self.grads.keeps_local(runtime):
+        if not self.grads.keeps_local():
             # Gradients DeepSpeed's parameters hold now were left by a backward that
             # raised (flatview's end of the backward takes them): not to add to this one.
             for param, _ in self.layout.compute_params():

@@ -88,10 +88,10 @@ class ZeroGrads:
         """Whether the next backward reduces gradients (the adapter's ``synchronizing``)."""
         return not self.local or self.at_boundary()
 
-    def keeps_local(self, runtime: Runtime) -> bool:
+    def keeps_local(self) -> bool:
         """Whether DeepSpeed's parameters hold gradients of this window's earlier
         micro-steps, which the next backward adds to (ZeRO 1 before the boundary)."""
-        return self.local and runtime.accumulating
+        return self.local and self._installed is not None and self._installed[0].accumulating
 
     def drop(self) -> None:
         """Forget what this window accumulated (``zero_grad``, or a reduction that raised):
