@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from flatview import fresh_state, optim_state, wrapped_models
+from flatview import expert_state, fresh_state, optim_state, wrapped_models
 from flatview.backends.base import is_rank0
 from flatview.checkpoint_model import offload
 from flatview.comm import collectives
@@ -258,7 +258,16 @@ def consolidated(
         # flatview.optim.Whole keeps whole tensors on owner ranks: it consolidates itself.
         return optimizer.consolidated_state_dict(rank0_only=rank0_only)
     optim_state.refuse_sharded_experts(runtime.table)
-    return optim_state.consolidate(runtime.table, runtime.adapter, optimizer, rank0_only=rank0_only)
+    failure: OptimStateError | None = None
+    if rank0_only:
+        try:
+            expert_state.refuse_rank0_only(runtime.table, "optim_state_dict")
+        except OptimStateError as err:
+            failure = err  # raised on every rank, in the exchange of descriptions
+    found = optim_state.consolidate(
+        runtime.table, runtime.adapter, optimizer, rank0_only=rank0_only, failure=failure
+    )
+    return expert_state.tagged(found, runtime.table)
 
 
 def load_consolidated(
@@ -270,6 +279,7 @@ def load_consolidated(
 ) -> None:
     """Load one optimizer's consolidated state (what
     :meth:`flatview.FlatView.load_optim_state_dict` does)."""
+    expert_state.check(state_dict, table)
     if isinstance(optimizer, optim_state.ConsolidatesItself):
         if regroup:
             raise OptimStateError(

@@ -505,9 +505,12 @@ class FlatView:
                 not one of this model's parameters (a flat parameter, say), or state
                 that cannot be cut into pieces (neither per-element nor scalar), on any
                 rank; or ranks hold different parameters or state, disagree on a
-                scalar such as ``step``, or pass different ``rank0_only``. Raised on
-                every rank alike (the message names the rank), after the exchange of
-                descriptions and before any state tensor moves.
+                scalar such as ``step``, or pass different ``rank0_only``; or
+                ``rank0_only=True`` on a model with experts (units on process groups of
+                their own, whose dicts differ by expert group and name it:
+                :mod:`flatview.expert_state`). Raised on every rank alike (the message
+                names the rank), after the exchange of descriptions and before any state
+                tensor moves.
         """
         return consolidated(self.runtime, optimizer, rank0_only=rank0_only)
 
@@ -551,7 +554,8 @@ class FlatView:
                 does not have, lacks ones the optimizer holds, or has a different number
                 of parameter groups (unless ``regroup``); or a per-element tensor does
                 not have its parameter's shape; or a state by position (fairscale's)
-                does not fit this model's fairscale units. Nothing is loaded then.
+                does not fit this model's fairscale units; or it was saved on another
+                expert group than this rank's. Nothing is loaded then.
         """
         state_dict = loadable(self.table, self._modules, self.adapter.backend, state_dict)
         load_consolidated(self.table, optimizer, state_dict, regroup=regroup)

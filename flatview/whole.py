@@ -31,6 +31,8 @@ unmodified torch optimizer on whole matrices over the shards:
   same-shape matrices together instead
   (:func:`flatview.whole_stacked.stacked_muon_step`): fewer, larger products, which round
   otherwise than torch's, within bfloat16's rounding.
+* Experts (units on process groups of their own) are owned and exchanged within their
+  own group, the other parameters within the root's (:mod:`flatview.whole_domains`).
 * A tiny all-reduce first tells every rank which parameters with travelling matrices have a
   gradient anywhere (skipped and frozen ones have none: no communication, the inner
   optimizer leaves them alone, as torch's would) and whether any holder's piece changed
@@ -57,19 +59,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from flatview import wrapped_models
-from flatview.backends.base import is_rank0
-from flatview.comm.collectives import all_reduce_max
+from flatview import expert_state, wrapped_models
+from flatview.backends.base import UnitGroup, is_rank0
 from flatview.comm.ledger import Ledger
 from flatview.errors import OptimStateError
 from flatview.local_tensors import local_tensor
-from flatview.whole_exchange import Kind, Transfer, buckets, check_same_everywhere
+from flatview.whole_domains import Domain
+from flatview.whole_exchange import Kind, Transfer, check_same_everywhere
 from flatview.whole_members import (
     EVERY_RANK,
     Matrix,
     Member,
-    assign_owners,
-    checksum,
     cut_all,
     probe,
     requires_closure,
@@ -92,6 +92,7 @@ class Whole(torch.optim.Optimizer):
     works (Muon, Adafactor, AdamW, SGD, ...); one that needs a closure (LBFGS) is
     refused. A 3-D parameter ``(n, rows, cols)`` (experts stored as one tensor) is
     stepped as ``n`` matrices, as ``torch.optim.Muon`` over each ``param[i]`` would.
+    Experts of units on process groups of their own are stepped within their group.
 
     Construction, :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict` are
     collectives where the model is sharded: every rank calls them, with the same
@@ -159,6 +160,14 @@ class Whole(torch.optim.Optimizer):
         self._rank0 = is_rank0(adapter)
         self._world = adapter.world_size
         self._device = adapter.device
+        # Sharded models exchange with every step; the same on every rank (the layouts
+        # are).
+        self._sharded = self._world > 1 and any(
+            fv.placement(p).sharded for _, p in fv.named_parameters()
+        )
+        self._domains = [
+            Domain(self._group, self._rank, self._world, sharded=self._sharded, expert=False)
+        ]
         user_groups: list[dict[str, Any]] = []
         self._members: list[Member] = []
         raw = list(params)
@@ -178,21 +187,18 @@ class Whole(torch.optim.Optimizer):
             raise OptimStateError("flatview.optim.Whole got an empty parameter list")
         self._heads = cut_all(self._members, heads or {}, self._world)
         self._matrices = [m for member in self._members for m in member.matrices]
+        for domain in self._domains:
+            domain.settle(self.overlap)
         by_group: list[list[tuple[str, torch.Size, torch.dtype]]] = [[] for _ in groups]
         for m in self._matrices:
             by_group[m.member.group].append((m.name, m.shape, m.member.tensor.dtype))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
         probe(optimizer_cls, by_group, hyper, optimizer_kwargs)
-        self._owner_costs = assign_owners(self._matrices, self._world)
-        self._travelling = [m for m in self._matrices if m.travels]
-        self._travelling_members = [p for p in self._members if any(m.travels for m in p.matrices)]
+        self._travelling = [m for domain in self._domains for m in domain.travelling]
         for m in self._travelling:
-            if m.owner == self._rank:
+            if m.owned_here:
                 like = local_tensor(m.member.tensor)
                 m.whole = nn.Parameter(torch.zeros(m.shape, dtype=like.dtype, device=like.device))
-        self._buckets = (
-            buckets(self._travelling, self._world) if self.overlap else [self._travelling]
-        )
         # The inner optimizer over what this rank steps: whole copies of the travelling
         # matrices it owns, and aliases of those wholly here.
         inner_groups = [
@@ -210,12 +216,8 @@ class Whole(torch.optim.Optimizer):
             make_eager(self.inner)
         except Exception as err:  # raised below, on every rank
             failure = err
-        # Sharded models exchange with every step; the same on every rank (the layouts
-        # are), so every rank takes part in the check of the parameter lists, which also
-        # carries what failed on one rank only.
-        self._sharded = self._world > 1 and any(
-            fv.placement(p).sharded for _, p in fv.named_parameters()
-        )
+        # Every rank of a sharded model takes part in the check of the parameter lists,
+        # which also carries what failed on one rank only.
         if self._sharded:
             facts = (
                 [(m.name, tuple(m.shape), m.group, str(m.tensor.dtype)) for m in self._members],
@@ -231,9 +233,10 @@ class Whole(torch.optim.Optimizer):
         # param_groups over the views, with the inner optimizer's defaults filled in (LR
         # schedulers change them there; every step copies them to the inner groups).
         super().__init__(user_groups, self.inner.defaults)
-        if self._travelling:
-            self._exchange(self._travelling, Kind.VALUE, async_op=False)
-            self._note_checksums()
+        for domain in self._domains:
+            if domain.travelling:
+                domain.exchange(domain.travelling, Kind.VALUE, self.ledger)
+                domain.note_checksums()
 
     # ---------------------------------------------------------------- building
 
@@ -256,26 +259,35 @@ class Whole(torch.optim.Optimizer):
                 f"parameter {fv.table.name(index)!r} is given to flatview.optim.Whole twice"
             )
         seen.add(id(tensor))
-        if fv.table.own_group(index) is not None:
-            raise OptimStateError(
-                f"parameter {fv.table.name(index)!r} belongs to an FSDP unit on a process "
-                "group of its own (an expert): flatview.optim.Whole steps matrices over the "
-                "root unit's group; step the experts with an optimizer of their own"
-            )
+        unit_group = fv.table.own_group(index)
+        domain = self._domains[0] if unit_group is None else self._expert_domain(unit_group)
         placement = fv.placement(tensor)
         if placement.sharded:
-            pieces = tuple(placement.piece(r).param_interval for r in range(self._world))
+            assert placement.layout is not None and placement.layout.world_size == domain.world
+            pieces = tuple(placement.piece(r).param_interval for r in range(domain.world))
         else:
-            pieces = ((0, placement.numel),) * self._world
+            pieces = ((0, placement.numel),) * domain.world
         assert isinstance(tensor, nn.Parameter)
-        rank = self._rank if placement.sharded else 0
-        return Member(fv.table.name(index), tensor, placement, group, rank, pieces)
+        rank = domain.rank if placement.sharded else 0
+        member = Member(fv.table.name(index), tensor, placement, group, rank, pieces)
+        domain.members.append(member)
+        return member
+
+    def _expert_domain(self, unit_group: UnitGroup) -> Domain:
+        """The domain of this rank's expert units (one group per rank, checked at wrap)."""
+        for domain in self._domains[1:]:
+            if domain.group is unit_group.group:
+                return domain
+        world = unit_group.world_size
+        domain = Domain(unit_group.group, unit_group.rank, world, sharded=world > 1, expert=True)
+        self._domains.append(domain)
+        return domain
 
     def _run(self, m: Matrix) -> list[torch.Tensor]:
         """What this rank's inner optimizer steps for ``m`` (nothing or one tensor)."""
         if m.whole is not None:
             return [m.whole]
-        if m.owner not in (EVERY_RANK, self._rank) or m.travels:
+        if (m.owner != EVERY_RANK and not m.owned_here) or m.travels:
             return []
         if m.alias is None:
             # Always an alias, also of a plain parameter of the matrix's shape: its
@@ -308,73 +320,42 @@ class Whole(torch.optim.Optimizer):
         if not self._travelling:
             self._step_inner(local)
             return
-        moving = self._agree_on_flags()
+        moving = [
+            (domain, domain.agree_on_flags(self.ledger, self._device))
+            for domain in self._domains
+            if domain.travelling
+        ]
         if not self.overlap:
-            # Every rank joins the inbound exchange right after the flags (not after
-            # stepping its own matrices first, which would make the exchange wait for
-            # the slowest rank's), then steps everything at once (one stack per shape).
-            if moving:
-                self._exchange(moving, Kind.GRAD, async_op=False)
-            self._step_inner([*local, *moving])
-            if moving:
-                self._exchange(moving, Kind.UPDATE, async_op=False)
+            # Every rank joins the inbound exchanges right after the flags (not after
+            # stepping its own matrices first, which would make them wait for the
+            # slowest rank's), then steps everything at once (one stack per shape).
+            for domain, matrices in moving:
+                if matrices:
+                    domain.exchange(matrices, Kind.GRAD, self.ledger)
+            self._step_inner([*local, *(m for _, matrices in moving for m in matrices)])
+            for domain, matrices in moving:
+                if matrices:
+                    domain.exchange(matrices, Kind.UPDATE, self.ledger)
         else:
-            chosen = {id(m.member) for m in moving}
-            parts = [[m for m in b if id(m.member) in chosen] for b in self._buckets]
-            parts = [b for b in parts if b]
-            inbound_parts = [self._transfer(b, Kind.GRAD) for b in parts]
+            parts: list[tuple[Domain, list[Matrix]]] = []
+            for domain, matrices in moving:
+                chosen = {id(m.member) for m in matrices}
+                for bucket in domain.buckets:
+                    part = [m for m in bucket if id(m.member) in chosen]
+                    if part:
+                        parts.append((domain, part))
+            inbound_parts = [domain.transfer(b, Kind.GRAD, self.ledger) for domain, b in parts]
             # Matrices held wholly here are stepped while the first bucket travels.
             self._step_inner(local)
-            outbound = []
-            for bucket, transfer in zip(parts, inbound_parts, strict=True):
+            outbound: list[Transfer] = []
+            for (domain, bucket), transfer in zip(parts, inbound_parts, strict=True):
                 transfer.finish()
                 self._step_inner(bucket)
-                outbound.append(self._transfer(bucket, Kind.UPDATE))
+                outbound.append(domain.transfer(bucket, Kind.UPDATE, self.ledger))
             for transfer in outbound:
                 transfer.finish()
-        self._note_checksums()
-
-    def _agree_on_flags(self) -> list[Matrix]:
-        """All-reduce, per member with travelling matrices, (has a gradient here, its piece
-        changed outside this optimizer); refresh the whole copies of changed ones.
-        Returns the travelling matrices of members with a gradient anywhere."""
-        members = self._travelling_members
-        flags = torch.zeros(2 * len(members), dtype=torch.int32, device=self._device)
-        for position, member in enumerate(members):
-            flags[2 * position] = member.tensor.grad is not None
-            piece = member.local(member.tensor)
-            # A rank holding nothing of it has nothing that could have changed.
-            changed = piece is not None and piece.numel() > 0 and member.checksum != checksum(piece)
-            flags[2 * position + 1] = changed
-        self.ledger.record("all_reduce", flags)
-        all_reduce_max(flags, self._group)
-        found = flags.tolist()
-        with_grad = {id(p) for i, p in enumerate(members) if found[2 * i]}
-        stale = {id(p) for i, p in enumerate(members) if found[2 * i + 1]}
-        if stale:
-            refresh = [m for m in self._travelling if id(m.member) in stale]
-            self._exchange(refresh, Kind.VALUE, async_op=False)
-        return [m for m in self._travelling if id(m.member) in with_grad]
-
-    def _transfer(self, matrices: Sequence[Matrix], kind: Kind) -> Transfer:
-        """One asynchronous transfer of one bucket (one dtype)."""
-        return Transfer(
-            matrices, kind, self._rank, self._world, self._group, self.ledger, async_op=True
-        )
-
-    def _exchange(self, matrices: Sequence[Matrix], kind: Kind, *, async_op: bool) -> None:
-        """Transfer ``matrices`` now, one all-to-all per dtype."""
-        by_dtype: dict[str, list[Matrix]] = {}
-        for m in matrices:
-            by_dtype.setdefault(str(m.member.tensor.dtype), []).append(m)
-        transfers = [
-            Transfer(
-                chunk, kind, self._rank, self._world, self._group, self.ledger, async_op=async_op
-            )
-            for _, chunk in sorted(by_dtype.items())
-        ]
-        for transfer in transfers:
-            transfer.finish()
+        for domain in self._domains:
+            domain.note_checksums()
 
     def _bind(self, matrices: Sequence[Matrix]) -> None:
         """Point the aliases of ``matrices`` at their views' storage and gradient (the
@@ -416,31 +397,44 @@ class Whole(torch.optim.Optimizer):
         for tensor in tensors:
             tensor.grad = None
 
-    def _note_checksums(self) -> None:
-        for member in self._travelling_members:
-            piece = member.local(member.tensor)
-            member.checksum = checksum(piece) if piece is not None else None
-
     # ---------------------------------------------------------------- state
 
     @property
     def owner_costs(self) -> list[int]:
-        """Per rank of the exchange group, the Newton-Schulz cost (``m * n * min(m, n)``
+        """Per rank of the root's group, the Newton-Schulz cost (``m * n * min(m, n)``
         summed) of the matrices it owns, travelling or held; the same on every rank.
         ``max / mean`` is how evenly the owners' steps are balanced."""
-        return list(self._owner_costs)
+        return list(self._domains[0].owner_costs)
 
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
         """The state by original name, whole tensors, as
         :meth:`flatview.FlatView.optim_state_dict` gives for any optimizer over views
         (loadable at any world size and backend, into a :class:`Whole` or a plain
-        optimizer). A collective where the model is sharded."""
-        everything = consolidated(
-            self._members, self.inner.state, self._stepped, self._rank, self._group, self._sharded
-        )
+        optimizer). A collective where the model is sharded. With experts on process
+        groups of their own it holds the shared parameters and this rank's group's
+        experts, and names that group (:mod:`flatview.expert_state`): save it on every
+        rank; ``rank0_only=True`` is refused there."""
+        found: dict[str, dict[Any, Any]] = {}
+        for domain in self._domains:
+            found.update(
+                consolidated(
+                    domain.members,
+                    self.inner.state,
+                    self._stepped,
+                    domain.rank,
+                    domain.group,
+                    domain.sharded,
+                )
+            )
+        everything = {m.name: found[m.name] for m in self._members if m.name in found}
+        if rank0_only:
+            # After the exchange, which every rank joined: a rank raising before it
+            # would leave the others waiting there.
+            expert_state.refuse_rank0_only(self.fv.table, "flatview.optim.Whole.state_dict")
         if rank0_only and not self._rank0:
             everything = {}
-        return {"state": everything, "param_groups": self._groups_by_name()}
+        state = {"state": everything, "param_groups": self._groups_by_name()}
+        return expert_state.tagged(state, self.fv.table)
 
     def sharded_state_dict(self, *, cpu_offload: bool = False) -> dict[str, Any]:
         """The state for :mod:`flatview.checkpoint`'s sharded form: per-element tensors
@@ -451,8 +445,19 @@ class Whole(torch.optim.Optimizer):
         Raises:
             flatview.OptimStateError: the inner optimizer's state is made lazily (not
                 ``Muon``, ``Adam`` or ``AdamW``): a fresh optimizer would have no state
-                for a checkpoint to load into. Use the full form.
+                for a checkpoint to load into. Use the full form. Or the optimizer
+                steps experts (units on process groups of their own), whose ranks in
+                different groups hold different experts under the same names.
         """
+        expert = next((m.name for d in self._domains[1:] for m in d.members), None)
+        if expert is not None:
+            raise OptimStateError(
+                f"flatview.optim.Whole steps experts (such as {expert!r}, of a unit on a "
+                "process group of its own), which ranks of different expert groups hold "
+                "under the same names: a sharded checkpoint cannot key them by name. Save "
+                "state_dict() on each rank (it holds the shared parameters and that "
+                "rank's group's experts)"
+            )
         if not knows_fresh_state(type(self.inner)):
             raise OptimStateError(
                 f"flatview.optim.Whole over {self.optimizer_cls.__name__} makes its state "
@@ -486,6 +491,7 @@ class Whole(torch.optim.Optimizer):
         (any world size or backend) or :meth:`sharded_state_dict` (filled by
         ``torch.distributed.checkpoint.load``): each owner takes the state of what it
         steps. Every rank needs the dict; nothing is communicated."""
+        expert_state.check(state_dict, self.fv.table)
         load(
             self._members,
             self._matrices,
@@ -504,7 +510,7 @@ class Whole(torch.optim.Optimizer):
         self.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
-        owned = sum(m.numel for m in self._matrices if m.owner == self._rank)
+        owned = sum(m.numel for m in self._matrices if m.owned_here)
         return (
             f"Whole({self.optimizer_cls.__name__}, params={len(self._members)}, "
             f"matrices={len(self._matrices)}, travelling={len(self._travelling)}, "

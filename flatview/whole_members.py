@@ -53,7 +53,8 @@ class Member:
     placement: Placement
     group: int
     rank: int
-    """This rank, in the ranks ``pieces`` counts."""
+    """This rank, in the ranks ``pieces`` counts (those of its domain's group, see
+    :mod:`flatview.whole_domains`; 0 where the parameter is not sharded)."""
     pieces: tuple[Interval, ...]
     """Per rank, its elements of the flattened parameter (empty where it holds none)."""
     matrices: list[Matrix] = field(default_factory=list)
@@ -111,6 +112,11 @@ class Matrix:
             return False
         start, end = self.slices[self.owner]
         return end - start != self.numel
+
+    @property
+    def owned_here(self) -> bool:
+        """This rank is its owner (not merely one of every rank stepping a replicated one)."""
+        return self.owner != EVERY_RANK and self.owner == self.member.rank
 
     @property
     def cost(self) -> int:

@@ -989,7 +989,7 @@ def muon_whole(run: Any, stage: int) -> dict[str, Any]:
     from tests.whole_workers import newton_schulz
 
     scenario = run.scenario
-    with deepspeed_on_cpu() as deepspeed, newton_schulz(run):
+    with deepspeed_on_cpu() as deepspeed, newton_schulz(run.float32):
         engine, fv, muon, adamw = muon_engine(deepspeed, scenario, stage, run.muon_kwargs)
         _train(engine, fv, scenario, range(len(scenario.skips)))
         state = fv.optim_state_dict(muon)

@@ -33,6 +33,7 @@ from torch import nn
 import flatview
 import flatview.optim
 from tests.scenarios import backend_context, flatview_error, no_sync
+from tests.whole_workers import newton_schulz
 
 D_IN, WIDTH, D_OUT, BATCH = 5, 6, 3, 4
 
@@ -56,7 +57,15 @@ class MoECase:
     experts: int = 3
     unit_per_expert: bool = False
     steps: int = 3
-    optimizer: str = "adam"  # "adam" or "sgd" (plain SGD: a zero gradient = no gradient)
+    optimizer: str = "adam"
+    """``"adam"``, ``"sgd"`` (plain SGD: a zero gradient = no gradient) or ``"muon"``
+    (:class:`MuonAndAdam`: ``torch.optim.Muon`` on every weight matrix, experts'
+    included, through ``flatview.optim.Whole``; Adam on the biases)."""
+    overlap: bool = False
+    """``Whole(overlap=...)``: the pipelined exchanges (``"muon"``)."""
+    reload_at: int | None = None
+    """``"muon"``: after this step both optimizers are built anew and loaded from their
+    ``state_dict()`` (``Whole``'s consolidates each expert's state in its own group)."""
     skip: bool = True
     seed: int = 0
     micro: int = 1
@@ -96,6 +105,7 @@ class MoECase:
             or not self.set_to_none
             or self.writes
             or self.clip is not None
+            or self.optimizer == "muon"
         )
 
     @property
@@ -207,7 +217,50 @@ def skipped(case: MoECase, group: int, step: int) -> list[str]:
     return [_expert_name(case, e) for e in range(case.experts) if e not in used]
 
 
-def _optimizer(case: MoECase, params: Any) -> torch.optim.Optimizer:
+class MuonAndAdam:
+    """Muon on the weight matrices (``flatview.optim.Whole`` over views, or torch's own
+    in the reference), Adam on the biases: one optimizer to the training loop."""
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, nn.Parameter]],
+        fv: flatview.FlatView | None,
+        overlap: bool,
+    ) -> None:
+        self.named, self.fv, self.overlap = list(named), fv, overlap
+        weights = [p for n, p in self.named if n.endswith("weight")]
+        kwargs = {"lr": 0.05, "momentum": 0.9}
+        self.muon: Any = (
+            torch.optim.Muon(weights, **kwargs)
+            if fv is None
+            else flatview.optim.Whole(torch.optim.Muon, fv, weights, overlap=overlap, **kwargs)
+        )
+        self.adam = torch.optim.Adam([p for n, p in self.named if n.endswith("bias")], lr=0.01)
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adam.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none=set_to_none)
+        self.adam.zero_grad(set_to_none=set_to_none)
+
+    def reloaded(self) -> MuonAndAdam:
+        """The same optimizers built anew and loaded from this one's state dicts."""
+        fresh = MuonAndAdam(self.named, self.fv, self.overlap)
+        fresh.muon.load_state_dict(self.muon.state_dict())
+        fresh.adam.load_state_dict(self.adam.state_dict())
+        return fresh
+
+
+def _optimizer(
+    case: MoECase,
+    named: Iterator[tuple[str, nn.Parameter]],
+    fv: flatview.FlatView | None = None,
+) -> Any:
+    if case.optimizer == "muon":
+        return MuonAndAdam(list(named), fv, case.overlap)
+    params = [p for _, p in named]
     if case.optimizer == "sgd":
         return torch.optim.SGD(params, lr=0.1)
     return torch.optim.Adam(params, lr=0.01)
@@ -274,7 +327,7 @@ def train(
     if provoke is not None:
         assert fv is not None
         provoke(root, fv)
-    opt = _optimizer(case, (fv.parameters() if fv is not None else root.parameters()))
+    opt = _optimizer(case, (fv.named_parameters() if fv else root.named_parameters()), fv)
     for step in range(case.steps):
         if case.zero_grad_at == "before_forward":
             opt.zero_grad(set_to_none=case.set_to_none)
@@ -295,12 +348,14 @@ def train(
         opt.step()
         if case.zero_grad_at == "after_step":
             opt.zero_grad(set_to_none=case.set_to_none)
+        if step == case.reload_at:
+            opt = opt.reloaded()
         if fv is not None and case.writes:
             write_through(case, root, fv, step)
         if fv is not None and step == case.unwrap_after:
             fv.unwrap()
             fv = None
-            opt = _optimizer(case, root.parameters())
+            opt = _optimizer(case, root.named_parameters())
     return whole_parameters(case, root, fv)
 
 
@@ -421,10 +476,11 @@ def reference(case: MoECase) -> list[dict[str, torch.Tensor]]:
         for n, p in m.named_parameters():
             if not n.startswith("experts"):
                 p.data = shared[n].data  # one set of shared parameters
-    params: list[nn.Parameter] = list(shared.values())
+    named: list[tuple[str, nn.Parameter]] = list(shared.items())
     for m in models:
-        params += [p for n, p in m.named_parameters() if n.startswith("experts")]
-    opt = _optimizer(case, params)
+        named += [(n, p) for n, p in m.named_parameters() if n.startswith("experts")]
+    params = [p for _, p in named]
+    opt = _optimizer(case, iter(named))
     for step in range(case.steps):
         # Wherever the distributed run zeroes (after the last step, before the forward
         # or between it and its backward), no gradient of this step has arrived yet.
@@ -477,7 +533,7 @@ def _used(case: MoECase, name: str, used: Sequence[int]) -> bool:
 def run_case(case: MoECase) -> dict[str, float]:
     """Worker: flatview's training vs the reference and vs the plain wrapper's (same
     processes); the largest relative differences."""
-    with backend_context(case.backend):
+    with backend_context(case.backend), newton_schulz(float32=case.optimizer == "muon"):
         return _compare(case)
 
 
@@ -615,11 +671,44 @@ def state_task(case: MoECase) -> dict[str, Any]:
         except flatview.FlatViewError as err:
             found["checkpoint"] = f"{type(err).__name__}: {err}"
         try:
-            flatview.optim.Whole(torch.optim.SGD, fv, fv.parameters(), lr=0.1)
+            whole = flatview.optim.Whole(torch.optim.SGD, fv, fv.parameters(), lr=0.1)
             found["whole"] = "built"
         except (flatview.FlatViewError, TypeError) as err:
             found["whole"] = f"{type(err).__name__}: {err}"
+            return found
+        found.update(_saved_on_another_group(case, fv, whole, opt))
         return found
+
+
+def _saved_on_another_group(
+    case: MoECase, fv: flatview.FlatView, whole: Any, opt: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The two habits that would load one expert group's experts into another's:
+    ``rank0_only=True`` (refused), and a dict from a rank of the next group loaded here
+    (refused; it names its group). What each of ``fv.optim_state_dict`` (one-rank
+    groups; refused anyway with larger ones) and ``Whole.state_dict`` raises."""
+    found: dict[str, Any] = {}
+    mine = {"whole": whole.state_dict()}
+    found["tag"] = mine["whole"].get("expert_group")
+    if case.group_size == 1:
+        mine["optim"] = fv.optim_state_dict(opt)
+    found["whole_rank0_only"] = flatview_error(lambda: whole.state_dict(rank0_only=True))
+    if "optim" in mine:
+        found["optim_rank0_only"] = flatview_error(
+            lambda: fv.optim_state_dict(opt, rank0_only=True)
+        )
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    theirs = everyone[(dist.get_rank() + case.group_size) % case.world_size]
+    assert theirs is not None
+    found["whole_foreign"] = flatview_error(lambda: whole.load_state_dict(theirs["whole"]))
+    if "optim" in theirs:
+        found["optim_foreign"] = flatview_error(
+            lambda: fv.load_optim_state_dict(opt, theirs["optim"])
+        )
+    # One's own loads.
+    whole.load_state_dict(mine["whole"])
+    return found
 
 
 def _expert_grad_norms(case: MoECase, fv: flatview.FlatView) -> dict[str, tuple[float, float]]:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 TIMEOUT = 90.0
 TOLERANCE = 1e-5
+SLOW = pytest.mark.slow
 
 
 def _check(dist_pool: PoolFactory, case: mw.MoECase) -> None:
@@ -62,6 +63,35 @@ def test_expert_groups_sharded(dist_pool: PoolFactory, backend: str, per_expert:
     if backend == "fairscale":
         pytest.importorskip("fairscale")
     case = mw.MoECase(backend, 4, group_size=2, unit_per_expert=per_expert, micro=2)
+    _check(dist_pool, case)
+
+
+@pytest.mark.parametrize(
+    ("backend", "world", "group_size", "options"),
+    [
+        ("torch", 2, 1, {}),
+        ("fairscale", 4, 2, {"reload_at": 1}),
+        ("fsdp2", 4, 2, {"overlap": True}),
+        pytest.param("torch", 4, 2, {"unit_per_expert": True, "reload_at": 0}, marks=SLOW),
+        pytest.param("fairscale", 3, 1, {"overlap": True, "writes": True}, marks=SLOW),
+        pytest.param("fsdp2", 2, 1, {"reload_at": 1, "micro": 2}, marks=SLOW),
+        pytest.param("torch", 4, 2, {"overlap": True, "micro": 2, "steps": 4}, marks=SLOW),
+    ],
+)
+def test_whole_muon_over_experts_trains_like_the_reference(
+    dist_pool: PoolFactory, backend: str, world: int, group_size: int, options: dict[str, Any]
+) -> None:
+    """``flatview.optim.Whole(torch.optim.Muon)`` over every weight matrix, the experts'
+    included, Adam over the biases, experts skipped per step: the reference's
+    ``torch.optim.Muon`` per matrix. Each expert matrix is owned and exchanged within its
+    expert group (on one-rank groups it is whole here and stepped in place), the shared
+    ones over the root's group; pipelined (``overlap``) or not; with the optimizers
+    rebuilt from their state dicts mid-run (``Whole.state_dict`` holds this rank's
+    group's experts, consolidated in that group); with values written into experts
+    between steps."""
+    if backend == "fairscale":
+        pytest.importorskip("fairscale")
+    case = mw.MoECase(backend, world, group_size=group_size, optimizer="muon", **options)
     _check(dist_pool, case)
 
 
@@ -315,22 +345,41 @@ def _norms_within_groups(found: dict[str, object]) -> None:
     assert found["clip"] == "clipped", found
 
 
+def _saved_on_another_group_refused(found: dict[str, Any], group_size: int, rank: int) -> None:
+    """The consolidated dicts name their expert group; ``rank0_only`` and loading the
+    next group's dict are refused (see :func:`tests.moe_workers.state_task`)."""
+    first = rank - rank % group_size
+    assert found["tag"] == list(range(first, first + group_size)), found
+    keys = ["whole_rank0_only", "whole_foreign"]
+    if group_size == 1:
+        keys += ["optim_rank0_only", "optim_foreign"]
+    for key in keys:
+        message = found[key]
+        assert message.startswith("OptimStateError"), (key, found)
+        wanted = "rank0_only" if key.endswith("rank0_only") else "saved on the expert group"
+        assert wanted in message, (key, found)
+
+
 @pytest.mark.parametrize("backend", ["torch", "fsdp2"])
 def test_state_with_experts(dist_pool: PoolFactory, backend: str) -> None:
     """optim_state_dict of per-rank experts gives each rank its own experts' state; with
-    expert groups of two ranks it, flatview.checkpoint and Whole refuse on every rank.
+    expert groups of two ranks it and flatview.checkpoint refuse on every rank. Whole is
+    built over experts either way (trained: test_whole_muon_over_experts_*).
     grad_norms gives an expert's norm over its own group; clip_grad_norm_ clips (by the
     norm over every group's experts: test_clipping_by_the_norm_over_every_groups_experts).
     FSDP2's experts on meshes of their own get the same as torch FSDP1's."""
     per_rank = dist_pool(2).run(mw.state_task, mw.MoECase(backend, 2), timeout=TIMEOUT)
-    for found in per_rank:
+    for rank, found in enumerate(per_rank):
         _norms_within_groups(found)
         assert isinstance(found["optim"], dict) and found["optim"], found
         assert all(found["optim"].values()), found
         assert found["checkpoint"].startswith("FlatViewError"), found
-        assert found["whole"].startswith("OptimStateError"), found
+        assert found["whole"] == "built", found
+        _saved_on_another_group_refused(found, 1, rank)
     grouped = dist_pool(4).run(mw.state_task, mw.MoECase(backend, 4, group_size=2), timeout=TIMEOUT)
-    for found in grouped:
+    for rank, found in enumerate(grouped):
         _norms_within_groups(found)
         assert str(found["optim"]).startswith("OptimStateError"), found
         assert found["checkpoint"].startswith("FlatViewError"), found
+        assert found["whole"] == "built", found
+        _saved_on_another_group_refused(found, 2, rank)

@@ -164,10 +164,10 @@ def float32_newton_schulz(
 
 
 @contextlib.contextmanager
-def newton_schulz(run: MuonRun) -> Iterator[None]:
-    """Muon's own iteration, or the float32 one for the duration (torch's and the
-    stacked one of :mod:`flatview.whole_stacked`)."""
-    if not run.float32:
+def newton_schulz(float32: bool) -> Iterator[None]:
+    """Muon's own iteration, or (``float32``) the float32 one for the duration (torch's
+    and the stacked one of :mod:`flatview.whole_stacked`)."""
+    if not float32:
         yield
         return
     from torch.optim import _muon
@@ -229,7 +229,7 @@ class Standalone:
 
 def reference(run: MuonRun, start: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """The unwrapped model in one process with ``torch.optim.Muon`` and AdamW."""
-    with newton_schulz(run):
+    with newton_schulz(run.float32):
         return _reference(run, start)
 
 
@@ -300,7 +300,7 @@ def distributed(
     """The same with FSDP + flatview: ``Whole(torch.optim.Muon, ...)`` on the matrices.
     ``start``/``load``: parameters and the Muon state to resume from."""
     sc = run.scenario
-    with backend_context(sc.backend), newton_schulz(run):
+    with backend_context(sc.backend), newton_schulz(run.float32):
         net = make_whole_net(run)
         names = [n for n, _ in net.named_parameters()]
         if start is not None:
@@ -411,7 +411,7 @@ def checkpoint_and_train_on(
     import flatview.checkpoint as fcp
 
     sc = run.scenario
-    with backend_context(sc.backend), newton_schulz(run):
+    with backend_context(sc.backend), newton_schulz(run.float32):
         net = make_whole_net(run)
         names = [n for n, _ in net.named_parameters()]
         model, fv, _ = distributed_model(sc, net)
@@ -438,7 +438,7 @@ def resume_from_checkpoint(
     import flatview.checkpoint as fcp
 
     sc = run.scenario
-    with backend_context(sc.backend), newton_schulz(run):
+    with backend_context(sc.backend), newton_schulz(run.float32):
         net = make_whole_net(run)
         names = [n for n, _ in net.named_parameters()]
         model, fv, _ = distributed_model(sc, net)
