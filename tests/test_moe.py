@@ -25,6 +25,14 @@ if TYPE_CHECKING:
 
 TIMEOUT = 90.0
 TOLERANCE = 1e-5
+MUON_TOLERANCE = 1e-4
+"""Muon's cases (float32 Newton-Schulz in both runs). On the flattened wrappers (torch
+FSDP1 without ``use_orig_params``, fairscale) the forward and backward over views of a
+flat buffer give gradients that differ from the unwrapped model's in their last float32
+bits for some parameter values, even on one rank (seen: identical parameters, gradients
+1e-9 to 1e-8 apart; FSDP2 and ``use_orig_params=True`` bit for bit); orthogonalising
+amplifies that, to 1.3e-5 after three steps in one draw. A wrong matrix is off by about
+the learning rate (0.08 relative, seen with the experts' flags over the wrong group)."""
 SLOW = pytest.mark.slow
 
 
@@ -32,7 +40,8 @@ def _check(dist_pool: PoolFactory, case: mw.MoECase) -> None:
     for rank, found in enumerate(
         dist_pool(case.world_size).run(mw.run_case, case, timeout=TIMEOUT)
     ):
-        assert found["reference"] <= TOLERANCE, (rank, found)
+        tolerance = MUON_TOLERANCE if case.optimizer == "muon" else TOLERANCE
+        assert found["reference"] <= tolerance, (rank, found)
         assert "plain" in found or case.backend != "fsdp2" or case.user_patterns, found
         if "plain" in found:
             assert found["plain"] <= TOLERANCE, (rank, found)
@@ -274,26 +283,34 @@ def test_error_on_one_rank_with_expert_units(
 @pytest.mark.slow
 @given(data=st.data())
 def test_moe_draws(dist_pool: PoolFactory, data: st.DataObject) -> None:
-    """Backends, world sizes 1-4, expert group sizes, unit layouts, optimizers, skip
-    sequences, where and how gradients are zeroed, and writes between steps drawn: equal
-    to the reference (and the plain wrapper where it compares)."""
+    """Backends, world sizes 1-4, expert group sizes, unit layouts, optimizers (Muon
+    through ``flatview.optim.Whole``, pipelined or not, rebuilt from its state dict or
+    not), skip sequences, where and how gradients are zeroed, and writes between steps
+    drawn: equal to the reference (and the plain wrapper where it compares)."""
     backend = data.draw(st.sampled_from(["torch", "fairscale", "fsdp2"]), label="backend")
     if backend == "fairscale":
         pytest.importorskip("fairscale")
     world = data.draw(st.integers(1, 4), label="world")
     group_size = data.draw(st.sampled_from([g for g in (1, 2, 4) if world % g == 0]))
+    optimizer = data.draw(st.sampled_from(["adam", "sgd", "muon"]), label="optimizer")
+    steps = data.draw(st.integers(1, 4), label="steps")
+    muon = optimizer == "muon"
     case = mw.MoECase(
         backend,
         world,
         group_size=group_size,
         experts=data.draw(st.integers(1, 4), label="experts"),
         unit_per_expert=data.draw(st.booleans(), label="per_expert"),
-        optimizer=data.draw(st.sampled_from(["adam", "sgd"]), label="optimizer"),
+        optimizer=optimizer,
+        overlap=muon and data.draw(st.booleans(), label="overlap"),
+        reload_at=data.draw(st.sampled_from([None, *range(steps)]), label="reload_at")
+        if muon
+        else None,
         shared_unit=data.draw(st.booleans(), label="shared_unit"),
         micro=data.draw(st.integers(1, 3), label="micro"),
         orig_params=backend == "torch" and data.draw(st.booleans(), label="orig_params"),
         seed=data.draw(st.integers(0, 1000), label="seed"),
-        steps=data.draw(st.integers(1, 4), label="steps"),
+        steps=steps,
         zero_grad_at=data.draw(st.sampled_from(ZERO_GRAD_PLACES), label="zero_grad_at"),
         set_to_none=data.draw(st.booleans(), label="set_to_none"),
         writes=data.draw(st.booleans(), label="writes"),
