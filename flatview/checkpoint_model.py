@@ -111,7 +111,9 @@ def _gathered_model_state(runtime: Runtime, info: Any) -> dict[str, Any]:
     plan = {k: {"value": ("elem", table.tensor(i).dtype)} for k, i in enumerate(sharded)}
     states = {k: {"value": table.tensor(i).detach()} for k, i in enumerate(sharded)}
     rank0_only = bool(info.cpu_offload)
-    gathered = state_gather.gather(plan, states, sharded, homes, adapter, rank0_only)
+    gathered = state_gather.gather(
+        plan, states, sharded, homes, adapter.group, adapter.world_size, adapter.device, rank0_only
+    )
     if rank0_only and not is_rank0(adapter):
         return {}
     out: dict[str, Any] = {}

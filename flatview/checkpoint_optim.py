@@ -257,7 +257,6 @@ def consolidated(
     if isinstance(optimizer, optim_state.ConsolidatesItself):
         # flatview.optim.Whole keeps whole tensors on owner ranks: it consolidates itself.
         return optimizer.consolidated_state_dict(rank0_only=rank0_only)
-    optim_state.refuse_sharded_experts(runtime.table)
     failure: OptimStateError | None = None
     if rank0_only:
         try:

@@ -480,7 +480,10 @@ class FlatView:
         numbers) as it is, after checking that every rank holding it agrees. Tensors
         are fresh CPU copies: the dict is a snapshot. The optimizer may hold any subset
         of the model's parameters (per-submodule optimizers: call this once per
-        optimizer), including parameters FSDP does not flatten.
+        optimizer), including parameters FSDP does not flatten. On a model with experts
+        (units on process groups of their own) each rank's dict holds the shared
+        parameters and its own expert group's experts, and names that group: save it on
+        every rank (:mod:`flatview.expert_state`).
 
         A collective: every rank must call it, with its counterpart of the same
         optimizer, between iterations. It all-gathers a small description of each

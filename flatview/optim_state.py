@@ -62,7 +62,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from flatview import wrapped_models
+from flatview import expert_state, wrapped_models
 from flatview.backends.base import Adapter, is_rank0
 from flatview.comm.consolidate import exchange
 from flatview.errors import OptimStateError
@@ -215,22 +215,6 @@ def local_facts(
     return groups, saved, order, described
 
 
-def refuse_sharded_experts(table: ParamTable) -> None:
-    """Refuse to consolidate a model with units sharded over process groups of their own
-    (expert groups of more than one rank): their pieces would be gathered over the root's
-    group, whose other ranks hold other experts under the same names. Decided by the model
-    alone, so every rank raises alike, before any collective. Units on one-rank groups
-    (each rank's own experts) consolidate: each rank's dict holds its own experts."""
-    own = sorted(table.own_group_params)
-    group = table.own_group(own[0]) if own else None
-    if group is not None and group.world_size > 1:
-        raise OptimStateError(
-            f"optim_state_dict does not consolidate FSDP units sharded over process groups "
-            f"of their own (expert groups of {group.world_size} ranks, such as "
-            f"{table.name(own[0])!r}): save each rank's optimizer.state_dict() instead"
-        )
-
-
 def agreed_facts(
     table: ParamTable,
     adapter: Adapter,
@@ -272,14 +256,22 @@ def agreed_facts(
             "state": described if sharing else {},
             "members": members,
             "request": request,
+            "expert": expert_state.describe(table),
         }
         everyone = exchange({**mine, "shard": adapter.rank}, over)
         raise_reported(everyone)
         same_request(everyone)
-        # Every shard group's merge on every rank: all raise the same first error.
+        # Every shard group's merge on every rank: all raise the same first error. The
+        # experts sharded over groups of their own are merged within those groups.
+        experts = expert_state.sharded_experts(table, order, homes) if sharing else frozenset()
         for descriptions in by_shard_group(everyone):
             try:
-                merged = merge(descriptions, descriptions[0]["params"], homes, params)
+                merged = merge(
+                    [expert_state.restricted(d, experts, keep=False) for d in descriptions],
+                    descriptions[0]["params"],
+                    homes,
+                    params,
+                )
             except OptimStateError as err:
                 if members is None:
                     raise
@@ -287,6 +279,8 @@ def agreed_facts(
                 raise OptimStateError(f"in the shard group of ranks {ranks}: {err}") from err
             if descriptions[0]["members"] == members:
                 plan = merged
+        if experts:
+            plan.update(expert_state.merge_groups(everyone, experts, order, homes, params))
     return groups, saved, order, plan, sharing
 
 
@@ -307,7 +301,23 @@ def consolidate(
     states: dict[int, dict[Any, Any]] = saved["state"]
 
     receiving = not rank0_only or is_rank0(adapter)
-    fulls = gather(plan, states, order, homes, adapter, rank0_only) if gathering else {}
+    fulls: dict[tuple[int, Any], torch.Tensor] = {}
+    if gathering:
+        experts = expert_state.sharded_experts(table, order, homes)
+        shared = {p: kinds for p, kinds in plan.items() if p not in experts}
+        fulls = gather(
+            shared,
+            states,
+            order,
+            homes,
+            adapter.group,
+            adapter.world_size,
+            adapter.device,
+            rank0_only,
+        )
+        fulls.update(
+            expert_state.gathered(plan, experts, states, order, homes, table, adapter.device)
+        )
 
     out_state: dict[str, dict[Any, Any]] = {}
     if receiving:

@@ -88,17 +88,19 @@ def gather(
     states: Mapping[int, Mapping[Any, Any]],
     order: Sequence[int],
     homes: Sequence[Placement],
-    adapter: Adapter,
+    group: dist.ProcessGroup | None,
+    world: int,
+    device: torch.device,
     rank0_only: bool,
 ) -> dict[tuple[int, Any], torch.Tensor]:
-    """Every per-element tensor of ``plan``, assembled (on rank 0 only with
-    ``rank0_only``), by (position, key)."""
+    """Every per-element tensor of ``plan``, assembled from the pieces of the ``world``
+    ranks of ``group`` (the group the parameters are sharded over), on rank 0 only with
+    ``rank0_only``, by (position, key)."""
     by_dtype: dict[torch.dtype, list[tuple[int, Any]]] = {}
     for position, kinds in plan.items():
         for key, kind in kinds.items():
             if kind[0] == "elem":
                 by_dtype.setdefault(kind[1], []).append((position, key))
-    world = adapter.world_size
     out: dict[tuple[int, Any], torch.Tensor] = {}
     for dtype, entries in by_dtype.items():
         counts = [[homes[order[p]].piece(r).numel for r in range(world)] for p, _ in entries]
@@ -113,9 +115,9 @@ def gather(
                 ],
                 width,
                 dtype,
-                adapter.device,
+                device,
             )
-            gathered = gather_packed(packed, adapter.group, rank0_only) if width else packed
+            gathered = gather_packed(packed, group, rank0_only) if width else packed
             if gathered is None:
                 continue
             rows = list(gathered.to("cpu").view(world, width).unbind(0))

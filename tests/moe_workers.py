@@ -32,6 +32,7 @@ from torch import nn
 
 import flatview
 import flatview.optim
+from flatview.optim_state import local_part
 from tests.scenarios import backend_context, flatview_error, no_sync
 from tests.whole_workers import newton_schulz
 
@@ -64,8 +65,9 @@ class MoECase:
     overlap: bool = False
     """``Whole(overlap=...)``: the pipelined exchanges (``"muon"``)."""
     reload_at: int | None = None
-    """``"muon"``: after this step both optimizers are built anew and loaded from their
-    ``state_dict()`` (``Whole``'s consolidates each expert's state in its own group)."""
+    """After this step the optimizer is built anew and loaded from ``fv.optim_state_dict``
+    of the old one on each rank (``Whole``: from its ``state_dict()``): each expert's
+    state consolidated in its own group."""
     skip: bool = True
     seed: int = 0
     micro: int = 1
@@ -106,6 +108,7 @@ class MoECase:
             or self.writes
             or self.clip is not None
             or self.optimizer == "muon"
+            or self.reload_at is not None
         )
 
     @property
@@ -246,11 +249,23 @@ class MuonAndAdam:
         self.adam.zero_grad(set_to_none=set_to_none)
 
     def reloaded(self) -> MuonAndAdam:
-        """The same optimizers built anew and loaded from this one's state dicts."""
+        """The same optimizers built anew and loaded from this one's consolidated state
+        dicts."""
+        assert self.fv is not None
         fresh = MuonAndAdam(self.named, self.fv, self.overlap)
         fresh.muon.load_state_dict(self.muon.state_dict())
-        fresh.adam.load_state_dict(self.adam.state_dict())
+        self.fv.load_optim_state_dict(fresh.adam, self.fv.optim_state_dict(self.adam))
         return fresh
+
+
+def _reloaded(case: MoECase, opt: Any, fv: flatview.FlatView | None) -> Any:
+    """``opt`` built anew, loaded from its consolidated state (see ``reload_at``)."""
+    assert fv is not None, "reloading consolidates through flatview"
+    if isinstance(opt, MuonAndAdam):
+        return opt.reloaded()
+    fresh = _optimizer(case, fv.named_parameters())
+    fv.load_optim_state_dict(fresh, fv.optim_state_dict(opt))
+    return fresh
 
 
 def _optimizer(
@@ -349,7 +364,7 @@ def train(
         if case.zero_grad_at == "after_step":
             opt.zero_grad(set_to_none=case.set_to_none)
         if step == case.reload_at:
-            opt = opt.reloaded()
+            opt = _reloaded(case, opt, fv)
         if fv is not None and case.writes:
             write_through(case, root, fv, step)
         if fv is not None and step == case.unwrap_after:
@@ -623,6 +638,26 @@ def traffic_task(case: MoECase) -> tuple[int, int, int]:
         return moved[0], moved[1], case.experts * (WIDTH * WIDTH + WIDTH)
 
 
+def whole_traffic_task(case: MoECase) -> tuple[int, int]:
+    """(collective calls, bytes) of one ``Whole(Muon)`` step over the experts' weights
+    alone, every expert used: counted at the collective calls."""
+    from flatview.testing.counting import CollectiveCounter
+
+    with backend_context(case.backend):
+        root, fv = _wrapped(case)
+        weights = [
+            p for n, p in fv.named_parameters() if n.startswith("experts") and n.endswith("weight")
+        ]
+        muon = flatview.optim.Whole(torch.optim.Muon, fv, weights, lr=0.05)
+        x, y = batch(case, dist.get_rank(), 0)
+        with fv.step():
+            rows = [e % case.experts for e in range(BATCH)]
+            torch.nn.functional.mse_loss(root(x, rows), y).backward()
+        with CollectiveCounter() as counter:
+            muon.step()
+        return sum(counter.calls.values()), counter.total_bytes
+
+
 def _expert_name(case: MoECase, e: int) -> str:
     return f"experts.{e}" if case.unit_per_expert else f"experts.experts.{e}"
 
@@ -650,17 +685,17 @@ def state_task(case: MoECase) -> dict[str, Any]:
             opt.zero_grad()
         try:
             consolidated = fv.optim_state_dict(opt)
-            # Experts on one-rank groups are whole here: their state is this rank's own.
-            mine = {
-                n: opt.state[p]
-                for n, p in fv.named_parameters()
-                if p in opt.state and n.startswith("experts")
-            }
+            # Each expert's whole state, assembled in its own group: this rank's piece of
+            # it is this rank's own state.
             found["optim"] = {
                 n: bool(
-                    torch.equal(_local(consolidated["state"][n]["exp_avg"]), _local(s["exp_avg"]))
+                    torch.equal(
+                        local_part(fv.placement(p), consolidated["state"][n]["exp_avg"]).view(-1),
+                        _local(opt.state[p]["exp_avg"]).reshape(-1),
+                    )
                 )
-                for n, s in mine.items()
+                for n, p in fv.named_parameters()
+                if p in opt.state and n.startswith("experts")
             }
             fv.load_optim_state_dict(opt, consolidated)
         except flatview.FlatViewError as err:
@@ -685,27 +720,20 @@ def _saved_on_another_group(
 ) -> dict[str, Any]:
     """The two habits that would load one expert group's experts into another's:
     ``rank0_only=True`` (refused), and a dict from a rank of the next group loaded here
-    (refused; it names its group). What each of ``fv.optim_state_dict`` (one-rank
-    groups; refused anyway with larger ones) and ``Whole.state_dict`` raises."""
+    (refused; it names its group). What each of ``fv.optim_state_dict`` and
+    ``Whole.state_dict`` raises."""
     found: dict[str, Any] = {}
-    mine = {"whole": whole.state_dict()}
+    mine = {"whole": whole.state_dict(), "optim": fv.optim_state_dict(opt)}
     found["tag"] = mine["whole"].get("expert_group")
-    if case.group_size == 1:
-        mine["optim"] = fv.optim_state_dict(opt)
+    found["optim_tag"] = mine["optim"].get("expert_group")
     found["whole_rank0_only"] = flatview_error(lambda: whole.state_dict(rank0_only=True))
-    if "optim" in mine:
-        found["optim_rank0_only"] = flatview_error(
-            lambda: fv.optim_state_dict(opt, rank0_only=True)
-        )
+    found["optim_rank0_only"] = flatview_error(lambda: fv.optim_state_dict(opt, rank0_only=True))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     theirs = everyone[(dist.get_rank() + case.group_size) % case.world_size]
     assert theirs is not None
     found["whole_foreign"] = flatview_error(lambda: whole.load_state_dict(theirs["whole"]))
-    if "optim" in theirs:
-        found["optim_foreign"] = flatview_error(
-            lambda: fv.load_optim_state_dict(opt, theirs["optim"])
-        )
+    found["optim_foreign"] = flatview_error(lambda: fv.load_optim_state_dict(opt, theirs["optim"]))
     # One's own loads.
     whole.load_state_dict(mine["whole"])
     return found
