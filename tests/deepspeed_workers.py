@@ -359,6 +359,44 @@ def _train(
     return none_grads
 
 
+WRITTEN = "stem.weight"
+"""The parameter :func:`written_in_window` halves after each window's first micro-step."""
+
+
+def written_in_window(scenario: Any, stage: int) -> dict[str, float]:
+    """``gradient_accumulation_steps=2``: after the first micro-step of every window,
+    ``stem.weight`` halved in place through its view (before the next micro-step's
+    forward). Per parameter, the largest difference from the unwrapped model doing the
+    same between its micro-batches."""
+    from tests.scenarios import optimizer_steps, reference_backward, reference_model
+
+    counter = [0]
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "several", 0.0)
+        views = fv.named_parameters
+
+        def halve() -> None:
+            if counter[0] % scenario.accumulate == 0:
+                with torch.no_grad():
+                    dict(views())[WRITTEN].mul_(0.5)
+            counter[0] += 1
+
+        _train(engine, fv, scenario, range(len(scenario.skips)), halve)
+        mine = full_params(fv, engine)
+        del engine, fv
+    net, opts = reference_model(scenario)
+    for micros in optimizer_steps(scenario):
+        for micro in micros:
+            reference_backward(scenario, net, (micro,), None, 1 / scenario.accumulate)
+            if micro % scenario.accumulate == 0:
+                with torch.no_grad():
+                    dict(net.named_parameters())[WRITTEN].mul_(0.5)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {n: float(np.abs(mine[n] - p.detach().numpy()).max()) for n, p in net.named_parameters()}
+
+
 def recovery(scenario: Any, stage: int, kinds: tuple[str, ...]) -> dict[str, Any]:
     """Before the scenario's training, one failing iteration of each kind, caught on
     every rank and the gradients dropped (``engine.zero_grad()``): training is then the

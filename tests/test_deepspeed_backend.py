@@ -30,6 +30,7 @@ pytest.importorskip("deepspeed")
 
 TIMEOUT = 300
 STAGES = (1, 2, 3)
+SLOW = pytest.mark.slow
 # Six steps: every block skipped in some and used in others, gates and aux too.
 SC = replace(GATED, skips=(*GATED.skips, (3, "aux")))
 slow = pytest.mark.slow
@@ -120,6 +121,19 @@ def test_gradient_accumulation_trains_like_the_reference(
     skips = (*SC.skips, (0, 1, 2, 3), (0, 1, 2, 3))  # the last window skips every block
     scenario = replace(SC, world_size=world, accumulate=2, skips=skips)
     _trains_like_the_reference(dist_pool, scenario, stage, 0.6)
+
+
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=SLOW), pytest.param(3, marks=SLOW)])
+def test_writes_through_views_inside_an_accumulation_window(
+    dist_pool: PoolFactory, stage: int
+) -> None:
+    """A value written through a view between the micro-steps of a window (ZeRO 1 keeps
+    the window's gradients on DeepSpeed's parameters meanwhile) is what the next
+    micro-step computes with and what the step updates: the unwrapped model doing the
+    same between its micro-batches."""
+    scenario = replace(SC, accumulate=2, skips=((),) * 4)
+    for found in dist_pool(2).run(w.written_in_window, scenario, stage, timeout=TIMEOUT):
+        assert max(found.values()) <= 1e-5, found
 
 
 @pytest.mark.parametrize("stage", STAGES)
