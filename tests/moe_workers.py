@@ -65,9 +65,10 @@ class MoECase:
     unit_per_expert: bool = False
     steps: int = 3
     optimizer: str = "adam"
-    """``"adam"``, ``"sgd"`` (plain SGD: a zero gradient = no gradient) or ``"muon"``
-    (:class:`MuonAndAdam`: ``torch.optim.Muon`` on every weight matrix, experts'
-    included, through ``flatview.optim.Whole``; Adam on the biases)."""
+    """``"adam"``, ``"sgd"`` (plain SGD: a zero gradient = no gradient), ``"coalesced"``
+    (Adam through ``flatview.optim.Coalesced`` over flatview's views, plain Adam
+    elsewhere) or ``"muon"`` (:class:`MuonAndAdam`: ``torch.optim.Muon`` on every weight
+    matrix, experts' included, through ``flatview.optim.Whole``; Adam on the biases)."""
     overlap: bool = False
     """``Whole(overlap=...)``: the pipelined exchanges (``"muon"``)."""
     reload_at: int | None = None
@@ -270,7 +271,7 @@ def _reloaded(case: MoECase, opt: Any, fv: flatview.FlatView | None) -> Any:
     assert fv is not None, "reloading consolidates through flatview"
     if isinstance(opt, MuonAndAdam):
         return opt.reloaded()
-    fresh = _optimizer(case, fv.named_parameters())
+    fresh = _optimizer(case, fv.named_parameters(), fv)
     fv.load_optim_state_dict(fresh, fv.optim_state_dict(opt))
     return fresh
 
@@ -285,6 +286,8 @@ def _optimizer(
     params = [p for _, p in named]
     if case.optimizer == "sgd":
         return torch.optim.SGD(params, lr=0.1)
+    if case.optimizer == "coalesced" and fv is not None:
+        return flatview.optim.Coalesced(torch.optim.Adam, params, lr=0.01, eps=ADAM_EPS)
     return torch.optim.Adam(params, lr=0.01, eps=ADAM_EPS)
 
 

@@ -67,11 +67,15 @@ def test_unwrap_with_expert_units_trains_on_like_the_reference(dist_pool: PoolFa
 @pytest.mark.parametrize(("backend", "per_expert"), [("torch", False), ("fairscale", True)])
 def test_expert_groups_sharded(dist_pool: PoolFactory, backend: str, per_expert: bool) -> None:
     """Expert groups of two ranks out of four (the experts sharded and averaged in their
-    group), Adam, experts skipped per micro-batch, two micro-batches per step (the first
-    under no_sync()): equal to the reference."""
+    group), Adam (through ``flatview.optim.Coalesced`` on fairscale), experts skipped
+    per micro-batch, two micro-batches per step (the first under no_sync()): equal to
+    the reference."""
     if backend == "fairscale":
         pytest.importorskip("fairscale")
-    case = mw.MoECase(backend, 4, group_size=2, unit_per_expert=per_expert, micro=2)
+    optimizer = "coalesced" if backend == "fairscale" else "adam"
+    case = mw.MoECase(
+        backend, 4, group_size=2, unit_per_expert=per_expert, micro=2, optimizer=optimizer
+    )
     _check(dist_pool, case)
 
 
@@ -318,7 +322,7 @@ def test_moe_draws(dist_pool: PoolFactory, data: st.DataObject) -> None:
         pytest.importorskip("fairscale")
     world = data.draw(st.integers(1, 4), label="world")
     group_size = data.draw(st.sampled_from([g for g in (1, 2, 4) if world % g == 0]))
-    optimizer = data.draw(st.sampled_from(["adam", "sgd", "muon"]), label="optimizer")
+    optimizer = data.draw(st.sampled_from(["adam", "sgd", "coalesced", "muon"]), label="optimizer")
     steps = data.draw(st.integers(1, 4), label="steps")
     muon = optimizer == "muon"
     case = mw.MoECase(
