@@ -51,6 +51,12 @@ parameter a ``ShardedTensor`` without local shards, which DCP's load planner lea
 of the keys it expects; next to an optimizer's ``param_groups`` that makes the load fail.
 flatview's blocks give such a rank an empty block.)
 
+Experts (units on process groups of their own, whose ranks in different groups hold
+different experts under the same names) are keyed under their group,
+``expert_groups.<g>.<name>`` (:mod:`flatview.checkpoint_experts`); such a checkpoint
+loads into runs with the same number of expert groups, at any group size. With experts,
+``full_state_dict=True`` with ``cpu_offload=True`` (rank 0's alone) is refused.
+
 Parameters an optimizer holds without state (never had a gradient: skipped in every
 step so far) are saved as placeholders, every key ``None``, where torch's functions save
 nothing; :func:`set_state_dict` drops them (see :mod:`flatview.fresh_state`). So a run
@@ -253,17 +259,17 @@ def _options(fv: FlatView, model: nn.Module, options: StateDictOptions | None) -
             f"flatview.checkpoint was given a model ({type(model).__name__}) that is not the "
             f"one {fv!r} wraps: pass the wrapped model (fv.model)"
         )
-    own = fv.table.own_group_params
-    if own:
-        raise FlatViewError(
-            f"flatview.checkpoint does not save models with FSDP units on process groups of "
-            f"their own (experts, such as {fv.table.name(min(own))!r}): a checkpoint keys "
-            "state by name, and the ranks of different groups hold different experts under "
-            "the same names. Save those with FSDP's local state dicts, or consolidate the "
-            "optimizer with fv.optim_state_dict on each rank (one rank per expert group)"
-        )
     info = options or StateDictOptions()
     refuse_options(info)
+    own = fv.table.own_group_params
+    if own and info.full_state_dict and info.cpu_offload:
+        raise FlatViewError(
+            "StateDictOptions(full_state_dict=True, cpu_offload=True) keeps the state on "
+            "rank 0 alone, and this model has FSDP units on process groups of their own "
+            f"(experts, such as {fv.table.name(min(own))!r}) that rank 0 does not hold for "
+            "every group: save the full form without cpu_offload (each rank holds its "
+            "group's experts) or the sharded form"
+        )
     return info
 
 

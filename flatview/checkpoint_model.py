@@ -24,6 +24,7 @@ from torch import nn
 
 from flatview import optim_state, state_gather
 from flatview.backends.base import is_rank0
+from flatview.checkpoint_experts import expert_keys, group_view
 from flatview.errors import FlatViewError
 from flatview.layout import Placement
 from flatview.sharded_tensors import as_full, is_sharded, sharded_value
@@ -58,7 +59,12 @@ views in either form."""
 
 def model_state_dict(runtime: Runtime, info: Any) -> dict[str, Any]:
     """The model state of :func:`flatview.checkpoint.get_state_dict` (a collective;
-    ``info``: the checked options)."""
+    ``info``: the checked options), experts keyed by their group
+    (:mod:`flatview.checkpoint_experts`)."""
+    return expert_keys(runtime).model_out(_model_state_dict(runtime, info))
+
+
+def _model_state_dict(runtime: Runtime, info: Any) -> dict[str, Any]:
     model, adapter, table = runtime.model, runtime.adapter, runtime.table
     if adapter.backend in _TORCH_MODEL_STATE or (
         info.full_state_dict and adapter.backend == "torch"
@@ -86,7 +92,9 @@ def model_state_dict(runtime: Runtime, info: Any) -> dict[str, Any]:
         if home.layout is None:
             entry = offload(value.reshape(home.shape), info.cpu_offload)
         else:
-            entry = sharded_value(home, value, value.dtype, adapter, info.cpu_offload)
+            # An expert's pieces are its own group's.
+            over = group_view(table, param.index, adapter.device) or adapter
+            entry = sharded_value(home, value, value.dtype, over, info.cpu_offload)
         # Under every name, as the unwrapped model's state_dict() lists tied parameters.
         for name in param.names:
             out[name] = entry
@@ -159,6 +167,7 @@ def load_model_state_dict(
 ) -> IncompatibleKeys:
     """Load the model half of :func:`flatview.checkpoint.set_state_dict`."""
     model, adapter, table = runtime.model, runtime.adapter, runtime.table
+    state_dict = expert_keys(runtime).model_in(state_dict)
     sharded = any(is_sharded(v) for v in state_dict.values())
     if torch_loads_model(runtime, state_dict):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict

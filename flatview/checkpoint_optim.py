@@ -15,6 +15,7 @@ import torch
 
 from flatview import expert_state, fresh_state, optim_state, wrapped_models
 from flatview.backends.base import is_rank0
+from flatview.checkpoint_experts import expert_keys, group_view
 from flatview.checkpoint_model import offload
 from flatview.comm import collectives
 from flatview.errors import FlatViewError, OptimStateError
@@ -60,7 +61,7 @@ def optimizers_state(
     if info.full_state_dict and info.cpu_offload and not is_rank0(runtime.adapter):
         # torch's convention: with cpu_offload the full dict lives on rank 0 only.
         return {}
-    return merged
+    return expert_keys(runtime).optim_out(merged)
 
 
 def _optimizer_part(
@@ -182,7 +183,9 @@ def _sharded_optim_state(
         entry: dict[Any, Any] = {}
         for key, kind in plan[position].items():
             if kind[0] == "elem":
-                entry[key] = sharded_value(home, local.get(key), kind[1], adapter, cpu_offload)
+                # An expert's pieces are its own group's.
+                over = group_view(table, index, adapter.device) or adapter
+                entry[key] = sharded_value(home, local.get(key), kind[1], over, cpu_offload)
             else:
                 entry[key] = optim_state.snapshot(kind[1])
         out_state[home.name] = entry
@@ -200,6 +203,7 @@ def load_optimizers_state(
 ) -> None:
     """Load a state of :func:`optimizers_state` (either form) into ``optimizers``: the
     optimizer half of :func:`flatview.checkpoint.set_state_dict`."""
+    state_dict = expert_keys(runtime).optim_in(state_dict)
     if not (
         isinstance(state_dict, Mapping)
         and isinstance(state_dict.get("state"), Mapping)

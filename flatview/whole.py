@@ -446,17 +446,15 @@ class Whole(torch.optim.Optimizer):
             flatview.OptimStateError: the inner optimizer's state is made lazily (not
                 ``Muon``, ``Adam`` or ``AdamW``): a fresh optimizer would have no state
                 for a checkpoint to load into. Use the full form. Or the optimizer
-                steps experts (units on process groups of their own), whose ranks in
-                different groups hold different experts under the same names.
+                steps experts (units on process groups of their own).
         """
         expert = next((m.name for d in self._domains[1:] for m in d.members), None)
         if expert is not None:
             raise OptimStateError(
                 f"flatview.optim.Whole steps experts (such as {expert!r}, of a unit on a "
-                "process group of its own), which ranks of different expert groups hold "
-                "under the same names: a sharded checkpoint cannot key them by name. Save "
-                "state_dict() on each rank (it holds the shared parameters and that "
-                "rank's group's experts)"
+                "process group of its own): its sharded checkpoint form does not cover "
+                "them. Save the full form (StateDictOptions(full_state_dict=True)), or "
+                "state_dict() on each rank"
             )
         if not knows_fresh_state(type(self.inner)):
             raise OptimStateError(

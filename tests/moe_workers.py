@@ -668,6 +668,98 @@ def whole_traffic_task(case: MoECase) -> tuple[int, int]:
         return sum(counter.calls.values()), counter.total_bytes
 
 
+def checkpoint_task(case: MoECase, directory: str, full: bool, half: int) -> dict[str, Any]:
+    """Steps ``[0, half)``, ``flatview.checkpoint.get_state_dict`` (``full``: the full
+    form) saved with ``torch.distributed.checkpoint``; then a fresh model (other initial
+    values) and optimizer loaded from it, trained on to ``case.steps``. ``reference``:
+    the largest relative difference from the uninterrupted reference; ``keys``: the
+    saved model keys of experts."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    import flatview.checkpoint as fcp
+
+    options = StateDictOptions(full_state_dict=full)
+    rank = dist.get_rank()
+    group = case.group_of(rank)
+    with backend_context(case.backend):
+        root, fv = _wrapped(case)
+        opt = _optimizer(case, fv.named_parameters(), fv)
+        _train_steps(case, root, fv, opt, range(half))
+        model_sd, optim_sd = fcp.get_state_dict(fv, root, opt, options=options)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+        keys = sorted(k for k in model_sd if "experts" in k)
+        del root, fv, opt, model_sd, optim_sd
+        other = dataclasses.replace(case, seed=case.seed + 17)
+        root = wrap(case, MoE(other, group))
+        fv = flatview.wrap(root)
+        opt = _optimizer(case, fv.named_parameters(), fv)
+        model_sd, optim_sd = fcp.get_state_dict(fv, root, opt, options=options)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+        fcp.set_state_dict(
+            fv, root, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+        )
+        _train_steps(case, root, fv, opt, range(half, case.steps))
+        mine = whole_parameters(case, root, fv)
+    return {"reference": _worst(mine, reference(case)[rank]), "keys": keys}
+
+
+def resharded_task(case: MoECase, directory: str, save: bool) -> dict[str, Any]:
+    """``save``: two steps, the sharded form saved with ``torch.distributed.checkpoint``;
+    else a fresh model and optimizer loaded from it. Either way the full form after (CPU
+    tensors, experts under their group's prefix), to compare across world sizes."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    import flatview.checkpoint as fcp
+
+    with backend_context(case.backend):
+        seeded = case if save else dataclasses.replace(case, seed=case.seed + 17)
+        root = wrap(case, MoE(seeded, case.group_of(dist.get_rank())))
+        fv = flatview.wrap(root)
+        opt = _optimizer(case, fv.named_parameters(), fv)
+        if save:
+            _train_steps(case, root, fv, opt, range(2))
+        model_sd, optim_sd = fcp.get_state_dict(fv, root, opt)
+        if save:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+        else:
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+            fcp.set_state_dict(fv, root, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        full = StateDictOptions(full_state_dict=True)
+        model_sd, optim_sd = fcp.get_state_dict(fv, root, opt, options=full)
+        model = {k: _local(v).detach().cpu().clone() for k, v in model_sd.items()}
+        state = {
+            f"{name}/{key}": value.detach().cpu().clone()
+            for name, entry in optim_sd["state"].items()
+            for key, value in entry.items()
+            if isinstance(value, torch.Tensor)
+        }
+        return {"model": model, "state": state}
+
+
+def _train_steps(
+    case: MoECase, root: nn.Module, fv: flatview.FlatView, opt: Any, steps: range
+) -> None:
+    """The steps of :func:`train` with the default patterns (zeroing after the step)."""
+    rank = dist.get_rank()
+    group = case.group_of(rank)
+    for step in steps:
+        for m in range(case.micro):
+            at = step * case.micro + m
+            x, y = batch(case, rank, at)
+            _, rows = routing(case, group, at)
+            sync = no_sync(root) if m < case.micro - 1 else contextlib.nullcontext()
+            with sync, fv.step(skip=skipped(case, group, at)):
+                torch.nn.functional.mse_loss(root(x, rows), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def _expert_name(case: MoECase, e: int) -> str:
     return f"experts.{e}" if case.unit_per_expert else f"experts.experts.{e}"
 
@@ -715,6 +807,12 @@ def state_task(case: MoECase) -> dict[str, Any]:
             found["checkpoint"] = "saved"
         except flatview.FlatViewError as err:
             found["checkpoint"] = f"{type(err).__name__}: {err}"
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        found["checkpoint_rank0"] = flatview_error(
+            lambda: fcp.get_state_dict(fv, root, opt, options=rank0)
+        )
         try:
             whole = flatview.optim.Whole(torch.optim.SGD, fv, fv.parameters(), lr=0.1)
             found["whole"] = "built"

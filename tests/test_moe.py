@@ -14,6 +14,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -398,6 +399,68 @@ def test_whole_steps_per_rank_experts_without_communication(
         assert calls > 0 and moved > 0, (calls, moved)
 
 
+@pytest.mark.parametrize(
+    ("backend", "world", "group_size", "full"),
+    [
+        ("torch", 4, 2, False),
+        ("fsdp2", 4, 2, False),
+        ("fairscale", 2, 1, True),
+        pytest.param("torch", 2, 1, True, marks=SLOW),
+        pytest.param("fsdp2", 2, 1, True, marks=SLOW),
+        pytest.param("fairscale", 4, 2, False, marks=SLOW),
+        pytest.param("torch", 4, 2, True, marks=SLOW),
+        pytest.param("fsdp2", 4, 2, True, marks=SLOW),
+        pytest.param("fairscale", 4, 2, True, marks=SLOW),
+    ],
+)
+def test_checkpoint_with_experts_resumes_like_the_reference(
+    dist_pool: PoolFactory, tmp_path: Any, backend: str, world: int, group_size: int, full: bool
+) -> None:
+    """``flatview.checkpoint`` over a model with experts, saved with
+    ``torch.distributed.checkpoint`` after two of four steps and loaded into a fresh model
+    and optimizer: the training goes on as the reference's. Each expert group's entries
+    are keyed under ``expert_groups.<g>.``."""
+    if backend == "fairscale":
+        pytest.importorskip("fairscale")
+    case = mw.MoECase(backend, world, group_size=group_size, steps=4)
+    found = dist_pool(world).run(
+        mw.checkpoint_task, case, str(tmp_path / "ckpt"), full, 2, timeout=TIMEOUT
+    )
+    for rank, result in enumerate(found):
+        assert result["reference"] <= TOLERANCE, (rank, result)
+        group = rank // group_size
+        assert result["keys"] and all(
+            k.startswith(f"expert_groups.{group}.") for k in result["keys"]
+        ), (rank, result["keys"])
+
+
+@pytest.mark.parametrize(
+    "backend", ["torch", pytest.param("fsdp2", marks=SLOW), pytest.param("fairscale", marks=SLOW)]
+)
+def test_checkpoint_with_experts_loads_at_another_group_size(
+    dist_pool: PoolFactory, tmp_path: Any, backend: str
+) -> None:
+    """Saved sharded on 4 ranks in 2 expert groups of 2, loaded on 2 ranks in 2 groups of
+    1: each group's parameters and optimizer state are what its ranks saved
+    (``torch.distributed.checkpoint.load`` reshards each key within its group)."""
+    if backend == "fairscale":
+        pytest.importorskip("fairscale")
+    directory = str(tmp_path / "ckpt")
+    saved = dist_pool(4).run(
+        mw.resharded_task, mw.MoECase(backend, 4, group_size=2), directory, True, timeout=TIMEOUT
+    )
+    loaded = dist_pool(2).run(
+        mw.resharded_task, mw.MoECase(backend, 2), directory, False, timeout=TIMEOUT
+    )
+    for group, found in enumerate(loaded):
+        want = saved[2 * group]
+        for part in ("model", "state"):
+            assert sorted(found[part]) == sorted(want[part]), (group, part)
+            for key, value in want[part].items():
+                assert torch.equal(found[part][key], value), (group, key)
+        assert any(k.startswith(f"expert_groups.{group}.") for k in found["model"]), found
+
+
 def _norms_within_groups(found: dict[str, object]) -> None:
     norms = found["grad_norms"]
     assert isinstance(norms, dict) and norms, found
@@ -407,8 +470,11 @@ def _norms_within_groups(found: dict[str, object]) -> None:
 
 
 def _saved_on_another_group_refused(found: dict[str, Any], group_size: int, rank: int) -> None:
-    """The consolidated dicts name their expert group; ``rank0_only`` and loading the
-    next group's dict are refused (see :func:`tests.moe_workers.state_task`)."""
+    """The consolidated dicts name their expert group; ``rank0_only``, loading the next
+    group's dict and a checkpoint's full form on rank 0 alone are refused (see
+    :func:`tests.moe_workers.state_task`)."""
+    assert found["checkpoint_rank0"].startswith("FlatViewError"), found
+    assert "cpu_offload" in found["checkpoint_rank0"], found
     first = rank - rank % group_size
     assert found["tag"] == found["optim_tag"] == list(range(first, first + group_size)), found
     for key in ("whole_rank0_only", "whole_foreign", "optim_rank0_only", "optim_foreign"):
@@ -421,8 +487,9 @@ def _saved_on_another_group_refused(found: dict[str, Any], group_size: int, rank
 @pytest.mark.parametrize("backend", ["torch", "fsdp2"])
 def test_state_with_experts(dist_pool: PoolFactory, backend: str) -> None:
     """optim_state_dict of per-rank experts gives each rank its own experts' state; with
-    expert groups of two ranks it and flatview.checkpoint refuse on every rank. Whole is
-    built over experts either way (trained: test_whole_muon_over_experts_*).
+    expert groups of two ranks the same, each expert consolidated in its group;
+    flatview.checkpoint saves (resumed: test_checkpoint_with_experts_*). Whole is built
+    over experts either way (trained: test_whole_muon_over_experts_*).
     grad_norms gives an expert's norm over its own group; clip_grad_norm_ clips (by the
     norm over every group's experts: test_clipping_by_the_norm_over_every_groups_experts).
     FSDP2's experts on meshes of their own get the same as torch FSDP1's."""
@@ -431,7 +498,7 @@ def test_state_with_experts(dist_pool: PoolFactory, backend: str) -> None:
         _norms_within_groups(found)
         assert isinstance(found["optim"], dict) and found["optim"], found
         assert all(found["optim"].values()), found
-        assert found["checkpoint"].startswith("FlatViewError"), found
+        assert found["checkpoint"] == "saved", found
         assert found["whole"] == "built", found
         _saved_on_another_group_refused(found, 1, rank)
     grouped = dist_pool(4).run(mw.state_task, mw.MoECase(backend, 4, group_size=2), timeout=TIMEOUT)
@@ -439,6 +506,6 @@ def test_state_with_experts(dist_pool: PoolFactory, backend: str) -> None:
         _norms_within_groups(found)
         assert isinstance(found["optim"], dict) and found["optim"], found
         assert all(found["optim"].values()), found
-        assert found["checkpoint"].startswith("FlatViewError"), found
+        assert found["checkpoint"] == "saved", found
         assert found["whole"] == "built", found
         _saved_on_another_group_refused(found, 2, rank)
