@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from flatview.checkpoint_experts import refuse_rank0_form
 from flatview.checkpoint_model import (
     IncompatibleKeys,
     load_model_state_dict,
@@ -261,15 +262,7 @@ def _options(fv: FlatView, model: nn.Module, options: StateDictOptions | None) -
         )
     info = options or StateDictOptions()
     refuse_options(info)
-    own = fv.table.own_group_params
-    if own and info.full_state_dict and info.cpu_offload:
-        raise FlatViewError(
-            "StateDictOptions(full_state_dict=True, cpu_offload=True) keeps the state on "
-            "rank 0 alone, and this model has FSDP units on process groups of their own "
-            f"(experts, such as {fv.table.name(min(own))!r}) that rank 0 does not hold for "
-            "every group: save the full form without cpu_offload (each rank holds its "
-            "group's experts) or the sharded form"
-        )
+    refuse_rank0_form(fv.table, info)
     return info
 
 

@@ -79,7 +79,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatview import checkpoint_model, checkpoint_optim
+from flatview import checkpoint_experts, checkpoint_model, checkpoint_optim
 from flatview.comm.refusals import raise_everywhere
 from flatview.errors import FlatViewError
 from flatview.runtime import Runtime
@@ -209,6 +209,7 @@ def _verify_options(
     failure: BaseException | None = None
     try:
         checkpoint_optim.refuse_options(info)
+        checkpoint_experts.refuse_rank0_form(site.runtime.table, info)
         if submodules:
             raise FlatViewError(
                 "torch.distributed.checkpoint.state_dict's submodules= (deprecated) is not "

@@ -807,12 +807,17 @@ def state_task(case: MoECase) -> dict[str, Any]:
             found["checkpoint"] = "saved"
         except flatview.FlatViewError as err:
             found["checkpoint"] = f"{type(err).__name__}: {err}"
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
         found["checkpoint_rank0"] = flatview_error(
             lambda: fcp.get_state_dict(fv, root, opt, options=rank0)
         )
+        # torch's own functions on the wrapped model are routed to flatview.checkpoint.
+        found["backend"] = case.backend
+        found["torch_rank0"] = flatview_error(lambda: get_state_dict(root, opt, options=rank0))
+        model_sd, optim_sd = get_state_dict(root, opt)
+        found["torch_keys"] = sorted(k for k in [*model_sd, *optim_sd["state"]] if "experts" in k)
         try:
             whole = flatview.optim.Whole(torch.optim.SGD, fv, fv.parameters(), lr=0.1)
             found["whole"] = "built"
