@@ -668,27 +668,47 @@ def whole_traffic_task(case: MoECase) -> tuple[int, int]:
         return sum(counter.calls.values()), counter.total_bytes
 
 
-def checkpoint_task(case: MoECase, directory: str, full: bool, half: int) -> dict[str, Any]:
+def checkpoint_task(
+    case: MoECase, directory: str, full: bool, half: int, via_torch: bool = False
+) -> dict[str, Any]:
     """Steps ``[0, half)``, ``flatview.checkpoint.get_state_dict`` (``full``: the full
-    form) saved with ``torch.distributed.checkpoint``; then a fresh model (other initial
+    form; ``via_torch``: torch's own ``get_state_dict`` / ``set_state_dict``, routed to
+    it) saved with ``torch.distributed.checkpoint``; then a fresh model (other initial
     values) and optimizer loaded from it, trained on to ``case.steps``. ``reference``:
     the largest relative difference from the uninterrupted reference; ``keys``: the
     saved model keys of experts."""
     import dataclasses
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as torch_sd
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     import flatview.checkpoint as fcp
 
     options = StateDictOptions(full_state_dict=full)
+
+    def get(fv: flatview.FlatView, root: nn.Module, opt: Any) -> tuple[Any, Any]:
+        if via_torch:
+            return torch_sd.get_state_dict(root, opt, options=options)
+        return fcp.get_state_dict(fv, root, opt, options=options)
+
+    def load(fv: flatview.FlatView, root: nn.Module, opt: Any, model: Any, optim: Any) -> None:
+        if via_torch:
+            torch_sd.set_state_dict(
+                root, opt, model_state_dict=model, optim_state_dict=optim, options=options
+            )
+        else:
+            fcp.set_state_dict(
+                fv, root, opt, model_state_dict=model, optim_state_dict=optim, options=options
+            )
+
     rank = dist.get_rank()
     group = case.group_of(rank)
     with backend_context(case.backend):
         root, fv = _wrapped(case)
         opt = _optimizer(case, fv.named_parameters(), fv)
         _train_steps(case, root, fv, opt, range(half))
-        model_sd, optim_sd = fcp.get_state_dict(fv, root, opt, options=options)
+        model_sd, optim_sd = get(fv, root, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
         keys = sorted(k for k in model_sd if "experts" in k)
         del root, fv, opt, model_sd, optim_sd
@@ -696,11 +716,9 @@ def checkpoint_task(case: MoECase, directory: str, full: bool, half: int) -> dic
         root = wrap(case, MoE(other, group))
         fv = flatview.wrap(root)
         opt = _optimizer(case, fv.named_parameters(), fv)
-        model_sd, optim_sd = fcp.get_state_dict(fv, root, opt, options=options)
+        model_sd, optim_sd = get(fv, root, opt)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
-        fcp.set_state_dict(
-            fv, root, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
-        )
+        load(fv, root, opt, model_sd, optim_sd)
         _train_steps(case, root, fv, opt, range(half, case.steps))
         mine = whole_parameters(case, root, fv)
     return {"reference": _worst(mine, reference(case)[rank]), "keys": keys}

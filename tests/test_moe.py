@@ -435,6 +435,28 @@ def test_checkpoint_with_experts_resumes_like_the_reference(
 
 
 @pytest.mark.parametrize(
+    ("backend", "full"),
+    [("torch", False), pytest.param("fairscale", True, marks=SLOW)],
+)
+def test_torch_checkpoint_functions_with_experts_resume_like_the_reference(
+    dist_pool: PoolFactory, tmp_path: Any, backend: str, full: bool
+) -> None:
+    """torch's own ``get_state_dict`` / ``set_state_dict`` on the wrapped model (what
+    Lightning and accelerate call), routed to ``flatview.checkpoint``: the same resume
+    as :func:`test_checkpoint_with_experts_resumes_like_the_reference`, on 4 ranks in
+    expert groups of 2."""
+    if backend == "fairscale":
+        pytest.importorskip("fairscale")
+    case = mw.MoECase(backend, 4, group_size=2, steps=4)
+    found = dist_pool(4).run(
+        mw.checkpoint_task, case, str(tmp_path / "ckpt"), full, 2, True, timeout=TIMEOUT
+    )
+    for rank, result in enumerate(found):
+        assert result["reference"] <= TOLERANCE, (rank, result)
+        assert all(k.startswith(f"expert_groups.{rank // 2}.") for k in result["keys"]), result
+
+
+@pytest.mark.parametrize(
     "backend", ["torch", pytest.param("fsdp2", marks=SLOW), pytest.param("fairscale", marks=SLOW)]
 )
 def test_checkpoint_with_experts_loads_at_another_group_size(
