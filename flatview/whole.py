@@ -275,8 +275,8 @@ class Whole(torch.optim.Optimizer):
 
     def _expert_domain(self, unit_group: UnitGroup) -> Domain:
         """The domain of this rank's expert units (one group per rank, checked at wrap)."""
-        for domain in self._domains[1:]:
-            if domain.group is unit_group.group:
+        for domain in self._domains:
+            if domain.expert and domain.group is unit_group.group:
                 return domain
         world = unit_group.world_size
         domain = Domain(unit_group.group, unit_group.rank, world, sharded=world > 1, expert=True)
@@ -448,7 +448,7 @@ class Whole(torch.optim.Optimizer):
                 for a checkpoint to load into. Use the full form. Or the optimizer
                 steps experts (units on process groups of their own).
         """
-        expert = next((m.name for d in self._domains[1:] for m in d.members), None)
+        expert = next((m.name for d in self._domains if d.expert for m in d.members), None)
         if expert is not None:
             raise OptimStateError(
                 f"flatview.optim.Whole steps experts (such as {expert!r}, of a unit on a "
