@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from flatview.errors import FlatViewError
+from flatview.expert_state import rank0_alone
 from flatview.table import ParamTable
 
 PREFIX = "expert_groups"
@@ -118,12 +119,12 @@ def group_view(table: ParamTable, index: int, device: torch.device) -> GroupView
 def refuse_rank0_form(table: ParamTable, info: Any) -> None:
     """Refuse the full form on rank 0 alone (``full_state_dict`` with ``cpu_offload``)
     for a model with experts: rank 0 does not hold every group's."""
-    own = table.own_group_params
-    if own and info.full_state_dict and info.cpu_offload:
+    if table.own_group_params and info.full_state_dict and info.cpu_offload:
         raise FlatViewError(
-            "StateDictOptions(full_state_dict=True, cpu_offload=True) keeps the state on "
-            "rank 0 alone, and this model has FSDP units on process groups of their own "
-            f"(experts, such as {table.name(min(own))!r}) that rank 0 does not hold for "
-            "every group: save the full form without cpu_offload (each rank holds its "
-            "group's experts) or the sharded form"
+            rank0_alone(
+                table,
+                "StateDictOptions(full_state_dict=True, cpu_offload=True)",
+                "Save the full form without cpu_offload (each rank holds its group's "
+                "experts) or the sharded form",
+            )
         )

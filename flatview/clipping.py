@@ -79,8 +79,7 @@ def _with_every_groups_experts(
     holding every group's experts clips by, the same on every rank. Each group's total
     is sent by its first rank alone, so that it counts once, in one all-reduce over
     every rank (a maximum for ``inf``)."""
-    table = rt.table
-    group = table.own_group(min(table.own_group_params))
+    group = rt.table.expert_group
     assert group is not None
     maximum = math.isinf(p)
     mine = _total(experts, p, rt)

@@ -46,12 +46,8 @@ KEY = "expert_group"
 def expert_ranks(table: ParamTable) -> tuple[int, ...] | None:
     """The global ranks of this rank's expert group, ``None`` for a model without units
     on process groups of their own."""
-    own = table.own_group_params
-    if not own:
-        return None
-    group = table.own_group(min(own))
-    assert group is not None
-    return tuple(dist.get_process_group_ranks(group.group))
+    group = table.expert_group
+    return None if group is None else tuple(dist.get_process_group_ranks(group.group))
 
 
 def tagged(state_dict: dict[str, Any], table: ParamTable) -> dict[str, Any]:
@@ -76,28 +72,34 @@ def check(state_dict: Mapping[str, Any], table: ParamTable) -> None:
     )
 
 
+def rank0_alone(table: ParamTable, what: str, instead: str) -> str:
+    """Why ``what`` (a state kept on rank 0 alone) is refused on this model with experts,
+    and ``instead``: the one wording of the refusals of rank 0's state."""
+    return (
+        f"{what} would keep rank 0's experts alone: this model has FSDP units on process "
+        f"groups of their own (experts, such as {table.name(min(table.own_group_params))!r}), "
+        f"which ranks of different groups hold under the same names. {instead}"
+    )
+
+
 def refuse_rank0_only(table: ParamTable, call: str) -> None:
     """Refuse ``rank0_only=True`` on a model with experts (see the module docstring)."""
-    own = table.own_group_params
-    if own:
+    if table.own_group_params:
         raise OptimStateError(
-            f"{call}(rank0_only=True) would keep rank 0's experts alone: this model has "
-            f"FSDP units on process groups of their own (experts, such as "
-            f"{table.name(min(own))!r}), which ranks of different groups hold under the "
-            "same names. Save the state on every rank (each holds the shared parameters "
-            "and its group's experts)"
+            rank0_alone(
+                table,
+                f"{call}(rank0_only=True)",
+                "Save the state on every rank (each holds the shared parameters and its "
+                "group's experts)",
+            )
         )
 
 
 def describe(table: ParamTable) -> tuple[tuple[int, ...], int] | None:
     """What a rank adds to its description: (the global ranks of its expert group, its
     rank there), ``None`` without experts."""
-    ranks = expert_ranks(table)
-    if ranks is None:
-        return None
-    group = table.own_group(min(table.own_group_params))
-    assert group is not None
-    return ranks, group.rank
+    ranks, group = expert_ranks(table), table.expert_group
+    return None if ranks is None or group is None else (ranks, group.rank)
 
 
 def sharded_experts(
@@ -162,7 +164,7 @@ def gathered(
     experts), by (position, key)."""
     if not positions:
         return {}
-    group = table.own_group(order[min(positions)])
+    group = table.expert_group
     assert group is not None
     own = {p: kinds for p, kinds in plan.items() if p in positions}
     return gather(own, states, order, homes, group.group, group.world_size, device, False)

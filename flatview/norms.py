@@ -317,7 +317,7 @@ def _reduce_own_groups(
     ranks hold other experts under the same names)."""
     table = rt.table
     own = sorted(table.own_group_params)
-    group = table.own_group(own[0]) if own else None
+    group = table.expert_group
     if group is None or group.world_size == 1:
         return reduced  # one rank per group: its experts are whole here, their norms local
     positions = torch.tensor(

@@ -143,8 +143,13 @@ class ParamTable:
         )
         """Parameters of units on process groups of their own (experts): only the ranks
         that share such a group must skip alike."""
-        self.peers: tuple[tuple[int, ...], ...] | None = next(
-            (unit.group.peers for unit in self.units if unit.group is not None), None
+        self.expert_group: UnitGroup | None = next(
+            (unit.group for unit in self.units if unit.group is not None), None
+        )
+        """This rank's expert group: the one process group all its units on groups of
+        their own share (checked at wrap time); ``None`` without such units."""
+        self.peers: tuple[tuple[int, ...], ...] | None = (
+            None if self.expert_group is None else self.expert_group.peers
         )
         """Per rank of the agreement group, the ranks it shares its units' own groups
         with; ``None`` without such units (:class:`~flatview.backends.base.UnitGroup`)."""

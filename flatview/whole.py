@@ -162,12 +162,9 @@ class Whole(torch.optim.Optimizer):
         self._device = adapter.device
         # Sharded models exchange with every step; the same on every rank (the layouts
         # are).
-        self._sharded = self._world > 1 and any(
-            fv.placement(p).sharded for _, p in fv.named_parameters()
-        )
-        self._domains = [
-            Domain(self._group, self._rank, self._world, sharded=self._sharded, expert=False)
-        ]
+        sharded = self._world > 1 and any(fv.placement(p).sharded for _, p in fv.named_parameters())
+        self._root = Domain(self._group, self._rank, self._world, sharded=sharded, expert=False)
+        self._domains = [self._root]
         user_groups: list[dict[str, Any]] = []
         self._members: list[Member] = []
         raw = list(params)
@@ -218,7 +215,7 @@ class Whole(torch.optim.Optimizer):
             failure = err
         # Every rank of a sharded model takes part in the check of the parameter lists,
         # which also carries what failed on one rank only.
-        if self._sharded:
+        if self._root.sharded:
             facts = (
                 [(m.name, tuple(m.shape), m.group, str(m.tensor.dtype)) for m in self._members],
                 sorted(self._heads.items()),
@@ -260,7 +257,7 @@ class Whole(torch.optim.Optimizer):
             )
         seen.add(id(tensor))
         unit_group = fv.table.own_group(index)
-        domain = self._domains[0] if unit_group is None else self._expert_domain(unit_group)
+        domain = self._root if unit_group is None else self._expert_domain(unit_group)
         placement = fv.placement(tensor)
         if placement.sharded:
             assert placement.layout is not None and placement.layout.world_size == domain.world
@@ -404,7 +401,7 @@ class Whole(torch.optim.Optimizer):
         """Per rank of the root's group, the Newton-Schulz cost (``m * n * min(m, n)``
         summed) of the matrices it owns, travelling or held; the same on every rank.
         ``max / mean`` is how evenly the owners' steps are balanced."""
-        return list(self._domains[0].owner_costs)
+        return list(self._root.owner_costs)
 
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
         """The state by original name, whole tensors, as
@@ -469,7 +466,7 @@ class Whole(torch.optim.Optimizer):
             self._stepped,
             self._rank,
             self.fv.adapter,
-            self._sharded,
+            self._root.sharded,
             cpu_offload,
         )
         return {"state": state, "param_groups": self._groups_by_name()}
