@@ -127,6 +127,7 @@ HYBRID_WORLD_SIZE = 4
 
 FAIRSCALE = BackendConfig("fairscale")
 DDP = BackendConfig("ddp")
+TORCH_NO_SHARD = BackendConfig("torch", "NO_SHARD")
 TORCH_NO_SHARD_RUNTIME = BackendConfig("torch", "NO_SHARD", runtime=True)
 FSDP2 = BackendConfig("fsdp2")
 FSDP2_HSDP = BackendConfig("fsdp2", "HSDP")
@@ -150,13 +151,15 @@ in the thorough profile, except where a suite asks for them in CI (``slow=False`
 BACKEND_CONFIGS: tuple[BackendConfig, ...] = (*QUICK_CONFIGS, *THOROUGH_CONFIGS)
 SAMPLED_IN_CI: tuple[BackendConfig, ...] = (
     BackendConfig("torch", "SHARD_GRAD_OP"),
+    TORCH_NO_SHARD,
     TORCH_NO_SHARD_RUNTIME,
 )
 """Quick configurations that are close variants of another (``SHARD_GRAD_OP`` is
-``FULL_SHARD`` kept unsharded from forward to backward; ``NO_SHARD`` on torch's runtime
-is the opt-out ``compute_on_views=False`` of ``NO_SHARD`` computed on views): in the CI
-profile only where a suite asks for them (``ci=True``) or draws them, in every suite in
-the thorough profile (to keep CI under its time)."""
+``FULL_SHARD`` kept unsharded from forward to backward; ``NO_SHARD`` replicates and
+all-reduces as DDP does, on torch FSDP1's hooks, which ``FULL_SHARD`` runs; ``NO_SHARD``
+on torch's runtime is the opt-out ``compute_on_views=False`` of ``NO_SHARD`` computed on
+views): in the CI profile only where a suite asks for them (``ci=True``) or draws them,
+in every suite in the thorough profile (to keep CI under its time)."""
 
 
 def torch_backend_tested() -> bool:
@@ -242,7 +245,8 @@ def draws_per_backend(share: int, quick: Collection[BackendConfig] = ()) -> Call
     backend configuration, each with ``1/share`` of the profile's examples (at least 2):
     drawn configurations would cluster (hypothesis starts from the simplest draws),
     parametrized ones are each covered at a fixed total cost. Of
-    :data:`THOROUGH_CONFIGS`, those in ``quick`` also run in the CI profile."""
+    :data:`THOROUGH_CONFIGS` and :data:`SAMPLED_IN_CI`, those in ``quick`` also run in
+    the CI profile."""
 
     def mark(test: Test) -> Test:
         test = given(data=st.data())(test)

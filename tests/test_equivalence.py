@@ -27,6 +27,7 @@ from tests.scenarios import (
     GATED,
     HYBRID_CONFIGS,
     HYBRID_STRATEGIES,
+    TORCH_NO_SHARD,
     WRAPPER_OPTIONS,
     BackendConfig,
     Scenario,
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 TIMEOUT = 120.0
 
 
-@draws_per_backend(share=2, quick=(FSDP2, FSDP2_HSDP, HYBRID_CONFIGS[0]))
+@draws_per_backend(share=2, quick=(FSDP2, FSDP2_HSDP, HYBRID_CONFIGS[0], TORCH_NO_SHARD))
 def test_matches_single_process_reference(
     dist_pool: PoolFactory, backend: BackendConfig, data: st.DataObject
 ) -> None:
