@@ -55,7 +55,8 @@ Experts (units on process groups of their own, whose ranks in different groups h
 different experts under the same names) are keyed under their group,
 ``expert_groups.<g>.<name>`` (:mod:`flatview.checkpoint_experts`); such a checkpoint
 loads into runs with the same number of expert groups, at any group size. With experts,
-``full_state_dict=True`` with ``cpu_offload=True`` (rank 0's alone) is refused.
+``full_state_dict=True`` with ``cpu_offload=True`` (rank 0's alone) is refused, and
+torch's own functions are routed here on every backend, FSDP2's included.
 
 Parameters an optimizer holds without state (never had a gradient: skipped in every
 step so far) are saved as placeholders, every key ``None``, where torch's functions save

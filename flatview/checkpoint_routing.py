@@ -9,10 +9,11 @@ model-only pair) is what frameworks checkpoint with: Lightning's and Fabric's
 take each view's optimizer state for the state of a whole flat parameter (or of a whole
 parameter). So every call of one of them on a model whose handle installed
 :func:`route_torch_checkpoint` (fairscale, torch FSDP1, DeepSpeed ZeRO: the wrappers that
-flatten) gives what the :mod:`flatview.checkpoint` function of the same name gives (model
-and optimizer state by original name, DCP-savable, loadable at another world size or
-backend, or into the unwrapped model; :mod:`flatview.checkpoint_model`,
-:mod:`flatview.checkpoint_optim`), and loads what it loads:
+flatten; a model with experts on any backend) gives what the :mod:`flatview.checkpoint`
+function of the same name gives (model and optimizer state by original name,
+DCP-savable, loadable at another world size or backend, or into the unwrapped model;
+:mod:`flatview.checkpoint_model`, :mod:`flatview.checkpoint_optim`), and loads what it
+loads:
 
 * the model state is always flatview's, model-only calls included, so that any pair
   of calls saves and loads one form: in the full form it is torch's own (fairscale's
@@ -27,7 +28,11 @@ backend, or into the unwrapped model; :mod:`flatview.checkpoint_model`,
   own fails for optimizers that hold part of a flat parameter); torch's otherwise
   (optimizers over flat parameters, which flatview refuses at their first step).
 
-On DDP and FSDP2 flatview adds no views, and torch's functions are torch's.
+On DDP and FSDP2 flatview adds no views, and torch's functions are torch's, except on a
+model with experts (units on process groups of their own): ranks of different expert
+groups hold different experts under the same names, which torch's functions would key
+alike (DCP keeps one group's, silently), so the handle routes them there too, to
+:mod:`flatview.checkpoint_experts`'s keys.
 
 How every caller is reached: torch's public functions call their module's private
 helpers (``_verify_options``, ``_get_model_state_dict``, ``_get_optim_state_dict``,

@@ -90,8 +90,11 @@ class FlatView:
         wrapped_models.register(self, self._modules, self._checks)
         adapter.install(self.runtime)
         self._patches = Patches()  # the handle's own, beside the adapter's
-        if adapter.flattens:
+        if adapter.flattens or self.table.expert_group is not None:
+            # With experts, torch's own functions would key every group's experts alike
+            # (DCP keeps one group's, silently): routed on every backend.
             route_torch_checkpoint(RoutingSite(self.runtime, self._patches.patch))
+        if adapter.flattens:
             route_fairscale_optim_state(self.runtime, self._modules, self._patches.patch)
 
     @property

@@ -57,7 +57,11 @@ def boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
 
 def group_rank(adapter: Any, rank: int) -> int:
     """The global rank of ``rank`` in the adapter's group (ShardedTensor placements)."""
-    group = adapter.group
+    return global_rank(adapter.group, rank)
+
+
+def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    """The global rank of ``rank`` in ``group`` (``None``: the default group)."""
     if group is None or group == dist.GroupMember.WORLD:
         return rank
     return int(dist.get_global_rank(group, rank))

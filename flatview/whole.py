@@ -442,17 +442,8 @@ class Whole(torch.optim.Optimizer):
         Raises:
             flatview.OptimStateError: the inner optimizer's state is made lazily (not
                 ``Muon``, ``Adam`` or ``AdamW``): a fresh optimizer would have no state
-                for a checkpoint to load into. Use the full form. Or the optimizer
-                steps experts (units on process groups of their own).
+                for a checkpoint to load into. Use the full form.
         """
-        expert = next((m.name for d in self._domains if d.expert for m in d.members), None)
-        if expert is not None:
-            raise OptimStateError(
-                f"flatview.optim.Whole steps experts (such as {expert!r}, of a unit on a "
-                "process group of its own): its sharded checkpoint form does not cover "
-                "them. Save the full form (StateDictOptions(full_state_dict=True)), or "
-                "state_dict() on each rank"
-            )
         if not knows_fresh_state(type(self.inner)):
             raise OptimStateError(
                 f"flatview.optim.Whole over {self.optimizer_cls.__name__} makes its state "
@@ -460,16 +451,24 @@ class Whole(torch.optim.Optimizer):
                 "save the full form (StateDictOptions(full_state_dict=True)); the sharded "
                 "form supports torch.optim.Muon, Adam and AdamW"
             )
-        state = sharded_state(
-            self._members,
-            self.inner.state,
-            self._stepped,
-            self._rank,
-            self.fv.adapter,
-            self._root.sharded,
-            cpu_offload,
-        )
-        return {"state": state, "param_groups": self._groups_by_name()}
+        state: dict[str, dict[Any, Any]] = {}
+        for domain in self._domains:
+            # Experts' ShardedTensors span their own group's ranks, keyed by
+            # flatview.checkpoint under that group (flatview.checkpoint_experts).
+            state.update(
+                sharded_state(
+                    domain.members,
+                    self.inner.state,
+                    self._stepped,
+                    domain.rank,
+                    domain.group,
+                    domain.world,
+                    domain.sharded,
+                    cpu_offload,
+                )
+            )
+        everything = {m.name: state[m.name] for m in self._members if m.name in state}
+        return {"state": everything, "param_groups": self._groups_by_name()}
 
     def _groups_by_name(self) -> list[dict[str, Any]]:
         names = {id(m.tensor): m.name for m in self._members}

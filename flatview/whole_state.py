@@ -40,7 +40,7 @@ import torch.distributed as dist
 from flatview.comm.consolidate import exchange
 from flatview.errors import OptimStateError
 from flatview.optim_state import snapshot
-from flatview.sharded_tensors import Box, boxes, group_rank, is_sharded
+from flatview.sharded_tensors import Box, boxes, global_rank, is_sharded
 from flatview.whole_members import EVERY_RANK, Matrix, Member
 
 Run = Callable[[Matrix], "torch.Tensor | None"]
@@ -159,13 +159,15 @@ def sharded(
     state: Mapping[torch.Tensor, Mapping[Any, Any]],
     run: Run,
     rank: int,
-    adapter: Any,
+    group: dist.ProcessGroup | None,
+    world: int,
     sharded_model: bool,
     cpu_offload: bool,
 ) -> dict[str, dict[Any, Any]]:
     """Every member's state by name for ``torch.distributed.checkpoint``: per-element
-    tensors of sharded members as ``ShardedTensor`` s over the owners' own state tensors,
-    scalars plain and alike on every rank (see the module docstring)."""
+    tensors of sharded members as ``ShardedTensor`` s over the owners' own state tensors
+    (``rank`` of ``world`` in ``group``, the members' domain), scalars plain and alike on
+    every rank (see the module docstring)."""
     description: dict[tuple[str, int], dict[Any, Any]] = {}
     for member in members:
         for m in member.matrices:
@@ -178,7 +180,7 @@ def sharded(
                     else ("value", snapshot(value))
                     for key, value in found.items()
                 }
-    parts = exchange(description, adapter.group) if sharded_model else [description]
+    parts = exchange(description, group) if sharded_model else [description]
     described = {k: v for part in parts for k, v in part.items()}
     out: dict[str, dict[Any, Any]] = {}
     for member in members:
@@ -206,7 +208,7 @@ def sharded(
                     for m in member.matrices
                     if m.owner == rank and (t := run(m)) is not None
                 ]
-                entry[key] = _sharded_tensor(member, owned, value, adapter, cpu_offload)
+                entry[key] = _sharded_tensor(member, owned, value, group, rank, world, cpu_offload)
         out[member.name] = entry
     return out
 
@@ -215,7 +217,9 @@ def _sharded_tensor(
     member: Member,
     owned: Sequence[tuple[Matrix, torch.Tensor]],
     dtype: torch.dtype,
-    adapter: Any,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
     cpu_offload: bool,
 ) -> Any:
     """A ``ShardedTensor`` of the member's shape whose shards are its matrices, each on
@@ -236,13 +240,13 @@ def _sharded_tensor(
     metadata = []
     owners = {m.owner for m in member.matrices}
     for m in member.matrices:
-        placement = f"rank:{group_rank(adapter, m.owner)}/{device}"
+        placement = f"rank:{global_rank(group, m.owner)}/{device}"
         for offsets, sizes in boxes(shape, *m.span):
             metadata.append(ShardMetadata(list(offsets), list(sizes), placement))
-    here = f"rank:{group_rank(adapter, adapter.rank)}/{device}"
-    for r in range(adapter.world_size):
+    here = f"rank:{global_rank(group, rank)}/{device}"
+    for r in range(world):
         if r not in owners:
-            placement = f"rank:{group_rank(adapter, r)}/{device}"
+            placement = f"rank:{global_rank(group, r)}/{device}"
             metadata.append(ShardMetadata(list(nothing[0]), list(nothing[1]), placement))
     local_shards = []
     for m, tensor in owned:
@@ -261,7 +265,7 @@ def _sharded_tensor(
     properties = TensorProperties(dtype=dtype, requires_grad=False)
     global_metadata = ShardedTensorMetadata(metadata, torch.Size(shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards, global_metadata, process_group=adapter.group
+        local_shards, global_metadata, process_group=group
     )
 
 

@@ -669,11 +669,13 @@ def whole_traffic_task(case: MoECase) -> tuple[int, int]:
 
 
 def checkpoint_task(
-    case: MoECase, directory: str, full: bool, half: int, via_torch: bool = False
+    case: MoECase, directory: str, full: bool, half: int, via_torch: str = ""
 ) -> dict[str, Any]:
     """Steps ``[0, half)``, ``flatview.checkpoint.get_state_dict`` (``full``: the full
-    form; ``via_torch``: torch's own ``get_state_dict`` / ``set_state_dict``, routed to
-    it) saved with ``torch.distributed.checkpoint``; then a fresh model (other initial
+    form; ``via_torch``: torch's own functions, routed to it: ``"pair"``
+    ``get_state_dict`` / ``set_state_dict``, ``"halves"`` the model's and the
+    optimizer's apart, as Lightning's ``ModelParallelStrategy`` and accelerate call them)
+    saved with ``torch.distributed.checkpoint``; then a fresh model (other initial
     values) and optimizer loaded from it, trained on to ``case.steps``. ``reference``:
     the largest relative difference from the uninterrupted reference; ``keys``: the
     saved model keys of experts."""
@@ -687,13 +689,27 @@ def checkpoint_task(
 
     options = StateDictOptions(full_state_dict=full)
 
+    def optimizers(opt: Any) -> Any:
+        # Muon's case: the optimizers the checkpoint functions take.
+        return (opt.muon, opt.adam) if isinstance(opt, MuonAndAdam) else opt
+
     def get(fv: flatview.FlatView, root: nn.Module, opt: Any) -> tuple[Any, Any]:
+        opt = optimizers(opt)
+        if via_torch == "halves":
+            return (
+                torch_sd.get_model_state_dict(root, options=options),
+                torch_sd.get_optimizer_state_dict(root, opt, options=options),
+            )
         if via_torch:
             return torch_sd.get_state_dict(root, opt, options=options)
         return fcp.get_state_dict(fv, root, opt, options=options)
 
     def load(fv: flatview.FlatView, root: nn.Module, opt: Any, model: Any, optim: Any) -> None:
-        if via_torch:
+        opt = optimizers(opt)
+        if via_torch == "halves":
+            torch_sd.set_model_state_dict(root, model, options=options)
+            torch_sd.set_optimizer_state_dict(root, opt, optim, options=options)
+        elif via_torch:
             torch_sd.set_state_dict(
                 root, opt, model_state_dict=model, optim_state_dict=optim, options=options
             )
@@ -704,7 +720,8 @@ def checkpoint_task(
 
     rank = dist.get_rank()
     group = case.group_of(rank)
-    with backend_context(case.backend):
+    muon = case.optimizer == "muon"
+    with backend_context(case.backend), newton_schulz(float32=muon):
         root, fv = _wrapped(case)
         opt = _optimizer(case, fv.named_parameters(), fv)
         _train_steps(case, root, fv, opt, range(half))
@@ -721,7 +738,9 @@ def checkpoint_task(
         load(fv, root, opt, model_sd, optim_sd)
         _train_steps(case, root, fv, opt, range(half, case.steps))
         mine = whole_parameters(case, root, fv)
-    return {"reference": _worst(mine, reference(case)[rank]), "keys": keys}
+        # Inside the context: Muon's reference orthogonalises in float32 too.
+        expected = reference(case)[rank]
+    return {"reference": _worst(mine, expected), "keys": keys}
 
 
 def resharded_task(case: MoECase, directory: str, save: bool) -> dict[str, Any]:
