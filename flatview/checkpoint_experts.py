@@ -75,6 +75,14 @@ class ExpertKeys:
             )
         return name
 
+    def load_pre_hook(self, module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+        """A load-state-dict pre-hook of the wrapped model: its experts' keys (this rank's
+        group's; another group's are refused) become their names, so that the model's own
+        ``load_state_dict`` takes what the routed ``get_model_state_dict`` gave."""
+        marker = f"{prefix}{PREFIX}."
+        for key in [k for k in state_dict if k.startswith(marker)]:
+            state_dict[prefix + self.name(key[len(prefix) :])] = state_dict.pop(key)
+
     # ------------------------------------------------------------ whole dicts
 
     def model_out(self, state: dict[str, Any]) -> dict[str, Any]:

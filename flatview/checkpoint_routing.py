@@ -34,6 +34,13 @@ groups hold different experts under the same names, which torch's functions woul
 alike (DCP keeps one group's, silently), so the handle routes them there too, to
 :mod:`flatview.checkpoint_experts`'s keys.
 
+A call on a module that holds the marked model (a framework's module around it:
+Lightning's ``ModelParallelStrategy`` checkpoints the LightningModule) is routed alike,
+its keys under the marked model's path there, when that module holds no parameter or
+buffer outside it (refused otherwise, before any collective). With experts the marked
+model also takes its group's expert keys in its own ``load_state_dict`` (a pre-hook),
+which such a framework loads the routed state with.
+
 How every caller is reached: torch's public functions call their module's private
 helpers (``_verify_options``, ``_get_model_state_dict``, ``_get_optim_state_dict``,
 ``_load_model_state_dict``, ``_load_optim_state_dict``) through the module's globals,
@@ -55,36 +62,27 @@ The helpers are private to torch: their names and parameters are checked before 
 are replaced. Where they differ (another torch), nothing is replaced and the mark
 refuses instead, before any collective, naming :mod:`flatview.checkpoint`.
 
-torch FSDP1's own optimizer-state functions (``FSDP.optim_state_dict``,
-``optim_state_dict_to_load``, ``full_optim_state_dict``, ``sharded_optim_state_dict``,
-``shard_full_optim_state_dict``, ``flatten_sharded_optim_state_dict``,
-``scatter_full_optim_state_dict``), which Lightning's ``FSDPStrategy`` and accelerate's
-FSDP1 plugin call, know FSDP's flat parameters (or torch's own original parameters),
-not flatview's views: given an optimizer over views they pair collectives of different
-sizes across ranks (an error on gloo, possibly a hang on NCCL). All of them go through
-two private static methods of ``FullyShardedDataParallel`` (``_optim_state_dict_impl``,
-``_optim_state_dict_to_load_impl``) before any collective; those are replaced once per
-process (after the same check of their parameters) by wrappers that refuse, with a
-:class:`flatview.FlatViewError` naming what to use instead, a call whose model holds a
-marked one and whose optimizer holds flatview's views. The decision is local and the
-same on every rank whose optimizers are counterparts, so every rank raises.
+torch FSDP1's own optimizer-state functions are refused on optimizers over views
+(:mod:`flatview.checkpoint_fsdp1`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
+import itertools
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from flatview import checkpoint_experts, checkpoint_model, checkpoint_optim
+from flatview import checkpoint_experts, checkpoint_fsdp1, checkpoint_model, checkpoint_optim
+from flatview.checkpoint_fsdp1 import params_of, shown, signature_of, views_held
 from flatview.comm.refusals import raise_everywhere
 from flatview.errors import FlatViewError
 from flatview.runtime import Runtime
@@ -96,23 +94,26 @@ Patch = Callable[[object, str, Callable[..., Any]], None]
 @dataclasses.dataclass(frozen=True)
 class RoutingSite:
     """Where :func:`route_torch_checkpoint` marks a model: the wrapped model's runtime
-    (its model, table and adapter) and the handle's way of patching it."""
+    (its model, table and adapter) and the handle's ways of patching it and of keeping
+    a hook on it."""
 
     runtime: Runtime
     patch: Patch
+    hook: Callable[[RemovableHandle], None]
 
 
 _ROUTED = "_flatview_routes_to"
 """The attribute of a ``_StateDictInfo`` (torch's per-call options) holding the
 :class:`RoutingSite` of a routed model."""
+_PATH = "_flatview_path"
+"""The attribute of a ``_StateDictInfo`` holding where the routed model sits in the model
+of the call (``"net."`` for a LightningModule holding it as ``net``; ``""`` for itself)."""
 _PIECES = "_flatview_pieces"
 """The attribute of a ``_StateDictInfo`` saying that an optimizer of the call holds
 original parameters of the model (its optimizer state is then flatview's)."""
 
 _originals: dict[str, Callable[..., Any]] = {}
 """torch's DCP helpers, once replaced (empty before, or where they could not be)."""
-_fsdp_originals: dict[str, Callable[..., Any]] = {}
-"""torch FSDP1's optimizer-state implementations, once replaced."""
 
 
 class _Routing(threading.local):
@@ -160,8 +161,13 @@ def route_torch_checkpoint(site: RoutingSite) -> None:
     root = site.runtime.model
     previous = getattr(root, "_fqn_modifiers", None)
     routed = _install_routes()
-    _install_fsdp_refusals()
+    checkpoint_fsdp1.install_refusals(_runtime_of)
     site.patch(root, "_fqn_modifiers", _Mark(site, previous, routed))
+    keys = checkpoint_experts.expert_keys(site.runtime)
+    if keys.index is not None:
+        # A framework that loads the routed model state with the model's own
+        # load_state_dict (Lightning's ModelParallelStrategy) hands it the experts' keys.
+        site.hook(root.register_load_state_dict_pre_hook(keys.load_pre_hook))
 
 
 def _site_of(model: object) -> RoutingSite | None:
@@ -170,10 +176,43 @@ def _site_of(model: object) -> RoutingSite | None:
     return own.site if isinstance(own, _Mark) else None
 
 
-def _parameters(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
-    """Names and kinds of ``fn``'s parameters: a wrapper stands in for a helper of
-    torch's only where torch can call it the same way."""
-    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+def _runtime_of(module: nn.Module) -> Runtime | None:
+    site = _site_of(module)
+    return None if site is None else site.runtime
+
+
+def _located(model: object) -> tuple[RoutingSite, str] | None:
+    """The site of ``model`` or of the one module inside it that carries the mark (a
+    framework's module around the wrapped model: Lightning's ``ModelParallelStrategy``
+    checkpoints the LightningModule), and its path there (``"net."``; ``""``: itself)."""
+    site = _site_of(model)
+    if site is not None:
+        return site, ""
+    if not isinstance(model, nn.Module):
+        return None
+    found = [(name, s) for name, m in model.named_modules() if (s := _site_of(m)) is not None]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise FlatViewError(
+            f"torch.distributed.checkpoint.state_dict was given {type(model).__name__}, which "
+            f"holds {len(found)} models flatview wraps ({', '.join(n for n, _ in found)}): "
+            "save each wrapped model apart (or with flatview.checkpoint)"
+        )
+    name, site = found[0]
+    outside = [
+        n
+        for n, _ in itertools.chain(model.named_parameters(), model.named_buffers())
+        if not n.startswith(f"{name}.")
+    ]
+    if outside:
+        raise FlatViewError(
+            f"torch.distributed.checkpoint.state_dict was given {type(model).__name__}, which "
+            f"holds a model flatview wraps ({name!r}) and state outside it "
+            f"({shown(outside)}): flatview routes torch's functions on the wrapped model "
+            "only; call them on it (fv.model), or use flatview.checkpoint"
+        )
+    return site, f"{name}."
 
 
 # ----------------------------------------------------------------------- routing
@@ -189,7 +228,7 @@ def _install_routes() -> bool:
     found = {name: getattr(dsd, name, None) for name in _WRAPPERS}
     for name, wrapper in _WRAPPERS.items():
         helper = found[name]
-        if not callable(helper) or _parameters(helper) != _parameters(wrapper):
+        if not callable(helper) or signature_of(helper) != signature_of(wrapper):
             return False  # another torch: its helpers are not the ones routed here
     _originals.update({name: helper for name, helper in found.items() if helper is not None})
     for name, wrapper in _WRAPPERS.items():
@@ -208,9 +247,12 @@ def _verify_options(
     info = _originals["_verify_options"](
         model, optims, optim_only, submodules=submodules, options=options
     )
-    site = None if _routing.active else _site_of(model)
-    if site is None:
+    # _located refuses on every rank alike (their models are alike), before any
+    # collective of the call.
+    located = None if _routing.active else _located(model)
+    if located is None:
         return info
+    site, path = located
     failure: BaseException | None = None
     try:
         checkpoint_optim.refuse_options(info)
@@ -228,6 +270,7 @@ def _verify_options(
     # Before any collective of the call; a rank refusing alone raises on every rank.
     raise_everywhere(failure, (*request, pieces), _group(site), _caller())
     setattr(info, _ROUTED, site)
+    setattr(info, _PATH, path)
     setattr(info, _PIECES, pieces)
     return info
 
@@ -259,7 +302,8 @@ def _get_model_state_dict(model: nn.Module, info: Any) -> Any:
     if site is None or not info.handle_model:
         return _originals["_get_model_state_dict"](model, info)
     with _flatviews():
-        return checkpoint_model.model_state_dict(site.runtime, _options_of(info))
+        state = checkpoint_model.model_state_dict(site.runtime, _options_of(info))
+    return _with_path(state, getattr(info, _PATH))
 
 
 def _get_optim_state_dict(
@@ -269,7 +313,8 @@ def _get_optim_state_dict(
     if site is None or not info.handle_optim or not getattr(info, _PIECES, False):
         return _originals["_get_optim_state_dict"](model, optimizers, info)
     with _flatviews():
-        return checkpoint_optim.optimizers_state(site.runtime, optimizers, _options_of(info))
+        state = checkpoint_optim.optimizers_state(site.runtime, optimizers, _options_of(info))
+    return _optim_with_path(state, getattr(info, _PATH))
 
 
 def _load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], info: Any) -> Any:
@@ -279,18 +324,26 @@ def _load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], info: A
     from torch.nn.modules.module import _IncompatibleKeys
 
     runtime = site.runtime
+    path = getattr(info, _PATH)
+    failure: BaseException | None = None
+    if path:
+        # A dict with keys outside the path on one rank raises on every rank.
+        try:
+            state_dict = _without_path(state_dict, path)
+        except FlatViewError as err:
+            failure = err
+        raise_everywhere(failure, (), _group(site), _caller())
     if checkpoint_model.torch_loads_model(runtime, state_dict):
         with _flatviews():
             result = checkpoint_model.load_model_state_dict(runtime, state_dict, _options_of(info))
-        return _IncompatibleKeys(result.missing_keys, result.unexpected_keys)
+        return _IncompatibleKeys(*_keys_with_path(result, path))
     # Local copies: a rank that refuses the dict raises on every rank.
-    failure: BaseException | None = None
     try:
         result = checkpoint_model.load_model_state_dict(runtime, state_dict, _options_of(info))
     except Exception as err:
         failure = err
     raise_everywhere(failure, (), _group(site), _caller())
-    return _IncompatibleKeys(result.missing_keys, result.unexpected_keys)
+    return _IncompatibleKeys(*_keys_with_path(result, path))
 
 
 def _load_optim_state_dict(
@@ -305,11 +358,56 @@ def _load_optim_state_dict(
         return
     failure: BaseException | None = None
     try:
+        state_dict = _optim_without_path(state_dict, getattr(info, _PATH))
         checkpoint_optim.load_optimizers_state(site.runtime, optimizers, state_dict)
     except Exception as err:
         failure = err
     # Local loading: a rank that refuses the dict raises on every rank.
     raise_everywhere(failure, (), _group(site), _caller())
+
+
+def _with_path(state: dict[str, Any], path: str) -> dict[str, Any]:
+    """Keys of the routed model's state as names in the model of the call."""
+    return {f"{path}{k}": v for k, v in state.items()} if path else state
+
+
+def _without_path(state: dict[str, Any], path: str) -> dict[str, Any]:
+    if not path:
+        return state
+    outside = [k for k in state if not k.startswith(path)]
+    if outside:
+        raise FlatViewError(
+            f"the state dict holds {shown(outside)}, outside the model flatview wraps "
+            f"({path[:-1]!r}), which is all torch's functions are routed to"
+        )
+    return {k[len(path) :]: v for k, v in state.items()}
+
+
+def _keys_with_path(result: Any, path: str) -> tuple[list[str], list[str]]:
+    return (
+        [f"{path}{k}" for k in result.missing_keys],
+        [f"{path}{k}" for k in result.unexpected_keys],
+    )
+
+
+def _optim_with_path(state: dict[str, Any], path: str) -> dict[str, Any]:
+    if not path or not state:
+        return state
+    groups = [
+        {**group, "params": [f"{path}{n}" for n in group["params"]]}
+        for group in state["param_groups"]
+    ]
+    return {**state, "state": _with_path(state["state"], path), "param_groups": groups}
+
+
+def _optim_without_path(state: Any, path: str) -> Any:
+    if not path or not isinstance(state, dict) or "state" not in state:
+        return state
+    groups = [
+        {**group, "params": list(_without_path(dict.fromkeys(group["params"]), path))}
+        for group in state.get("param_groups", ())
+    ]
+    return {**state, "state": _without_path(dict(state["state"]), path), "param_groups": groups}
 
 
 _WRAPPERS: dict[str, Callable[..., Any]] = {
@@ -361,11 +459,11 @@ def _refuse_view_optimizers(runtime: Runtime) -> None:
     for optimizer in optimizers:
         if not isinstance(optimizer, torch.optim.Optimizer):
             continue
-        held = _views_held(runtime, optimizer)
+        held = views_held(runtime, optimizer)
         if held:
             raise FlatViewError(
                 f"torch.distributed.checkpoint.state_dict.{name} cannot handle optimizer "
-                f"{type(optimizer).__name__}, which holds flatview's views ({_shown(held)}) "
+                f"{type(optimizer).__name__}, which holds flatview's views ({shown(held)}) "
                 f"of a {runtime.adapter.backend} model, on this torch ({torch.__version__}): "
                 "torch would take each view's state for the state of a whole flat parameter "
                 f"(or of a whole parameter). Use flatview.checkpoint.{name}(fv, model, ...) "
@@ -375,116 +473,9 @@ def _refuse_view_optimizers(runtime: Runtime) -> None:
             )
 
 
-def _install_fsdp_refusals() -> None:
-    """Replace torch FSDP1's two optimizer-state implementations by refusing wrappers
-    (once per process; not where their parameters differ from this torch's)."""
-    if _fsdp_originals:
-        return
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    found = {name: vars(FSDP).get(name) for name in _FSDP_PARAMETERS}
-    for name, expected in _FSDP_PARAMETERS.items():
-        impl = found[name]
-        if not isinstance(impl, staticmethod) or _parameters(impl.__func__)[:3] != expected:
-            return  # another torch
-    for name, impl in found.items():
-        assert isinstance(impl, staticmethod)
-        _fsdp_originals[name] = impl.__func__
-        setattr(FSDP, name, staticmethod(_refusing(name, impl.__func__)))
-
-
-_FSDP_PARAMETERS = {
-    "_optim_state_dict_impl": [
-        ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        ("optim", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        ("optim_state_dict", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-    ],
-    "_optim_state_dict_to_load_impl": [
-        ("optim_state_dict", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        ("optim_input", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-    ],
-}
-"""The leading parameters of each implementation the wrappers read."""
-
-
-def _refusing(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
-    def impl(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        model = bound.get("model")
-        if isinstance(model, nn.Module):
-            held: list[Any] = []
-            optim = bound.get("optim")
-            if isinstance(optim, torch.optim.Optimizer):
-                held.append(optim)
-            optim_input = bound.get("optim_input")
-            if optim_input is not None:
-                held.append(optim_input)
-            _refuse_fsdp_call(sys._getframe(1).f_code.co_name, model, held)
-        return original(*args, **kwargs)
-
-    return impl
-
-
-def _refuse_fsdp_call(caller: str, model: nn.Module, held: list[Any]) -> None:
-    """Refuse FSDP's optimizer-state function ``caller`` on ``model`` if a module of it
-    carries the mark and an optimizer (or ``optim_input``) of the call holds flatview's
-    views of it, before any collective."""
-    if not held:
-        return
-    sites = [site for module in model.modules() if (site := _site_of(module)) is not None]
-    for site in sites:
-        for optimizer in held:
-            names = _views_held(site.runtime, optimizer)
-            if names:
-                kind = type(optimizer).__name__
-                raise FlatViewError(
-                    f"FullyShardedDataParallel.{caller} cannot handle optimizer {kind}, "
-                    f"which holds flatview's views ({_shown(names)}) of a torch FSDP model: "
-                    "FSDP's optimizer-state functions know its flat parameters, not views, "
-                    "and would pair collectives of different sizes across ranks. Save and "
-                    "load through torch.distributed.checkpoint.state_dict (get_state_dict / "
-                    "set_state_dict, which flatview routes to flatview.checkpoint), "
-                    "flatview.checkpoint, or fv.optim_state_dict / fv.load_optim_state_dict"
-                )
-
-
-def _params_of(optimizer: Any) -> Iterable[Any]:
-    """The tensors of an optimizer, or of an ``optim_input`` (parameters, or parameter
-    groups as dicts)."""
-    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-    for entry in groups:
-        if isinstance(entry, dict):
-            yield from entry.get("params", ())
-        else:
-            yield entry
-
-
 def _holds_pieces(runtime: Runtime, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` holds original parameters of the model (views, flatview's or
     torch's with ``use_orig_params=True``, or parameters fairscale leaves unflattened):
     only an optimizer over flat parameters (which flatview refuses at its first step)
     does not."""
-    return any(runtime.index_of(tensor) is not None for tensor in _params_of(optimizer))
-
-
-def _views_held(runtime: Runtime, optimizer: Any) -> list[str]:
-    """Names of the parameters of ``optimizer`` that torch's functions would misread:
-    flatview's own views, and parameters the wrapper shards one by one."""
-    table = runtime.table
-    names = []
-    for tensor in _params_of(optimizer):
-        index = runtime.index_of(tensor) if isinstance(tensor, torch.Tensor) else None
-        if index is None:
-            continue
-        # A plain parameter with a padded-shard placement is one the wrapper shards by
-        # itself (fairscale's flatten_parameters=False).
-        if table.own_view(index) or table.placement_of(index).padded_shard:
-            names.append(table.name(index))
-    return names
-
-
-def _shown(names: list[str]) -> str:
-    return ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    return any(runtime.index_of(tensor) is not None for tensor in params_of(optimizer))

@@ -93,7 +93,9 @@ class FlatView:
         if adapter.flattens or self.table.expert_group is not None:
             # With experts, torch's own functions would key every group's experts alike
             # (DCP keeps one group's, silently): routed on every backend.
-            route_torch_checkpoint(RoutingSite(self.runtime, self._patches.patch))
+            route_torch_checkpoint(
+                RoutingSite(self.runtime, self._patches.patch, self._patches.hook)
+            )
         if adapter.flattens:
             route_fairscale_optim_state(self.runtime, self._modules, self._patches.patch)
 

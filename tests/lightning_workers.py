@@ -5,6 +5,7 @@ through :func:`tests.integration_workers.call`, so only the workers import Light
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader
 import flatview
 from flatview.integrations.lightning import FlatViewCallback, FlatViewFSDPStrategy, flatview_of
 from flatview.testing import deepspeed_on_cpu
+from tests import moe_workers as mw
 from tests.deepspeed_workers import full_params
 from tests.integration_workers import (
     Run,
@@ -460,3 +462,69 @@ def deepspeed_bf16_bare_and_wrapped(run: Run, stage: int) -> dict[str, Any]:
             }
             del fit, engine
     return out
+
+
+# ----------------------------------------------------------- mixture of experts
+
+
+MOE_PER_EPOCH = 2
+
+
+class MoELit(pl.LightningModule):
+    """:class:`tests.moe_workers.MoE` as a LightningModule for ``ModelParallelStrategy``:
+    ``configure_model`` puts each expert unit on its expert group's mesh and the rest on
+    the world's (as :func:`tests.moe_workers.wrap`); Adam, manual optimization, the
+    experts no token reaches skipped through :class:`FlatViewCallback`. ``seed``: other
+    initial values, for a run that must resume from a checkpoint."""
+
+    def __init__(self, case: Any, seed: int) -> None:
+        super().__init__()
+        self.case = case
+        self.group = case.group_of(dist.get_rank())
+        self.net = mw.MoE(dataclasses.replace(case, seed=seed), self.group)
+        self.automatic_optimization = False
+
+    def configure_model(self) -> None:
+        mw.wrap(self.case, self.net)
+
+    def at(self, batch_idx: int) -> int:
+        return self.current_epoch * MOE_PER_EPOCH + batch_idx
+
+    def skipped(self, batch: Any, batch_idx: int) -> list[str]:
+        return names(mw.skipped(self.case, self.group, self.at(batch_idx)), PREFIX)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        at = self.at(batch_idx)
+        x, y = mw.batch(self.case, dist.get_rank(), at)
+        _, rows = mw.routing(self.case, self.group, at)
+        opt = self.optimizers()
+        self.manual_backward(torch.nn.functional.mse_loss(self.net(x, rows), y))
+        opt.step()
+        opt.zero_grad()
+        return None
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.net.parameters(), lr=0.01, eps=mw.ADAM_EPS)
+
+
+def trainer_moe(case: Any) -> float:
+    """Fit a model with experts on their own meshes (FSDP2, ``ModelParallelStrategy``)
+    for one epoch, ``trainer.save_checkpoint``; a new Trainer, module (other initial
+    values) and callback resume from it for the second epoch (Lightning's own
+    checkpointing: torch's ``get_model_state_dict`` / ``get_optimizer_state_dict``, DCP).
+    This rank's largest relative difference from the single-process reference holding
+    every group's experts."""
+    assert case.backend == "fsdp2" and case.steps == 2 * MOE_PER_EPOCH, case
+    run = Run(manual=True)
+    with framework_env() as tmp:
+        path = os.path.join(tmp, "resume.ckpt")
+        for epoch in range(2):
+            module = MoELit(case, seed=case.seed + 17 * epoch)
+            callbacks = [FlatViewCallback(skip=MoELit.skipped)]
+            fit = _trainer(run, "fsdp2", tmp, callbacks, epochs=epoch + 1)
+            loader = DataLoader(list(range(MOE_PER_EPOCH)), batch_size=None)
+            fit.fit(module, loader, ckpt_path=path if epoch else None)
+            if epoch == 0:
+                fit.save_checkpoint(path)
+        mine = mw.whole_parameters(case, module.net, None)
+    return mw.worst(mine, mw.reference(case)[dist.get_rank()])

@@ -566,7 +566,7 @@ def _compare(case: MoECase) -> dict[str, float]:
     mine = train(case, True)
     expected = reference(case)[dist.get_rank()]
     assert sorted(mine) == sorted(expected), (sorted(mine), sorted(expected))
-    found = {"reference": _worst(mine, expected)}
+    found = {"reference": worst(mine, expected)}
     # Plain fairscale fails in its own backward when an expert unit's forward is not
     # called (a skipped expert of its own), and the plain wrappers under no_sync() with
     # experts skipped: no plain run to compare with there.
@@ -582,12 +582,12 @@ def _compare(case: MoECase) -> dict[str, float]:
         # A skipped expert gets no gradient under flatview, zeros under the plain
         # wrapper: the same training for plain SGD only.
         plain = train(case, False)
-        found["plain"] = _worst(mine, plain)
-        found["plain_vs_reference"] = _worst(plain, expected)
+        found["plain"] = worst(mine, plain)
+        found["plain_vs_reference"] = worst(plain, expected)
     return found
 
 
-def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-6)) for n in a)
 
 
@@ -740,7 +740,7 @@ def checkpoint_task(
         mine = whole_parameters(case, root, fv)
         # Inside the context: Muon's reference orthogonalises in float32 too.
         expected = reference(case)[rank]
-    return {"reference": _worst(mine, expected), "keys": keys}
+    return {"reference": worst(mine, expected), "keys": keys}
 
 
 def resharded_task(case: MoECase, directory: str, save: bool) -> dict[str, Any]:
@@ -855,6 +855,14 @@ def state_task(case: MoECase) -> dict[str, Any]:
         found["torch_rank0"] = flatview_error(lambda: get_state_dict(root, opt, options=rank0))
         model_sd, optim_sd = get_state_dict(root, opt)
         found["torch_keys"] = sorted(k for k in [*model_sd, *optim_sd["state"]] if "experts" in k)
+        # On a module holding the wrapped model (as a LightningModule does): routed, the
+        # keys under its path; refused where that module holds other state besides.
+        holder = nn.Module()
+        holder.net = root
+        model_sd, optim_sd = get_state_dict(holder, opt)
+        found["held_keys"] = sorted(k for k in [*model_sd, *optim_sd["state"]] if "experts" in k)
+        holder.extra = nn.Linear(1, 1)
+        found["held_with_extra"] = flatview_error(lambda: get_state_dict(holder, opt))
         try:
             whole = flatview.optim.Whole(torch.optim.SGD, fv, fv.parameters(), lr=0.1)
             found["whole"] = "built"
@@ -961,4 +969,4 @@ def one_rank_errors_task(case: MoECase) -> dict[str, Any]:
     with backend_context(case.backend):
         mine = train(case, True, provoke)
     expected = reference(case)[dist.get_rank()]
-    return {"messages": messages, "reference": _worst(mine, expected)}
+    return {"messages": messages, "reference": worst(mine, expected)}

@@ -524,6 +524,9 @@ def _saved_on_another_group_refused(found: dict[str, Any], group_size: int, rank
     group = rank // group_size
     keys = found["torch_keys"]
     assert keys and all(k.startswith(f"expert_groups.{group}.") for k in keys), keys
+    assert found["held_keys"] == [f"net.{k}" for k in keys], found["held_keys"]
+    refused = found["held_with_extra"]
+    assert refused.startswith("FlatViewError") and "'extra.weight'" in refused, refused
     first = rank - rank % group_size
     assert found["tag"] == found["optim_tag"] == list(range(first, first + group_size)), found
     for key in ("whole_rank0_only", "whole_foreign", "optim_rank0_only", "optim_foreign"):

@@ -113,7 +113,9 @@ class FlatViewCallback(_Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Wrap the strategy's model (or take the strategy's own :class:`FlatView`)."""
         fv = getattr(trainer.strategy, "flatview", None)
-        if fv is None:
+        if fv is None and self.fv is not None and self._still_wrapping(trainer):
+            fv = self.fv  # a fit again with the model kept wrapped (see _finish)
+        elif fv is None:
             fv = flatview.wrap(trainer.strategy, **self.wrap_options)
         elif self.wrap_options:
             raise WrapError(
@@ -180,9 +182,19 @@ class FlatViewCallback(_Callback):
             self._patches.remove()
             self._patches = None
         fv = self.fv
-        dropped = fv is not None and getattr(trainer.strategy, "model", None) is not fv.model
-        if fv is not None and dropped and fv.phase is Phase.IDLE:
-            fv.unwrap()  # Lightning unwrapped DDP at teardown: nothing computes through it
+        # Lightning unwraps DDP at teardown: nothing computes through it. A model that
+        # is still the strategy's (FSDP2 inside the LightningModule) stays wrapped, so
+        # that trainer.save_checkpoint after the fit goes through flatview too.
+        if fv is not None and not self._still_wrapping(trainer) and fv.phase is Phase.IDLE:
+            fv.unwrap()
+
+    def _still_wrapping(self, trainer: Any) -> bool:
+        """Whether this callback's model is still the strategy's model or inside it."""
+        fv = self.fv
+        model = getattr(trainer.strategy, "model", None)
+        if fv is None or fv.phase is Phase.DETACHED or not isinstance(model, nn.Module):
+            return False
+        return any(m is fv.model for m in model.modules())
 
 
 def flatview_of(trainer: Any) -> FlatView:

@@ -1,0 +1,153 @@
+"""torch FSDP1's own optimizer-state functions refused on optimizers over flatview's
+views (installed by :mod:`flatview.checkpoint_routing` with its mark), and what both
+modules read of an optimizer: the views it holds.
+
+torch FSDP1's own optimizer-state functions (``FSDP.optim_state_dict``,
+``optim_state_dict_to_load``, ``full_optim_state_dict``, ``sharded_optim_state_dict``,
+``shard_full_optim_state_dict``, ``flatten_sharded_optim_state_dict``,
+``scatter_full_optim_state_dict``), which Lightning's ``FSDPStrategy`` and accelerate's
+FSDP1 plugin call, know FSDP's flat parameters (or torch's own original parameters),
+not flatview's views: given an optimizer over views they pair collectives of different
+sizes across ranks (an error on gloo, possibly a hang on NCCL). All of them go through
+two private static methods of ``FullyShardedDataParallel`` (``_optim_state_dict_impl``,
+``_optim_state_dict_to_load_impl``) before any collective; those are replaced once per
+process (after the same check of their parameters) by wrappers that refuse, with a
+:class:`flatview.FlatViewError` naming what to use instead, a call whose model holds a
+marked one and whose optimizer holds flatview's views. The decision is local and the
+same on every rank whose optimizers are counterparts, so every rank raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from flatview.errors import FlatViewError
+
+if TYPE_CHECKING:
+    from flatview.runtime import Runtime
+
+RuntimeOf = Callable[[nn.Module], "Runtime | None"]
+"""The runtime of a module carrying the routing's mark; ``None`` for any other."""
+
+_fsdp_originals: dict[str, Callable[..., Any]] = {}
+"""torch FSDP1's optimizer-state implementations, once replaced."""
+
+
+def signature_of(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """Names and kinds of ``fn``'s parameters: a wrapper stands in for a helper of
+    torch's only where torch can call it the same way."""
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def install_refusals(runtime_of: RuntimeOf) -> None:
+    """Replace torch FSDP1's two optimizer-state implementations by refusing wrappers
+    (once per process; not where their parameters differ from this torch's).
+    ``runtime_of``: the runtime of a marked module, ``None`` for any other."""
+    if _fsdp_originals:
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    found = {name: vars(FSDP).get(name) for name in _FSDP_PARAMETERS}
+    for name, expected in _FSDP_PARAMETERS.items():
+        impl = found[name]
+        if not isinstance(impl, staticmethod) or signature_of(impl.__func__)[:3] != expected:
+            return  # another torch
+    for name, impl in found.items():
+        assert isinstance(impl, staticmethod)
+        _fsdp_originals[name] = impl.__func__
+        setattr(FSDP, name, staticmethod(_refusing(name, impl.__func__, runtime_of)))
+
+
+_FSDP_PARAMETERS = {
+    "_optim_state_dict_impl": [
+        ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("optim", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("optim_state_dict", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ],
+    "_optim_state_dict_to_load_impl": [
+        ("optim_state_dict", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("optim_input", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ],
+}
+"""The leading parameters of each implementation the wrappers read."""
+
+
+def _refusing(name: str, original: Callable[..., Any], runtime_of: RuntimeOf) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def impl(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        model = bound.get("model")
+        if isinstance(model, nn.Module):
+            held: list[Any] = []
+            optim = bound.get("optim")
+            if isinstance(optim, torch.optim.Optimizer):
+                held.append(optim)
+            optim_input = bound.get("optim_input")
+            if optim_input is not None:
+                held.append(optim_input)
+            _refuse_call(sys._getframe(1).f_code.co_name, model, held, runtime_of)
+        return original(*args, **kwargs)
+
+    return impl
+
+
+def _refuse_call(caller: str, model: nn.Module, held: list[Any], runtime_of: RuntimeOf) -> None:
+    """Refuse FSDP's optimizer-state function ``caller`` on ``model`` if a module of it
+    carries the mark and an optimizer (or ``optim_input``) of the call holds flatview's
+    views of it, before any collective."""
+    if not held:
+        return
+    runtimes = [r for module in model.modules() if (r := runtime_of(module)) is not None]
+    for runtime in runtimes:
+        for optimizer in held:
+            names = views_held(runtime, optimizer)
+            if names:
+                kind = type(optimizer).__name__
+                raise FlatViewError(
+                    f"FullyShardedDataParallel.{caller} cannot handle optimizer {kind}, "
+                    f"which holds flatview's views ({shown(names)}) of a torch FSDP model: "
+                    "FSDP's optimizer-state functions know its flat parameters, not views, "
+                    "and would pair collectives of different sizes across ranks. Save and "
+                    "load through torch.distributed.checkpoint.state_dict (get_state_dict / "
+                    "set_state_dict, which flatview routes to flatview.checkpoint), "
+                    "flatview.checkpoint, or fv.optim_state_dict / fv.load_optim_state_dict"
+                )
+
+
+def params_of(optimizer: Any) -> Iterable[Any]:
+    """The tensors of an optimizer, or of an ``optim_input`` (parameters, or parameter
+    groups as dicts)."""
+    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    for entry in groups:
+        if isinstance(entry, dict):
+            yield from entry.get("params", ())
+        else:
+            yield entry
+
+
+def views_held(runtime: Runtime, optimizer: Any) -> list[str]:
+    """Names of the parameters of ``optimizer`` that torch's functions would misread:
+    flatview's own views, and parameters the wrapper shards one by one."""
+    table = runtime.table
+    names = []
+    for tensor in params_of(optimizer):
+        index = runtime.index_of(tensor) if isinstance(tensor, torch.Tensor) else None
+        if index is None:
+            continue
+        # A plain parameter with a padded-shard placement is one the wrapper shards by
+        # itself (fairscale's flatten_parameters=False).
+        if table.own_view(index) or table.placement_of(index).padded_shard:
+            names.append(table.name(index))
+    return names
+
+
+def shown(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
