@@ -485,7 +485,10 @@ class MoELit(pl.LightningModule):
         self.automatic_optimization = False
 
     def configure_model(self) -> None:
-        mw.wrap(self.case, self.net)
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.net, FSDPModule):  # idempotent, as Lightning asks
+            mw.wrap(self.case, self.net)
 
     def at(self, batch_idx: int) -> int:
         return self.current_epoch * MOE_PER_EPOCH + batch_idx
@@ -507,20 +510,24 @@ class MoELit(pl.LightningModule):
         return torch.optim.Adam(self.net.parameters(), lr=0.01, eps=mw.ADAM_EPS)
 
 
-def trainer_moe(case: Any) -> float:
+def trainer_moe(case: Any, again: bool = False) -> float:
     """Fit a model with experts on their own meshes (FSDP2, ``ModelParallelStrategy``)
     for one epoch, ``trainer.save_checkpoint``; a new Trainer, module (other initial
     values) and callback resume from it for the second epoch (Lightning's own
     checkpointing: torch's ``get_model_state_dict`` / ``get_optimizer_state_dict``, DCP).
-    This rank's largest relative difference from the single-process reference holding
-    every group's experts."""
+    ``again``: the same module and callback fit again (the model stayed wrapped). This
+    rank's largest relative difference from the single-process reference holding every
+    group's experts."""
     assert case.backend == "fsdp2" and case.steps == 2 * MOE_PER_EPOCH, case
     run = Run(manual=True)
     with framework_env() as tmp:
         path = os.path.join(tmp, "resume.ckpt")
+        module = callback = None
         for epoch in range(2):
-            module = MoELit(case, seed=case.seed + 17 * epoch)
-            callbacks = [FlatViewCallback(skip=MoELit.skipped)]
+            if module is None or not again:
+                module = MoELit(case, seed=case.seed + 17 * epoch)
+                callback = FlatViewCallback(skip=MoELit.skipped)
+            callbacks = [callback]
             fit = _trainer(run, "fsdp2", tmp, callbacks, epochs=epoch + 1)
             loader = DataLoader(list(range(MOE_PER_EPOCH)), batch_size=None)
             fit.fit(module, loader, ckpt_path=path if epoch else None)

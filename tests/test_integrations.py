@@ -192,17 +192,22 @@ def test_trainer_checkpoint_resumes_exactly(dist_pool: PoolFactory, strategy: st
 
 
 @needs_lightning
-def test_trainer_with_experts_resumes_like_the_reference(dist_pool: PoolFactory) -> None:
+@pytest.mark.parametrize("again", [False, True], ids=["fresh_module", "same_module"])
+def test_trainer_with_experts_resumes_like_the_reference(
+    dist_pool: PoolFactory, again: bool
+) -> None:
     # Experts on meshes of their own (FSDP2, one rank each: the pool of 2 has Lightning
     # imported already; groups of 2 out of 4 checkpoint alike, tests/test_moe.py) under
     # ModelParallelStrategy, experts skipped per batch through FlatViewCallback;
     # trainer.save_checkpoint after the first epoch and a fresh module (other initial
     # values) resumed from it: each group's experts come back to its own ranks (torch's
     # functions, which Lightning calls, are routed to flatview.checkpoint's keys).
+    # "same_module": the same module and callback fit again, resumed from the checkpoint
+    # (the callback goes on with the model it kept wrapped after the first fit).
     from tests import moe_workers as mw
 
     case = mw.MoECase("fsdp2", 2, group_size=1, unit_per_expert=True, steps=4)
-    for rank, worst in enumerate(_run(dist_pool(2), LIGHTNING, "trainer_moe", case)):
+    for rank, worst in enumerate(_run(dist_pool(2), LIGHTNING, "trainer_moe", case, again)):
         assert worst <= 1e-5, (rank, worst)
 
 
