@@ -502,6 +502,9 @@ class MoELit(pl.LightningModule):
         _, rows = mw.routing(self.case, self.group, at)
         opt = self.optimizers()
         self.manual_backward(torch.nn.functional.mse_loss(self.net(x, rows), y))
+        if self.case.clip is not None:
+            # Lightning's clipping, by the norm over every group's experts (flatview's).
+            self.clip_gradients(opt, self.case.clip, gradient_clip_algorithm="norm")
         opt.step()
         opt.zero_grad()
         return None

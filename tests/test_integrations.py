@@ -192,9 +192,13 @@ def test_trainer_checkpoint_resumes_exactly(dist_pool: PoolFactory, strategy: st
 
 
 @needs_lightning
-@pytest.mark.parametrize("again", [False, True], ids=["fresh_module", "same_module"])
+@pytest.mark.parametrize(
+    ("again", "clip"),
+    [(False, None), (True, None), (False, 0.05)],
+    ids=["fresh_module", "same_module", "clipped"],
+)
 def test_trainer_with_experts_resumes_like_the_reference(
-    dist_pool: PoolFactory, again: bool
+    dist_pool: PoolFactory, again: bool, clip: float | None
 ) -> None:
     # Experts on meshes of their own (FSDP2, one rank each: the pool of 2 has Lightning
     # imported already; groups of 2 out of 4 checkpoint alike, tests/test_moe.py) under
@@ -204,9 +208,11 @@ def test_trainer_with_experts_resumes_like_the_reference(
     # functions, which Lightning calls, are routed to flatview.checkpoint's keys).
     # "same_module": the same module and callback fit again, resumed from the checkpoint
     # (the callback goes on with the model it kept wrapped after the first fit).
+    # "clipped": self.clip_gradients by the norm over every group's experts, as the
+    # reference (holding them all) clips.
     from tests import moe_workers as mw
 
-    case = mw.MoECase("fsdp2", 2, group_size=1, unit_per_expert=True, steps=4)
+    case = mw.MoECase("fsdp2", 2, group_size=1, unit_per_expert=True, steps=4, clip=clip)
     for rank, worst in enumerate(_run(dist_pool(2), LIGHTNING, "trainer_moe", case, again)):
         assert worst <= 1e-5, (rank, worst)
 
