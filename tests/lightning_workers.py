@@ -538,3 +538,45 @@ def trainer_moe(case: Any, again: bool = False) -> float:
                 fit.save_checkpoint(path)
         mine = mw.whole_parameters(case, module.net, None)
     return mw.worst(mine, mw.reference(case)[dist.get_rank()])
+
+
+def fabric_moe(case: Any) -> float:
+    """Fabric's ``ModelParallelStrategy`` over a model with experts on meshes of their
+    own (its ``parallelize_fn``: :func:`tests.moe_workers.wrap`), experts skipped per
+    step: the first half trained, ``fabric.save``, the second half trained, ``fabric.load``
+    and the second half trained again (the load must undo it, each group's experts to
+    its own ranks). This rank's largest relative difference from the reference."""
+    assert case.backend == "fsdp2" and case.steps % 2 == 0, case
+    rank = dist.get_rank()
+    group = case.group_of(rank)
+    with framework_env() as tmp:
+        strategy = FabricModelParallel(
+            parallelize_fn=lambda module, mesh: mw.wrap(case, module),
+            data_parallel_size=dist.get_world_size(),
+            tensor_parallel_size=1,
+        )
+        fab = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+        fab.launch()
+        model = fab.setup_module(mw.MoE(case, group))
+        fv = flatview.wrap(model)
+        opt = fab.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.01, eps=mw.ADAM_EPS))
+
+        def train(steps: range) -> None:
+            for at in steps:
+                x, y = mw.batch(case, rank, at)
+                _, rows = mw.routing(case, group, at)
+                with fv.step(skip=mw.skipped(case, group, at)):
+                    fab.backward(torch.nn.functional.mse_loss(model(x, rows), y))
+                opt.step()
+                opt.zero_grad()
+
+        half = case.steps // 2
+        state = {"model": model, "optimizer": opt}
+        path = os.path.join(tmp, "fabric_ckpt")
+        train(range(half))
+        fab.save(path, state)
+        train(range(half, case.steps))
+        fab.load(path, state)
+        train(range(half, case.steps))
+        mine = mw.whole_parameters(case, fv.model, None)
+    return mw.worst(mine, mw.reference(case)[rank])

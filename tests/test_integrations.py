@@ -379,6 +379,18 @@ def test_trainer_exception_leaves_the_step(dist_pool: PoolFactory) -> None:
 
 
 @needs_lightning
+def test_fabric_with_experts_saves_and_loads_exactly(dist_pool: PoolFactory) -> None:
+    # Fabric's ModelParallelStrategy, experts on meshes of their own (one rank each):
+    # fabric.save, trained on, fabric.load, trained on again: the load undoes the extra
+    # steps, each group's experts back to its own ranks.
+    from tests import moe_workers as mw
+
+    case = mw.MoECase("fsdp2", 2, group_size=1, unit_per_expert=True, steps=4)
+    for rank, worst in enumerate(_run(dist_pool(2), LIGHTNING, "fabric_moe", case)):
+        assert worst <= 1e-5, (rank, worst)
+
+
+@needs_lightning
 def test_fabric_setup_optimizers_over_views(dist_pool: PoolFactory) -> None:
     for result in _run(dist_pool(2), LIGHTNING, "fabric_optimizers_over_views"):
         assert "does not seem to reference any FSDP parameters" in result["fabric"], result
