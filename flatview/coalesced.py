@@ -96,7 +96,7 @@ class Coalesced(torch.optim.Optimizer):
             ``differentiable=True`` is refused.
 
     Raises:
-        TypeError: another class, or a closure given to :meth:`step`.
+        TypeError: another class.
         ValueError: ``differentiable=True``.
     """
 
@@ -187,13 +187,14 @@ class Coalesced(torch.optim.Optimizer):
         return saved
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """Step every view with a gradient, runs of neighbours as one tensor."""
+    def step(self, closure: Any = None) -> Any:
+        """Step every view with a gradient, runs of neighbours as one tensor.
+        ``closure``, as torch's optimizers take it (Lightning's automatic optimization
+        passes one): called first, with gradients on; its loss is returned."""
+        loss = None
         if closure is not None:
-            raise TypeError(
-                "flatview.optim.Coalesced.step takes no closure: call the closure (forward "
-                "and backward) first, then step()"
-            )
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             _refuse_differentiable(group)
         plans = self._plans
@@ -240,6 +241,7 @@ class Coalesced(torch.optim.Optimizer):
             for name in ("grad_scale", "found_inf"):
                 if hasattr(inner, name):
                     delattr(inner, name)
+        return loss
 
     # ------------------------------------------------------------------ plans
 

@@ -304,9 +304,13 @@ class Whole(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One step of the inner optimizer on every whole matrix (a collective where
-        the model is sharded)."""
+        the model is sharded). ``closure``, as torch's optimizers take it (Lightning's
+        automatic optimization passes one): called first, with gradients on; its loss
+        is returned."""
+        loss = None
         if closure is not None:
-            raise OptimStateError("flatview.optim.Whole.step takes no closure")
+            with torch.enable_grad():
+                loss = closure()
         self.ledger.reset()
         for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             for key, value in group.items():
@@ -316,7 +320,7 @@ class Whole(torch.optim.Optimizer):
         self._bind(local)
         if not self._travelling:
             self._step_inner(local)
-            return
+            return loss
         moving = [
             (domain, domain.agree_on_flags(self.ledger, self._device))
             for domain in self._domains
@@ -353,6 +357,7 @@ class Whole(torch.optim.Optimizer):
                 transfer.finish()
         for domain in self._domains:
             domain.note_checksums()
+        return loss
 
     def _bind(self, matrices: Sequence[Matrix]) -> None:
         """Point the aliases of ``matrices`` at their views' storage and gradient (the

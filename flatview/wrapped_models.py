@@ -73,6 +73,11 @@ def check_not_wrapped(modules: Sequence[nn.Module]) -> None:
             )
 
 
+def wrapping(module: nn.Module) -> object | None:
+    """What wraps ``module`` (one of a wrapped model's units), if anything."""
+    return _wrapped.get(module)
+
+
 def register(owner: object, modules: Sequence[nn.Module], watcher: Watcher) -> None:
     """``owner`` wraps the units ``modules``; ``watcher`` checks optimizers for it (held
     weakly: the owner keeps it alive)."""

@@ -580,3 +580,97 @@ def fabric_moe(case: Any) -> float:
         train(range(half, case.steps))
         mine = mw.whole_parameters(case, fv.model, None)
     return mw.worst(mine, mw.reference(case)[rank])
+
+
+# ------------------------------------------------------- Muon, automatic optimization
+
+
+class MuonNet(nn.Module):
+    """Three bias-free layers (Muon steps matrices only); ``mid`` is a residual block
+    that a step may skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.inp = nn.Linear(6, 8, bias=False)
+        self.mid = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor, skip_mid: bool) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if not skip_mid:
+            h = h + torch.tanh(self.mid(h))
+        out: torch.Tensor = self.out(h)
+        return out
+
+
+MUON_STEPS = 4
+MUON_OPTIONS = {"lr": 0.05, "momentum": 0.9}
+
+
+def _muon_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def _skips_mid(step: int) -> bool:
+    return step % 2 == 1
+
+
+class MuonLit(pl.LightningModule):
+    """Automatic optimization (Lightning calls ``optimizer.step(closure)``) with
+    ``flatview.optim.Whole(torch.optim.Muon)`` built in ``configure_optimizers`` over the
+    views of ``flatview.wrap(self)``; FlatViewCallback adopts that FlatView and enters
+    each batch's step, ``mid`` skipped every other batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MuonNet()
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if not isinstance(self.net, FSDPModule):
+            for layer in (self.net.inp, self.net.mid, self.net.out):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def skipped(self, batch: Any, batch_idx: int) -> list[str]:
+        return ["net.mid"] if _skips_mid(batch_idx) else []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = _muon_batch(batch_idx, dist.get_rank())
+        return torch.nn.functional.mse_loss(self.net(x, _skips_mid(batch_idx)), y)
+
+    def configure_optimizers(self) -> Any:
+        import flatview.optim
+
+        fv = flatview.wrap(self)
+        return flatview.optim.Whole(torch.optim.Muon, fv, fv.parameters(), **MUON_OPTIONS)
+
+
+def trainer_muon() -> float:
+    """Fit :class:`MuonLit` under ``ModelParallelStrategy``; this rank's largest relative
+    difference from ``torch.optim.Muon`` on the unwrapped net, its gradients the mean of
+    the ranks' (float32 Newton-Schulz in both)."""
+    from tests.whole_workers import newton_schulz
+
+    run = Run()
+    with framework_env() as tmp, newton_schulz(float32=True):
+        module = MuonLit()
+        fit = _trainer(run, "fsdp2", tmp, [FlatViewCallback(skip=MuonLit.skipped)], epochs=1)
+        fit.fit(module, DataLoader(list(range(MUON_STEPS)), batch_size=None))
+        mine = {n: p.full_tensor().detach() for n, p in module.net.named_parameters()}
+        net = MuonNet()
+        opt = torch.optim.Muon(net.parameters(), **MUON_OPTIONS)
+        world = dist.get_world_size()
+        for step in range(MUON_STEPS):
+            opt.zero_grad()
+            losses = [
+                torch.nn.functional.mse_loss(net(x, _skips_mid(step)), y)
+                for x, y in (_muon_batch(step, r) for r in range(world))
+            ]
+            (sum(losses) / world).backward()  # type: ignore[operator]
+            opt.step()
+        expected = dict(net.named_parameters())
+    return max(float((mine[n] - expected[n]).abs().max() / expected[n].abs().max()) for n in mine)

@@ -310,11 +310,38 @@ def test_errors_name_the_culprit() -> None:
     with pytest.raises(ValueError, match="differentiable=True"):
         opt.step()
     opt.param_groups[0]["differentiable"] = False
-    with pytest.raises(TypeError, match="takes no closure"):
-        opt.step(lambda: torch.zeros(()))
     # torch's own checks of the hyperparameters, at construction.
     with pytest.raises(ValueError, match="Nesterov"):
         Coalesced(torch.optim.SGD, params, lr=0.1, nesterov=True)
+
+
+def test_step_takes_a_closure_as_torchs_optimizers_do() -> None:
+    """Lightning's automatic optimization passes one: called first, with gradients on
+    (the step itself runs without), its loss returned; the same numbers as torch's."""
+    params = _end_to_end([4, 4])
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = Coalesced(torch.optim.SGD, params, lr=0.1, momentum=0.9)
+    opt.zero_grad()
+    plain = torch.optim.SGD(twins, lr=0.1, momentum=0.9)
+
+    def closure_of(tensors: list[nn.Parameter]) -> Any:
+        def closure() -> torch.Tensor:
+            loss = sum((t * t * t).sum() for t in tensors)
+            assert isinstance(loss, torch.Tensor)
+            loss.backward()
+            return loss
+
+        return closure
+
+    for _ in range(3):
+        with torch.no_grad():
+            got = opt.step(closure_of(params))
+            wanted = plain.step(closure_of(twins))
+        assert torch.equal(got, wanted)
+        for p, twin in zip(params, twins, strict=True):
+            assert torch.equal(p, twin)
+        opt.zero_grad()
+        plain.zero_grad()
 
 
 @pytest.mark.parametrize(

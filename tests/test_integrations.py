@@ -218,6 +218,16 @@ def test_trainer_with_experts_resumes_like_the_reference(
 
 
 @needs_lightning
+def test_trainer_automatic_optimization_with_whole_muon(dist_pool: PoolFactory) -> None:
+    # flatview.optim.Whole(torch.optim.Muon) built in configure_optimizers over the views
+    # of flatview.wrap(self) (FlatViewCallback adopts that FlatView); Lightning's
+    # automatic optimization steps it with a closure; a layer skipped every other
+    # batch; FSDP2 (ModelParallelStrategy): as torch's Muon on the unwrapped net.
+    for rank, worst in enumerate(_run(dist_pool(2), LIGHTNING, "trainer_muon")):
+        assert worst <= 1e-5, (rank, worst)
+
+
+@needs_lightning
 def test_flatview_fsdp_strategy_refuses_to_checkpoint_optimizers_over_views(
     dist_pool: PoolFactory,
 ) -> None:

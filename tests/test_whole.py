@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tests import whole_workers as ww
 from tests.scenarios import (
+    BACKEND_CONFIGS,
     BACKENDS,
     DDP,
     FAIRSCALE,
@@ -88,6 +89,19 @@ def test_muon_matches_single_process_reference(
         stacked=data.draw(st.sampled_from((None, True)), label="stacked"),
     )
     results = dist_pool(scenario.world_size).run(ww.distributed, run, timeout=TIMEOUT)
+    _check(results, ww.reference(run), scenario)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [backend_param(c, slow=c not in (FAIRSCALE, FSDP2), ci=c == FSDP2) for c in BACKEND_CONFIGS],
+)
+def test_step_takes_a_closure(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    """``step(closure)``, as Lightning's automatic optimization calls it: the closure's
+    forward and backward first, then the step, its loss returned; as the reference."""
+    scenario = backend.scenario(GATED, world_size=2)
+    run = ww.MuonRun(scenario, float32=True, closure=True)
+    results = dist_pool(backend.ranks(2)).run(ww.distributed, run, timeout=TIMEOUT)
     _check(results, ww.reference(run), scenario)
 
 

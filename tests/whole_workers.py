@@ -106,6 +106,9 @@ class MuonRun:
     """Cut every matrix whose rows it divides into this many row blocks (``heads=``)."""
     overlap: bool = True
     stacked: bool | None = None
+    closure: bool = False
+    """Each step's forward and backward run in a closure given to ``Whole.step`` (as
+    Lightning's automatic optimization steps), whose loss it must return."""
 
     def chosen(self) -> list[range]:
         every = optimizer_steps(self.scenario)
@@ -315,7 +318,13 @@ def distributed(
             if number == run.halve_after:
                 for p in matrices:
                     p.data.mul_(0.5)
-            synced_backward(sc, model, fv, micros)
+            if run.closure:
+                # The backward's own collectives would be counted with the step's.
+                loss = muon.step(lambda m=micros: [synced_backward(sc, model, fv, m), 0.5][1])
+                assert loss == 0.5, loss
+                moved.append({})
+            else:
+                synced_backward(sc, model, fv, micros)
             # What the step may move at most: gradients in and updates out of every
             # matrix with a gradient, except the owner's own piece.
             used.append(
@@ -325,9 +334,10 @@ def distributed(
                     if _has_grad_anywhere(p)
                 )
             )
-            with CollectiveCounter() as counter:
-                muon.step()
-            moved.append(dict(counter.bytes))
+            if not run.closure:
+                with CollectiveCounter() as counter:
+                    muon.step()
+                moved.append(dict(counter.bytes))
             adamw.step()
             muon.zero_grad(set_to_none=sc.set_to_none)
             adamw.zero_grad(set_to_none=sc.set_to_none)

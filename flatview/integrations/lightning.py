@@ -44,10 +44,12 @@ import flatview
 from flatview.errors import OptimStateError, WrapError
 from flatview.handle import FlatView
 from flatview.integrations.batch_steps import BatchSteps, scope_of
+from flatview.integrations.frameworks import find_wrapper
 from flatview.integrations.patching import InstancePatches
 from flatview.integrations.trainer_patches import TrainerPatches
 from flatview.phase import Phase
 from flatview.skip import SkipSet
+from flatview.wrapped_models import wrapping
 
 
 def _lightning() -> ModuleType:
@@ -113,15 +115,23 @@ class FlatViewCallback(_Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Wrap the strategy's model (or take the strategy's own :class:`FlatView`)."""
         fv = getattr(trainer.strategy, "flatview", None)
-        if fv is None and self.fv is not None and self._still_wrapping(trainer):
-            fv = self.fv  # a fit again with the model kept wrapped (see _finish)
-        elif fv is None:
-            fv = flatview.wrap(trainer.strategy, **self.wrap_options)
-        elif self.wrap_options:
+        if fv is not None and self.wrap_options:
             raise WrapError(
                 f"{type(trainer.strategy).__name__} wraps the model itself: give "
                 f"{sorted(self.wrap_options)} to it, not to FlatViewCallback"
             )
+        if fv is None:
+            # Wrapped already: by this callback in an earlier fit (a model the strategy
+            # kept, see _finish), or by the user's own flatview.wrap(self) in
+            # configure_optimizers (to build flatview.optim.Whole over the views).
+            fv = _wrapper_of(trainer.strategy)
+            if fv is not None and fv is not self.fv and self.wrap_options:
+                raise WrapError(
+                    f"the model is wrapped already ({fv!r}): give {sorted(self.wrap_options)} "
+                    "to that flatview.wrap, not to FlatViewCallback"
+                )
+        if fv is None:
+            fv = flatview.wrap(trainer.strategy, **self.wrap_options)
         self.fv = fv
         self._steps = BatchSteps(fv, scope_of(fv, pl_module))
         self._patches = TrainerPatches(trainer, fv)
@@ -195,6 +205,13 @@ class FlatViewCallback(_Callback):
         if fv is None or fv.phase is Phase.DETACHED or not isinstance(model, nn.Module):
             return False
         return any(m is fv.model for m in model.modules())
+
+
+def _wrapper_of(strategy: Any) -> FlatView | None:
+    """The FlatView that wraps the strategy's model already, if any."""
+    model = find_wrapper(strategy)
+    owner = wrapping(model) if isinstance(model, nn.Module) else None
+    return owner if isinstance(owner, FlatView) else None
 
 
 def flatview_of(trainer: Any) -> FlatView:
