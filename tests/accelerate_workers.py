@@ -19,6 +19,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import FullyShardedDataParallelPlugin
 
 import flatview
+import flatview.optim
 from flatview.integrations.accelerate import prepare
 from tests.integration_workers import Run, framework_env, local_batches, make_optimizers, params_of
 from tests.scenarios import loss_of, make_net, skip_names
@@ -168,3 +169,44 @@ def deepspeed_bf16_bare_and_wrapped(run: Run, stage: int) -> dict[str, Any]:
                 }
             del model, fv, opts
     return out
+
+
+def muon(accumulate: int) -> float:
+    """``flatview.optim.Whole(torch.optim.Muon)`` built by :func:`prepare`'s factory of
+    ``(model, fv)``, prepared by accelerate (its optimizer wrapper steps only at the end
+    of each accumulation), ``mid`` skipped every other micro-batch; this rank's largest
+    relative difference from ``torch.optim.Muon`` on the unwrapped net."""
+    import torch
+
+    from tests.integration_workers import (
+        MUON_OPTIONS,
+        MuonNet,
+        muon_batch,
+        muon_reference,
+        skips_mid,
+        worst_difference,
+    )
+    from tests.whole_workers import newton_schulz
+
+    micros = 4 * accumulate
+    with (
+        _accelerator(gradient_accumulation_steps=accumulate) as accelerator,
+        newton_schulz(float32=True),
+    ):
+        net = MuonNet()
+        model, fv, (opt,) = prepare(
+            accelerator,
+            net,
+            lambda m, fv: flatview.optim.Whole(
+                torch.optim.Muon, fv, m.parameters(), **MUON_OPTIONS
+            ),
+        )
+        for micro in range(micros):
+            x, y = muon_batch(micro, dist.get_rank())
+            skip = ["mid"] if skips_mid(micro) else []
+            with accelerator.accumulate(model), fv.step(skip=skip):
+                accelerator.backward(torch.nn.functional.mse_loss(model(x, skips_mid(micro)), y))
+                opt.step()
+                opt.zero_grad()
+        mine = {n: p.detach().clone() for n, p in net.named_parameters()}
+        return worst_difference(mine, muon_reference(micros, accumulate))

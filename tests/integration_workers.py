@@ -259,3 +259,60 @@ def accelerate_fsdp1_order(run: Run) -> dict[str, np.ndarray] | None:
             opt.zero_grad()
     params = params_of(model)
     return params if dist.get_rank() == 0 else None
+
+
+# ------------------------------------------------------------------ Muon through Whole
+
+
+class MuonNet(nn.Module):
+    """Three bias-free layers (Muon steps matrices only); ``mid`` is a residual block
+    that a micro-batch may skip (:func:`skips_mid`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.inp = nn.Linear(6, 8, bias=False)
+        self.mid = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor, skip_mid: bool) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if not skip_mid:
+            h = h + torch.tanh(self.mid(h))
+        out: torch.Tensor = self.out(h)
+        return out
+
+
+MUON_OPTIONS = {"lr": 0.05, "momentum": 0.9}
+
+
+def muon_batch(micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * micro + rank)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def skips_mid(micro: int) -> bool:
+    return micro % 2 == 1
+
+
+def muon_reference(micros: int, accumulate: int) -> dict[str, torch.Tensor]:
+    """``torch.optim.Muon`` on the unwrapped :class:`MuonNet` over ``micros``
+    micro-batches, a step every ``accumulate``: each gradient the mean of the ranks'
+    (this process group's size), divided by ``accumulate`` (as accelerate's backward
+    divides the loss). Call inside ``whole_workers.newton_schulz`` as the run does."""
+    net = MuonNet()
+    opt = torch.optim.Muon(net.parameters(), **MUON_OPTIONS)
+    world = dist.get_world_size()
+    for start in range(0, micros, accumulate):
+        opt.zero_grad()
+        for micro in range(start, start + accumulate):
+            batches = [muon_batch(micro, r) for r in range(world)]
+            losses = [nn.functional.mse_loss(net(x, skips_mid(micro)), y) for x, y in batches]
+            (torch.stack(losses).sum() / (world * accumulate)).backward()
+        opt.step()
+    return {n: p.detach() for n, p in net.named_parameters()}
+
+
+def worst_difference(mine: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """The largest difference, relative to each parameter's largest value."""
+    return max(float((mine[n] - expected[n]).abs().max() / expected[n].abs().max()) for n in mine)

@@ -26,13 +26,19 @@ from flatview.testing import deepspeed_on_cpu
 from tests import moe_workers as mw
 from tests.deepspeed_workers import full_params
 from tests.integration_workers import (
+    MUON_OPTIONS,
+    MuonNet,
     Run,
     framework_env,
     local_batches,
     make_optimizers,
+    muon_batch,
+    muon_reference,
     names,
     params_of,
+    skips_mid,
     without_prefix,
+    worst_difference,
 )
 from tests.scenarios import Block, local_batch, loss_of, make_net, skip_names
 
@@ -585,36 +591,7 @@ def fabric_moe(case: Any) -> float:
 # ------------------------------------------------------- Muon, automatic optimization
 
 
-class MuonNet(nn.Module):
-    """Three bias-free layers (Muon steps matrices only); ``mid`` is a residual block
-    that a step may skip."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(5)
-        self.inp = nn.Linear(6, 8, bias=False)
-        self.mid = nn.Linear(8, 8, bias=False)
-        self.out = nn.Linear(8, 3, bias=False)
-
-    def forward(self, x: torch.Tensor, skip_mid: bool) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        if not skip_mid:
-            h = h + torch.tanh(self.mid(h))
-        out: torch.Tensor = self.out(h)
-        return out
-
-
 MUON_STEPS = 4
-MUON_OPTIONS = {"lr": 0.05, "momentum": 0.9}
-
-
-def _muon_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-
-
-def _skips_mid(step: int) -> bool:
-    return step % 2 == 1
 
 
 class MuonLit(pl.LightningModule):
@@ -636,11 +613,11 @@ class MuonLit(pl.LightningModule):
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def skipped(self, batch: Any, batch_idx: int) -> list[str]:
-        return ["net.mid"] if _skips_mid(batch_idx) else []
+        return ["net.mid"] if skips_mid(batch_idx) else []
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        x, y = _muon_batch(batch_idx, dist.get_rank())
-        return torch.nn.functional.mse_loss(self.net(x, _skips_mid(batch_idx)), y)
+        x, y = muon_batch(batch_idx, dist.get_rank())
+        return torch.nn.functional.mse_loss(self.net(x, skips_mid(batch_idx)), y)
 
     def configure_optimizers(self) -> Any:
         import flatview.optim
@@ -651,8 +628,8 @@ class MuonLit(pl.LightningModule):
 
 def trainer_muon() -> float:
     """Fit :class:`MuonLit` under ``ModelParallelStrategy``; this rank's largest relative
-    difference from ``torch.optim.Muon`` on the unwrapped net, its gradients the mean of
-    the ranks' (float32 Newton-Schulz in both)."""
+    difference from ``torch.optim.Muon`` on the unwrapped net
+    (:func:`tests.integration_workers.muon_reference`)."""
     from tests.whole_workers import newton_schulz
 
     run = Run()
@@ -661,16 +638,4 @@ def trainer_muon() -> float:
         fit = _trainer(run, "fsdp2", tmp, [FlatViewCallback(skip=MuonLit.skipped)], epochs=1)
         fit.fit(module, DataLoader(list(range(MUON_STEPS)), batch_size=None))
         mine = {n: p.full_tensor().detach() for n, p in module.net.named_parameters()}
-        net = MuonNet()
-        opt = torch.optim.Muon(net.parameters(), **MUON_OPTIONS)
-        world = dist.get_world_size()
-        for step in range(MUON_STEPS):
-            opt.zero_grad()
-            losses = [
-                torch.nn.functional.mse_loss(net(x, _skips_mid(step)), y)
-                for x, y in (_muon_batch(step, r) for r in range(world))
-            ]
-            (sum(losses) / world).backward()  # type: ignore[operator]
-            opt.step()
-        expected = dict(net.named_parameters())
-    return max(float((mine[n] - expected[n]).abs().max() / expected[n].abs().max()) for n in mine)
+        return worst_difference(mine, muon_reference(MUON_STEPS, accumulate=1))

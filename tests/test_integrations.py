@@ -367,6 +367,18 @@ def test_accelerate_save_and_load_state_resume_exactly(dist_pool: PoolFactory) -
 
 
 @needs_accelerate
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_accelerate_whole_muon_trains_like_the_reference(
+    dist_pool: PoolFactory, accumulate: int
+) -> None:
+    # prepare's factory of (model, fv) builds flatview.optim.Whole(torch.optim.Muon) over
+    # the views (DDP: every view whole); accelerate's optimizer wrapper steps it at the
+    # end of each accumulation; a layer skipped every other micro-batch.
+    for rank, worst in enumerate(_run(dist_pool(2), ACCELERATE, "muon", accumulate)):
+        assert worst <= 1e-5, (rank, worst)
+
+
+@needs_accelerate
 def test_accelerate_fsdp_plugin_turned_ddp_is_refused(dist_pool: PoolFactory) -> None:
     for message in _run(dist_pool(2), ACCELERATE, "refused_fsdp_on_cpu"):
         assert message.startswith("MULTI_CPU: ") and "FSDP plugin" in message, message

@@ -205,3 +205,21 @@ def test_import_flatview_imports_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
+
+
+def test_accelerate_fsdp2_refuses_a_factory_that_needs_the_flatview(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under accelerate's FSDP2 plugin the optimizers are built before the wrap: a
+    factory of ``(model, fv)`` is refused before anything is prepared (the stand-in's
+    ``prepare`` would fail the test if it were reached)."""
+    from flatview.integrations.accelerate import prepare
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+
+    def unreachable(*args: object) -> None:
+        raise AssertionError("prepared")
+
+    accelerator = SimpleNamespace(distributed_type="FSDP", is_fsdp2=True, prepare=unreachable)
+    with pytest.raises(WrapError, match=r"FSDP2 plugin.*factory of \(model, fv\)"):
+        prepare(accelerator, nn.Linear(2, 2), lambda m, fv: torch.optim.SGD(m.parameters()))

@@ -44,6 +44,7 @@ silently trains with DDP instead), and one that is not distributed at all.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -58,8 +59,10 @@ from flatview.handle import FlatView
 from flatview.integrations.clipping import clip_whole, clips_locally
 from flatview.integrations.patching import InstancePatches
 
-OptimizerFactory = Callable[[nn.Module], "torch.optim.Optimizer | Iterable[torch.optim.Optimizer]"]
-"""Builds the optimizers from the user's model (``model.body.parameters()``: views)."""
+OptimizerFactory = Callable[..., "torch.optim.Optimizer | Iterable[torch.optim.Optimizer]"]
+"""Builds the optimizers from the user's model (``model.body.parameters()``: views), called
+as ``factory(model)``, or as ``factory(model, fv)`` where it takes two arguments (to build
+:class:`flatview.optim.Whole` over the views)."""
 
 
 class Prepared(NamedTuple):
@@ -83,7 +86,9 @@ def prepare(
         accelerator: an ``accelerate.Accelerator`` (DDP, FSDP1, FSDP2 or DeepSpeed).
         model: the user's model, not prepared yet.
         optimizers: ``model -> optimizer or optimizers``, built from ``model``'s
-            submodules (their ``parameters()`` are views when it is called).
+            submodules (their ``parameters()`` are views when it is called); or
+            ``(model, fv) -> ...`` to build :class:`flatview.optim.Whole` over them
+            (not under the FSDP2 plugin, which builds the optimizers before the wrap).
         **wrap_options: keyword arguments of :func:`flatview.wrap`.
 
     Raises:
@@ -94,13 +99,21 @@ def prepare(
     if _check_distributed(accelerator) == "DEEPSPEED":
         return _prepare_deepspeed(accelerator, model, optimizers, wrap_options)
     if getattr(accelerator, "is_fsdp2", False):
-        built = _built(optimizers, model)
+        if _takes_fv(optimizers):
+            raise WrapError(
+                "under accelerate's FSDP2 plugin the optimizers are built before the model "
+                "is wrapped (accelerate prepares an optimizer only together with its model), "
+                "so a factory of (model, fv) cannot be served: give a factory of the model "
+                "alone; for flatview.optim.Whole, prepare the model with accelerate, "
+                "flatview.wrap it and build Whole over it yourself"
+            )
+        built = _built(optimizers, model, None)
         prepared_model, *prepared = accelerator.prepare(model, *built)
         fv = flatview.wrap(prepared_model, **wrap_options)
     else:
         prepared_model = accelerator.prepare(model)
         fv = flatview.wrap(prepared_model, **wrap_options)
-        built = _built(optimizers, model)
+        built = _built(optimizers, model, fv)
         result = accelerator.prepare(*built) if built else ()
         prepared = list(result) if isinstance(result, tuple) else [result]
     _route_clipping(accelerator, fv)
@@ -120,7 +133,7 @@ def _prepare_deepspeed(
     deferred = Deferred(model.parameters())
     engine, _ = accelerator.prepare(model, deferred)
     fv = flatview.wrap(engine, **wrap_options)
-    built = _built(optimizers, model)
+    built = _built(optimizers, model, fv)
     deferred.set(*built)
     return Prepared(engine, fv, [wrapper(opt) for opt in built])
 
@@ -143,8 +156,20 @@ def _check_distributed(accelerator: Any) -> str:
     return kind
 
 
-def _built(optimizers: OptimizerFactory, model: nn.Module) -> list[torch.optim.Optimizer]:
-    made = optimizers(model)
+def _takes_fv(optimizers: OptimizerFactory) -> bool:
+    """Whether the factory takes ``(model, fv)``: two positional parameters."""
+    try:
+        parameters = inspect.signature(optimizers).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional for p in parameters) >= 2
+
+
+def _built(
+    optimizers: OptimizerFactory, model: nn.Module, fv: FlatView | None
+) -> list[torch.optim.Optimizer]:
+    made = optimizers(model, fv) if fv is not None and _takes_fv(optimizers) else optimizers(model)
     if isinstance(made, torch.optim.Optimizer):
         return [made]
     return list(made)
