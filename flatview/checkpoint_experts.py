@@ -17,7 +17,7 @@ group's ranks (:class:`GroupView`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,15 +85,18 @@ class ExpertKeys:
 
     # ------------------------------------------------------------ whole dicts
 
-    def model_out(self, state: dict[str, Any]) -> dict[str, Any]:
+    def model_out(self, state: dict[str, Any], path: str = "") -> dict[str, Any]:
+        """Model state keyed by name (under ``path`` in a module holding the model: its
+        other keys stay as they are) keyed by group."""
         if self.index is None:
             return state
-        return {self.key(k): v for k, v in state.items()}
+        return {_under(k, path, self.key): v for k, v in state.items()}
 
-    def model_in(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+    def model_in(self, state: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+        """What :meth:`model_out` gave, keyed by name again; refuses another group's."""
         if self.index is None:
-            return state
-        return {self.name(k): v for k, v in state.items()}
+            return dict(state)
+        return {_under(k, path, self.name): v for k, v in state.items()}
 
     def optim_out(self, state: dict[str, Any]) -> dict[str, Any]:
         if self.index is None or not state:
@@ -109,6 +112,10 @@ class ExpertKeys:
         if not isinstance(inner, Mapping):
             return state
         return {**state, "state": {self.name(k): v for k, v in inner.items()}}
+
+
+def _under(key: str, path: str, rename: Callable[[str], str]) -> str:
+    return f"{path}{rename(key[len(path) :])}" if key.startswith(path) else key
 
 
 def expert_keys(runtime: Any) -> ExpertKeys:

@@ -36,8 +36,10 @@ alike (DCP keeps one group's, silently), so the handle routes them there too, to
 
 A call on a module that holds the marked model (a framework's module around it:
 Lightning's ``ModelParallelStrategy`` checkpoints the LightningModule) is routed alike,
-its keys under the marked model's path there, when that module holds no parameter or
-buffer outside it (refused otherwise, before any collective). With experts the marked
+its keys under the marked model's path there. On DDP and FSDP2 the model state is
+torch's own of that module, the experts' keys under the path renamed; on the wrappers
+that flatten it is flatview's, and a module holding parameters or buffers outside the
+wrapped model is refused, before any collective. With experts the marked
 model also takes its group's expert keys in its own ``load_state_dict`` (a pre-hook),
 which such a framework loads the routed state with.
 
@@ -200,18 +202,21 @@ def _located(model: object) -> tuple[RoutingSite, str] | None:
             "save each wrapped model apart (or with flatview.checkpoint)"
         )
     name, site = found[0]
-    outside = [
-        n
-        for n, _ in itertools.chain(model.named_parameters(), model.named_buffers())
-        if not n.startswith(f"{name}.")
-    ]
-    if outside:
-        raise FlatViewError(
-            f"torch.distributed.checkpoint.state_dict was given {type(model).__name__}, which "
-            f"holds a model flatview wraps ({name!r}) and state outside it "
-            f"({shown(outside)}): flatview routes torch's functions on the wrapped model "
-            "only; call them on it (fv.model), or use flatview.checkpoint"
-        )
+    if site.runtime.adapter.flattens:
+        # flatview's own state covers the wrapped model only; DDP's and FSDP2's model
+        # state is torch's, of the whole module of the call.
+        outside = [
+            n
+            for n, _ in itertools.chain(model.named_parameters(), model.named_buffers())
+            if not n.startswith(f"{name}.")
+        ]
+        if outside:
+            raise FlatViewError(
+                f"torch.distributed.checkpoint.state_dict was given {type(model).__name__}, "
+                f"which holds a model flatview wraps ({name!r}) and state outside it "
+                f"({shown(outside)}): flatview routes torch's functions on the wrapped "
+                "model only; call them on it (fv.model), or use flatview.checkpoint"
+            )
     return site, f"{name}."
 
 
@@ -301,6 +306,11 @@ def _get_model_state_dict(model: nn.Module, info: Any) -> Any:
     site = getattr(info, _ROUTED, None)
     if site is None or not info.handle_model:
         return _originals["_get_model_state_dict"](model, info)
+    if not site.runtime.adapter.flattens:
+        # DDP and FSDP2 keep their parameters: torch's own state of the model of the
+        # call, experts keyed by group (models without experts are not routed).
+        state = _originals["_get_model_state_dict"](model, info)
+        return checkpoint_experts.expert_keys(site.runtime).model_out(state, getattr(info, _PATH))
     with _flatviews():
         state = checkpoint_model.model_state_dict(site.runtime, _options_of(info))
     return _with_path(state, getattr(info, _PATH))
@@ -326,6 +336,15 @@ def _load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], info: A
     runtime = site.runtime
     path = getattr(info, _PATH)
     failure: BaseException | None = None
+    if not runtime.adapter.flattens:
+        # torch's own load of the model of the call (see _get_model_state_dict), the
+        # experts' keys named again; another group's, on any rank, raise on every rank.
+        try:
+            state_dict = checkpoint_experts.expert_keys(runtime).model_in(state_dict, path)
+        except FlatViewError as err:
+            failure = err
+        raise_everywhere(failure, (), _group(site), _caller())
+        return _originals["_load_model_state_dict"](model, state_dict, info)
     if path:
         # A dict with keys outside the path on one rank raises on every rank.
         try:

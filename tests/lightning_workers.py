@@ -489,6 +489,8 @@ class MoELit(pl.LightningModule):
         self.group = case.group_of(dist.get_rank())
         self.net = mw.MoE(dataclasses.replace(case, seed=seed), self.group)
         self.automatic_optimization = False
+        # State outside the sharded net, checkpointed with it: the steps taken.
+        self.register_buffer("steps_taken", torch.zeros((), dtype=torch.int64))
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -513,6 +515,7 @@ class MoELit(pl.LightningModule):
             self.clip_gradients(opt, self.case.clip, gradient_clip_algorithm="norm")
         opt.step()
         opt.zero_grad()
+        self.steps_taken += 1
         return None
 
     def configure_optimizers(self) -> Any:
@@ -543,6 +546,8 @@ def trainer_moe(case: Any, again: bool = False) -> float:
             if epoch == 0:
                 fit.save_checkpoint(path)
         mine = mw.whole_parameters(case, module.net, None)
+        # Resumed with the module's own state too (a fresh module counts from 0).
+        assert int(module.steps_taken) == case.steps, int(module.steps_taken)
     return mw.worst(mine, mw.reference(case)[dist.get_rank()])
 
 

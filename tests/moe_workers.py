@@ -844,7 +844,11 @@ def state_task(case: MoECase) -> dict[str, Any]:
             found["checkpoint"] = "saved"
         except flatview.FlatViewError as err:
             found["checkpoint"] = f"{type(err).__name__}: {err}"
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_model_state_dict,
+        )
 
         rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
         found["checkpoint_rank0"] = flatview_error(
@@ -856,13 +860,19 @@ def state_task(case: MoECase) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(root, opt)
         found["torch_keys"] = sorted(k for k in [*model_sd, *optim_sd["state"]] if "experts" in k)
         # On a module holding the wrapped model (as a LightningModule does): routed, the
-        # keys under its path; refused where that module holds other state besides.
+        # keys under its path. With other state besides: torch's own state of it on
+        # FSDP2 (the experts' keys renamed), refused on the wrappers that flatten.
         holder = nn.Module()
         holder.net = root
         model_sd, optim_sd = get_state_dict(holder, opt)
         found["held_keys"] = sorted(k for k in [*model_sd, *optim_sd["state"]] if "experts" in k)
         holder.extra = nn.Linear(1, 1)
         found["held_with_extra"] = flatview_error(lambda: get_state_dict(holder, opt))
+        if found["held_with_extra"] == "accepted":
+            model_sd, _ = get_state_dict(holder, opt)
+            found["held_extra_keys"] = sorted(k for k in model_sd if "experts" in k or "extra" in k)
+            # Loads back through the same routing (each group's experts, the extra too).
+            set_model_state_dict(holder, model_sd)
         try:
             whole = flatview.optim.Whole(torch.optim.SGD, fv, fv.parameters(), lr=0.1)
             found["whole"] = "built"

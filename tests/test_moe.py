@@ -525,8 +525,15 @@ def _saved_on_another_group_refused(found: dict[str, Any], group_size: int, rank
     keys = found["torch_keys"]
     assert keys and all(k.startswith(f"expert_groups.{group}.") for k in keys), keys
     assert found["held_keys"] == [f"net.{k}" for k in keys], found["held_keys"]
-    refused = found["held_with_extra"]
-    assert refused.startswith("FlatViewError") and "'extra.weight'" in refused, refused
+    held = found["held_with_extra"]
+    if found["backend"] == "fsdp2":
+        assert held == "accepted", held
+        found_keys = found["held_extra_keys"]
+        assert "extra.weight" in found_keys and "extra.bias" in found_keys, found_keys
+        experts = [k for k in found_keys if "experts" in k]
+        assert experts and all(k.startswith(f"net.expert_groups.{group}.") for k in experts)
+    else:
+        assert held.startswith("FlatViewError") and "'extra.weight'" in held, held
     first = rank - rank % group_size
     assert found["tag"] == found["optim_tag"] == list(range(first, first + group_size)), found
     for key in ("whole_rank0_only", "whole_foreign", "optim_rank0_only", "optim_foreign"):
