@@ -602,17 +602,20 @@ MUON_STEPS = 4
 class MuonLit(pl.LightningModule):
     """Automatic optimization (Lightning calls ``optimizer.step(closure)``) with
     ``flatview.optim.Whole(torch.optim.Muon)`` built in ``configure_optimizers`` over the
-    views of ``flatview.wrap(self)``; FlatViewCallback adopts that FlatView and enters
-    each batch's step, ``mid`` skipped every other batch."""
+    views of ``flatview.wrap(self)`` (``how="wrap"``; FlatViewCallback adopts that
+    FlatView) or of ``flatview_of(self.trainer)`` (the callback wraps then); the callback
+    enters each batch's step, ``mid`` skipped every other batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, how: str, sharded: bool) -> None:
         super().__init__()
         self.net = MuonNet()
+        self.how = how
+        self.sharded = sharded
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        if not isinstance(self.net, FSDPModule):
+        if self.sharded and not isinstance(self.net, FSDPModule):
             for layer in (self.net.inp, self.net.mid, self.net.out):
                 fully_shard(layer, mesh=self.device_mesh["data_parallel"])
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
@@ -627,20 +630,23 @@ class MuonLit(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         import flatview.optim
 
-        fv = flatview.wrap(self)
+        fv = flatview.wrap(self) if self.how == "wrap" else flatview_of(self.trainer)
         return flatview.optim.Whole(torch.optim.Muon, fv, fv.parameters(), **MUON_OPTIONS)
 
 
-def trainer_muon() -> float:
-    """Fit :class:`MuonLit` under ``ModelParallelStrategy``; this rank's largest relative
-    difference from ``torch.optim.Muon`` on the unwrapped net
-    (:func:`tests.integration_workers.muon_reference`)."""
+def trainer_muon(how: str, strategy: str) -> float:
+    """Fit :class:`MuonLit` under ``strategy`` (``"fsdp2"``: ``ModelParallelStrategy``,
+    or ``"ddp"``); this rank's largest relative difference from ``torch.optim.Muon`` on
+    the unwrapped net (:func:`tests.integration_workers.muon_reference`)."""
     from tests.whole_workers import newton_schulz
 
     run = Run()
     with framework_env() as tmp, newton_schulz(float32=True):
-        module = MuonLit()
-        fit = _trainer(run, "fsdp2", tmp, [FlatViewCallback(skip=MuonLit.skipped)], epochs=1)
+        module = MuonLit(how, sharded=strategy == "fsdp2")
+        fit = _trainer(run, strategy, tmp, [FlatViewCallback(skip=MuonLit.skipped)], epochs=1)
         fit.fit(module, DataLoader(list(range(MUON_STEPS)), batch_size=None))
-        mine = {n: p.full_tensor().detach() for n, p in module.net.named_parameters()}
+        mine = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            for n, p in module.net.named_parameters()
+        }
         return worst_difference(mine, muon_reference(MUON_STEPS, accumulate=1))

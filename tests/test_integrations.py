@@ -218,12 +218,19 @@ def test_trainer_with_experts_resumes_like_the_reference(
 
 
 @needs_lightning
-def test_trainer_automatic_optimization_with_whole_muon(dist_pool: PoolFactory) -> None:
+@pytest.mark.parametrize(
+    ("how", "strategy"), [("wrap", "fsdp2"), ("flatview_of", "fsdp2"), ("flatview_of", "ddp")]
+)
+def test_trainer_automatic_optimization_with_whole_muon(
+    dist_pool: PoolFactory, how: str, strategy: str
+) -> None:
     # flatview.optim.Whole(torch.optim.Muon) built in configure_optimizers over the views
-    # of flatview.wrap(self) (FlatViewCallback adopts that FlatView); Lightning's
-    # automatic optimization steps it with a closure; a layer skipped every other
-    # batch; FSDP2 (ModelParallelStrategy): as torch's Muon on the unwrapped net.
-    for rank, worst in enumerate(_run(dist_pool(2), LIGHTNING, "trainer_muon")):
+    # of flatview.wrap(self) (FlatViewCallback adopts that FlatView) or of
+    # flatview_of(self.trainer) (the callback wraps then); Lightning's automatic
+    # optimization steps it with a closure; a layer skipped every other batch; FSDP2
+    # (ModelParallelStrategy) or DDP: as torch's Muon on the unwrapped net.
+    found = _run(dist_pool(2), LIGHTNING, "trainer_muon", how, strategy)
+    for rank, worst in enumerate(found):
         assert worst <= 1e-5, (rank, worst)
 
 

@@ -198,6 +198,16 @@ class FlatViewCallback(_Callback):
         if fv is not None and not self._still_wrapping(trainer) and fv.phase is Phase.IDLE:
             fv.unwrap()
 
+    def wrap_now(self, trainer: Any) -> FlatView | None:
+        """Wrap the strategy's model now, before ``on_fit_start`` (which then takes this
+        FlatView), if the strategy has built it; ``None`` otherwise."""
+        if getattr(trainer.strategy, "model", None) is None:
+            return None
+        self.fv = _wrapper_of(trainer.strategy) or flatview.wrap(
+            trainer.strategy, **self.wrap_options
+        )
+        return self.fv
+
     def _still_wrapping(self, trainer: Any) -> bool:
         """Whether this callback's model is still the strategy's model or inside it."""
         fv = self.fv
@@ -216,11 +226,14 @@ def _wrapper_of(strategy: Any) -> FlatView | None:
 
 def flatview_of(trainer: Any) -> FlatView:
     """The :class:`~flatview.FlatView` of a Trainer's fit: the one its
-    :class:`FlatViewCallback` or :class:`FlatViewFSDPStrategy` made."""
+    :class:`FlatViewCallback` or :class:`FlatViewFSDPStrategy` made. Called before the
+    callback's ``on_fit_start`` (in ``configure_optimizers``, to build
+    :class:`flatview.optim.Whole` over the views) it has the callback wrap the
+    strategy's model then."""
     fv = getattr(trainer.strategy, "flatview", None)
     for callback in trainer.callbacks:
         if fv is None and isinstance(callback, FlatViewCallback):
-            fv = callback.fv
+            fv = callback.fv if callback.fv is not None else callback.wrap_now(trainer)
     if fv is None:
         raise WrapError(
             "this Trainer has no FlatView: add FlatViewCallback to its callbacks (the model "
