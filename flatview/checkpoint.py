@@ -93,6 +93,7 @@ from flatview.checkpoint_optim import (
     optimizers_state,
     refuse_options,
 )
+from flatview.checkpoint_routing import bypassed
 from flatview.comm.refusals import raise_everywhere
 from flatview.errors import FlatViewError
 
@@ -148,7 +149,8 @@ def get_state_dict(
             parameters, also where only one rank's is).
     """
     opts, info = _checked_call(fv, model, optimizers, options, "get_state_dict")
-    model_sd = model_state_dict(fv.runtime, info)
+    with bypassed():  # checked above: torch's functions inside need no routing
+        model_sd = model_state_dict(fv.runtime, info)
     return model_sd, optimizers_state(fv.runtime, opts, info)
 
 
@@ -299,5 +301,6 @@ def _load(
     raise_everywhere(failure, request, fv.adapter.agreement_group, f"flatview.checkpoint.{call}")
     if torch_model:
         assert model_state_dict is not None
-        result = load_model_state_dict(fv.runtime, model_state_dict, info)
+        with bypassed():  # checked above: torch's functions inside need no routing
+            result = load_model_state_dict(fv.runtime, model_state_dict, info)
     return result

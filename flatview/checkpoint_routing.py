@@ -120,20 +120,24 @@ _originals: dict[str, Callable[..., Any]] = {}
 
 class _Routing(threading.local):
     active = False
-    """flatview's own functions run for a routed call: the torch functions they call
-    (the model-state pair, on DDP, FSDP2 and torch FSDP1's full form) are torch's."""
+    """flatview's own functions run (for a routed call, or called by the user): the
+    torch functions they call (the model-state pair, on DDP, FSDP2 and torch FSDP1's
+    full form) are torch's."""
 
 
 _routing = _Routing()
 
 
 @contextlib.contextmanager
-def _flatviews() -> Iterator[None]:
+def bypassed() -> Iterator[None]:
+    """torch's checkpoint functions called inside are torch's own, unrouted: what
+    flatview's checkpoint halves call (they are what a routed call reaches)."""
+    before = _routing.active
     _routing.active = True
     try:
         yield
     finally:
-        _routing.active = False
+        _routing.active = before
 
 
 class _Mark:
@@ -311,7 +315,7 @@ def _get_model_state_dict(model: nn.Module, info: Any) -> Any:
         # call, experts keyed by group (models without experts are not routed).
         state = _originals["_get_model_state_dict"](model, info)
         return checkpoint_experts.expert_keys(site.runtime).model_out(state, getattr(info, _PATH))
-    with _flatviews():
+    with bypassed():
         state = checkpoint_model.model_state_dict(site.runtime, _options_of(info))
     return _with_path(state, getattr(info, _PATH))
 
@@ -322,7 +326,7 @@ def _get_optim_state_dict(
     site = getattr(info, _ROUTED, None)
     if site is None or not info.handle_optim or not getattr(info, _PIECES, False):
         return _originals["_get_optim_state_dict"](model, optimizers, info)
-    with _flatviews():
+    with bypassed():
         state = checkpoint_optim.optimizers_state(site.runtime, optimizers, _options_of(info))
     return _optim_with_path(state, getattr(info, _PATH))
 
@@ -353,7 +357,7 @@ def _load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], info: A
             failure = err
         raise_everywhere(failure, (), _group(site), _caller())
     if checkpoint_model.torch_loads_model(runtime, state_dict):
-        with _flatviews():
+        with bypassed():
             result = checkpoint_model.load_model_state_dict(runtime, state_dict, _options_of(info))
         return _IncompatibleKeys(*_keys_with_path(result, path))
     # Local copies: a rank that refuses the dict raises on every rank.
@@ -391,15 +395,17 @@ def _with_path(state: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def _without_path(state: dict[str, Any], path: str) -> dict[str, Any]:
-    if not path:
-        return state
-    outside = [k for k in state if not k.startswith(path)]
-    if outside:
+    return {_unprefixed(k, path): v for k, v in state.items()} if path else state
+
+
+def _unprefixed(key: str, path: str) -> str:
+    """The routed model's name for ``key`` of the model of the call."""
+    if not key.startswith(path):
         raise FlatViewError(
-            f"the state dict holds {shown(outside)}, outside the model flatview wraps "
+            f"the state dict holds {key!r}, outside the model flatview wraps "
             f"({path[:-1]!r}), which is all torch's functions are routed to"
         )
-    return {k[len(path) :]: v for k, v in state.items()}
+    return key[len(path) :]
 
 
 def _keys_with_path(result: Any, path: str) -> tuple[list[str], list[str]]:
@@ -423,7 +429,7 @@ def _optim_without_path(state: Any, path: str) -> Any:
     if not path or not isinstance(state, dict) or "state" not in state:
         return state
     groups = [
-        {**group, "params": list(_without_path(dict.fromkeys(group["params"]), path))}
+        {**group, "params": [_unprefixed(n, path) for n in group["params"]]}
         for group in state.get("param_groups", ())
     ]
     return {**state, "state": _without_path(dict(state["state"]), path), "param_groups": groups}

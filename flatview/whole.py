@@ -53,7 +53,7 @@ alias
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -416,19 +416,11 @@ class Whole(torch.optim.Optimizer):
         groups of their own it holds the shared parameters and this rank's group's
         experts, and names that group (:mod:`flatview.expert_state`): save it on every
         rank; ``rank0_only=True`` is refused there."""
-        found: dict[str, dict[Any, Any]] = {}
-        for domain in self._domains:
-            found.update(
-                consolidated(
-                    domain.members,
-                    self.inner.state,
-                    self._stepped,
-                    domain.rank,
-                    domain.group,
-                    domain.sharded,
-                )
+        everything = self._by_name(
+            lambda d: consolidated(
+                d.members, self.inner.state, self._stepped, d.rank, d.group, d.sharded
             )
-        everything = {m.name: found[m.name] for m in self._members if m.name in found}
+        )
         if rank0_only:
             # After the exchange, which every rank joined: a rank raising before it
             # would leave the others waiting there.
@@ -456,24 +448,29 @@ class Whole(torch.optim.Optimizer):
                 "save the full form (StateDictOptions(full_state_dict=True)); the sharded "
                 "form supports torch.optim.Muon, Adam and AdamW"
             )
-        state: dict[str, dict[Any, Any]] = {}
-        for domain in self._domains:
-            # Experts' ShardedTensors span their own group's ranks, keyed by
-            # flatview.checkpoint under that group (flatview.checkpoint_experts).
-            state.update(
-                sharded_state(
-                    domain.members,
-                    self.inner.state,
-                    self._stepped,
-                    domain.rank,
-                    domain.group,
-                    domain.world,
-                    domain.sharded,
-                    cpu_offload,
-                )
+        # Experts' ShardedTensors span their own group's ranks, keyed by
+        # flatview.checkpoint under that group (flatview.checkpoint_experts).
+        everything = self._by_name(
+            lambda d: sharded_state(
+                d.members,
+                self.inner.state,
+                self._stepped,
+                d.rank,
+                d.group,
+                d.world,
+                d.sharded,
+                cpu_offload,
             )
-        everything = {m.name: state[m.name] for m in self._members if m.name in state}
+        )
         return {"state": everything, "param_groups": self._groups_by_name()}
+
+    def _by_name(self, per_domain: Callable[[Domain], dict[str, Any]]) -> dict[str, Any]:
+        """Every domain's states (one collective each where sharded), in the members'
+        order."""
+        found: dict[str, Any] = {}
+        for domain in self._domains:
+            found.update(per_domain(domain))
+        return {m.name: found[m.name] for m in self._members if m.name in found}
 
     def _groups_by_name(self) -> list[dict[str, Any]]:
         names = {id(m.tensor): m.name for m in self._members}

@@ -114,25 +114,7 @@ class FlatViewCallback(_Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Wrap the strategy's model (or take the strategy's own :class:`FlatView`)."""
-        fv = getattr(trainer.strategy, "flatview", None)
-        if fv is not None and self.wrap_options:
-            raise WrapError(
-                f"{type(trainer.strategy).__name__} wraps the model itself: give "
-                f"{sorted(self.wrap_options)} to it, not to FlatViewCallback"
-            )
-        if fv is None:
-            # Wrapped already: by this callback in an earlier fit (a model the strategy
-            # kept, see _finish), or by the user's own flatview.wrap(self) in
-            # configure_optimizers (to build flatview.optim.Whole over the views).
-            fv = _wrapper_of(trainer.strategy)
-            if fv is not None and fv is not self.fv and self.wrap_options:
-                raise WrapError(
-                    f"the model is wrapped already ({fv!r}): give {sorted(self.wrap_options)} "
-                    "to that flatview.wrap, not to FlatViewCallback"
-                )
-        if fv is None:
-            fv = flatview.wrap(trainer.strategy, **self.wrap_options)
-        self.fv = fv
+        fv = self.fv = self._adopt_or_wrap(trainer)
         self._steps = BatchSteps(fv, scope_of(fv, pl_module))
         self._patches = TrainerPatches(trainer, fv)
 
@@ -203,10 +185,30 @@ class FlatViewCallback(_Callback):
         FlatView), if the strategy has built it; ``None`` otherwise."""
         if getattr(trainer.strategy, "model", None) is None:
             return None
-        self.fv = _wrapper_of(trainer.strategy) or flatview.wrap(
-            trainer.strategy, **self.wrap_options
-        )
+        self.fv = self._adopt_or_wrap(trainer)
         return self.fv
+
+    def _adopt_or_wrap(self, trainer: Any) -> FlatView:
+        """The strategy's own FlatView, one that wraps its model already, or a new one."""
+        fv = getattr(trainer.strategy, "flatview", None)
+        if fv is not None and self.wrap_options:
+            raise WrapError(
+                f"{type(trainer.strategy).__name__} wraps the model itself: give "
+                f"{sorted(self.wrap_options)} to it, not to FlatViewCallback"
+            )
+        if fv is None:
+            # Wrapped already: by this callback in an earlier fit (a model the strategy
+            # kept, see _finish), or by the user's own flatview.wrap(self) in
+            # configure_optimizers (to build flatview.optim.Whole over the views).
+            fv = _wrapper_of(trainer.strategy)
+            if fv is not None and fv is not self.fv and self.wrap_options:
+                raise WrapError(
+                    f"the model is wrapped already ({fv!r}): give {sorted(self.wrap_options)} "
+                    "to that flatview.wrap, not to FlatViewCallback"
+                )
+        if fv is None:
+            fv = flatview.wrap(trainer.strategy, **self.wrap_options)
+        return fv
 
     def _still_wrapping(self, trainer: Any) -> bool:
         """Whether this callback's model is still the strategy's model or inside it."""
