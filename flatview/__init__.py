@@ -71,7 +71,9 @@ def wrap(
     """Give an FSDP model's original parameters back as views, and enable skip sets.
 
     Call it once, right after wrapping the model in FSDP (before or after the first
-    forward, but between iterations), on the outermost FSDP module. A
+    forward, but between iterations), on the outermost FSDP module. A model built on the
+    meta device is wrapped once its parameters are materialized (after ``to_empty`` and
+    their initialisation). A
     ``DistributedDataParallel`` model gets skip sets only: DDP keeps the original
     parameters, which ``FlatView.parameters()`` then returns.
 
@@ -126,8 +128,8 @@ def wrap(
     Raises:
         WrapError: ``model`` is not an outermost FSDP model, a DDP model or a DeepSpeed
             engine of a supported configuration (the message names what is not
-            supported), or is already wrapped; or it is a framework's object whose model
-            the framework did not distribute.
+            supported), is already wrapped or still has parameters on the meta device;
+            or it is a framework's object whose model the framework did not distribute.
     """
     model = find_wrapper(model)
     options = _options(reduce_options, Strategy(reduce_strategy), overlap_reduction)

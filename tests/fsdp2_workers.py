@@ -50,6 +50,47 @@ def against_plain(scenario: Scenario) -> dict[str, Any]:
     }
 
 
+def built_on_meta(scenario: Scenario) -> dict[str, Any]:
+    """The net built under ``torch.device("meta")`` and sharded there, as large models are
+    (torchtitan's order): ``flatview.wrap`` before ``to_empty`` (refused: what it raised),
+    then materialized and given the scenario's initial values shard by shard, wrapped and
+    trained; and bare FSDP2 built the usual way, trained alike in the same processes."""
+    from torch.distributed.tensor import distribute_tensor
+
+    initial = make_net(scenario).state_dict()
+    with torch.device("meta"):
+        net = make_net(scenario)
+    model = wrap_fsdp(scenario, net)
+    try:
+        flatview.wrap(model)
+        refused = None
+    except FlatViewError as error:
+        refused = f"{type(error).__name__}: {error}"
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            value = initial[name]
+            if hasattr(tensor, "device_mesh"):
+                value = distribute_tensor(value, tensor.device_mesh, tensor.placements)
+            tensor.copy_(value)
+    fv = flatview.wrap(model)
+    opts = optimizers(model)
+    for _ in distributed_training(scenario, model, fv, opts):
+        pass
+    plain = wrap_fsdp(scenario, make_net(scenario))
+    plain_opts = optimizers(plain)
+    for micros in [range(i, i + 1) for i in range(len(scenario.skips))]:
+        synced_backward(scenario, plain, None, micros)
+        for opt in plain_opts:
+            opt.step()
+            opt.zero_grad()
+    return {
+        "refused": refused,
+        "flatview": full_state(model, scenario),
+        "plain": full_state(plain, scenario),
+    }
+
+
 def mismatch(per_block: bool, declare: bool, hsdp: bool = False) -> dict[str, Any]:
     """Ranks skip different blocks (rank r skips block r % 2; with ``hsdp``, on a 2 x 2
     mesh, replica r // 2 skips block r // 2: the shard groups agree within). With

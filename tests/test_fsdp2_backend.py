@@ -4,6 +4,7 @@ and against bare FSDP2 in the same processes."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,21 @@ def test_same_as_plain_fsdp2(dist_pool: PoolFactory, world_size: int, options: d
         reshard = options.get("reshard_after_forward")
         expected = {False: units + 1, None: 2 * units + 1}.get(reshard, 2 * (units + 1))
         assert gathers == expected
+
+
+def test_built_on_meta_refused_until_materialized(dist_pool: PoolFactory) -> None:
+    """A net built on the meta device and sharded there: ``flatview.wrap`` before
+    ``to_empty`` is refused naming the parameters (torch's lazy initialisation raised
+    its own RuntimeError inside the wrap before); materialized, initialized and then
+    wrapped, it trains exactly as bare FSDP2 built the usual way."""
+    scenario = FSDP2.scenario(GATED, skips=SKIPS[:2])
+    result = dist_pool(2).run(w.built_on_meta, scenario, timeout=TIMEOUT)[0]
+    assert result["refused"] is not None
+    assert re.search(
+        r"WrapError: .*still on the meta device \('stem\.weight', .* more\); materialize",
+        result["refused"],
+    ), result["refused"]
+    compare(result["flatview"], result["plain"], tolerance=0.0)
 
 
 def test_equivalent_hybrid(dist_pool: PoolFactory) -> None:

@@ -146,6 +146,7 @@ def detect(
             f"{takes}; got {type(model).__module__}.{type(model).__qualname__}"
         )
     assert isinstance(model, nn.Module)
+    refuse_meta_parameters(model)
     adapter = entry.build(model, options, compute_on_views)
     overlap = options.overlap
     if overlap is not None and not adapter.takes_overlap:
@@ -162,3 +163,20 @@ def detect(
             "gathers are the wrapper's own (leave it at its default)"
         )
     return adapter
+
+
+def refuse_meta_parameters(model: nn.Module) -> None:
+    """Refuse a model whose parameters are still on the meta device (built under
+    ``torch.device("meta")`` and sharded before ``to_empty``), before any adapter touches
+    it: views of storage that does not exist yet would alias nothing, and
+    ``module.to_empty`` afterwards replaces the parameters flatview recorded. Every rank
+    holds the same meta parameters, so every rank raises, before anything collective."""
+    on_meta = [name for name, param in model.named_parameters() if param.is_meta]
+    if on_meta:
+        shown = ", ".join(repr(name) for name in on_meta[:3])
+        more = f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else ""
+        raise WrapError(
+            f"flatview.wrap was given a model whose parameters are still on the meta "
+            f"device ({shown}{more}); materialize them first (module.to_empty(device=...) "
+            "and their initialisation), then wrap"
+        )
