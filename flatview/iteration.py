@@ -37,6 +37,9 @@ class Binding:
     """Per flat parameter: every segment read (nothing skipped in it)."""
     skipped_segments: tuple[tuple[tuple[int, str], ...], ...]
     """Per flat parameter: ``(segment, name)`` of its skipped segments."""
+    uncallable_units: frozenset[int]
+    """Skipped units whose forward is refused: all but the root, and those under which a
+    parameter the wrapper ignores is used (a reason to call them)."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,13 @@ class Iteration:
     read: tuple[tuple[bool, ...], ...]
     """Per flat parameter, per segment: not skipped, so the forward may read it."""
     skipped_units: frozenset[int]
-    """Units every parameter of which is skipped: neither gathered nor reduced."""
+    """Units every managed parameter of which is skipped (``ParamTable.params_of_unit``):
+    neither gathered nor reduced."""
     step: int
     """The number of the ``FlatView.step`` in force when it was bound."""
     plain_used: frozenset[int]
-    """Plain parameters trained in this iteration (not skipped, not frozen)."""
+    """Plain parameters the wrapper manages (not ignored) trained in this iteration (not
+    skipped, not frozen)."""
     declared: bool = False
     """Bound inside a ``FlatView.step()`` (step ``step``): its skip set covers this
     forward. A backward inside a step must belong to a forward bound in that step."""
@@ -73,7 +78,7 @@ def _binding(table: ParamTable, skipped: frozenset[int], frozen: frozenset[int])
         for u, members in enumerate(table.params_of_unit)
         if members and skipped.issuperset(members)
     )
-    plain_used = frozenset(i for i in table.plain if i not in off)
+    plain_used = frozenset(i for i in table.managed_plain if i not in off)
     segments = tuple(
         tuple(
             (segment, table.name(index))
@@ -82,7 +87,14 @@ def _binding(table: ParamTable, skipped: frozenset[int], frozen: frozenset[int])
         )
         for flat in table.flats
     )
-    return Binding(used, read, skipped_units, plain_used, tuple(map(all, read)), segments)
+    uncallable = frozenset(
+        u
+        for u in skipped_units
+        if not table.units[u].is_root and skipped.issuperset(table.ignored_of_unit[u])
+    )
+    return Binding(
+        used, read, skipped_units, plain_used, tuple(map(all, read)), segments, uncallable
+    )
 
 
 class Binder:

@@ -302,16 +302,15 @@ class Runtime:
     # -------------------------------------------------------------- skip binding
 
     def check_unit_forward(self, unit: int) -> None:
-        """Refuse to run a non-root unit whose parameters are all declared skipped:
-        its all-gather would be wasted and its gradient dropped."""
+        """Refuse to run a non-root unit whose parameters are all declared skipped
+        (``Binding.uncallable_units``): its all-gather would be wasted and its gradient
+        dropped."""
         iteration = self.iteration
-        units = self.table.units
-        if iteration is None or unit not in iteration.skipped_units or units[unit].is_root:
-            return
-        raise skipped_unit_called(units[unit].name)
+        if iteration is not None and unit in iteration.binding.uncallable_units:
+            raise skipped_unit_called(self.table.units[unit].name)
 
     def unit_skipped(self, unit: int) -> bool:
-        """Whether every parameter of ``unit`` is skipped in the current iteration."""
+        """Whether every managed parameter of ``unit`` is skipped now (``skipped_units``)."""
         return self.iteration is not None and unit in self.iteration.skipped_units
 
     def _skipping(self, flat: nn.Parameter) -> tuple[Iteration, FlatRecord] | None:
@@ -348,7 +347,8 @@ class Runtime:
         self._guards.guard_plain(self, iteration)
 
     def plain_used(self) -> frozenset[int]:
-        """Indices of the plain parameters trained in the iteration in flight."""
+        """Indices of the managed plain parameters trained in the iteration in flight
+        (``ParamTable.managed_plain``)."""
         return self.iteration.plain_used if self.iteration is not None else frozenset()
 
     def index_of(self, tensor: torch.Tensor) -> int | None:

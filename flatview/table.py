@@ -134,10 +134,27 @@ class ParamTable:
             i for i in self.plain if id(self.params[i].tensor) in reduced
         )
         """Indices of the plain parameters whose gradient flatview all-reduces (DDP)."""
+        ignored = {id(plain.param) for unit in self.units for plain in unit.plain if plain.ignored}
+        self.ignored: frozenset[int] = frozenset(
+            p.index for p in self.params if id(p.tensor) in ignored
+        )
+        """Indices of the plain parameters the wrapper was told to ignore
+        (:attr:`~flatview.backends.base.PlainSpec.ignored`): nobody gathers or reduces
+        them."""
+        self.managed_plain: tuple[int, ...] = tuple(i for i in self.plain if i not in self.ignored)
+        """Indices of the plain parameters the wrapper gathers or reduces (or flatview,
+        for DDP)."""
         self.params_of_unit: list[tuple[int, ...]] = [
-            tuple(p.index for p in self.params if p.unit == u) for u in range(len(self.units))
+            tuple(p.index for p in self.params if p.unit == u and p.index not in self.ignored)
+            for u in range(len(self.units))
         ]
-        """Per unit, the indices of the parameters it manages."""
+        """Per unit, the indices of the parameters it manages: those its collectives
+        gather or reduce."""
+        self.ignored_of_unit: list[tuple[int, ...]] = [
+            tuple(p.index for p in self.params if p.unit == u and p.index in self.ignored)
+            for u in range(len(self.units))
+        ]
+        """Per unit, the indices of the parameters under it that the wrapper ignores."""
         self.own_group_params: frozenset[int] = frozenset(
             p.index for p in self.params if self.units[p.unit].group is not None
         )

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests import edge_workers as ew
+from tests import ignored_workers as iw
 from tests.scenarios import (
     FAIRSCALE,
     BackendConfig,
@@ -135,3 +136,29 @@ def test_fairscale_cpu_offload_with_skip_sets(dist_pool: PoolFactory) -> None:
         skips=((1,), (0,), (), (0, 1)), options={"move_params_to_cpu": True}
     )
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch:NO_SHARD", "fsdp2", "ddp"])
+def test_ignored_parameters_with_skip_sets_train_like_the_reference(
+    dist_pool: PoolFactory, backend: str
+) -> None:
+    """Parameters the wrapper ignores (torch FSDP1's ``ignored_modules``, FSDP2's
+    ``ignored_params``, DDP's ``parameters_to_ignore``), averaged by hand: a step that
+    skips every managed parameter of a unit but uses an ignored one under it (the root's
+    ignored head, block 1's ignored aux, whose unit is still called) trains like the
+    reference. Such a step raised UndeclaredUnusedError (torch FSDP1: the root took no
+    part although its head was not skipped) or refused the unit's forward."""
+    results = dist_pool(2).run(iw.train_ignoring, backend, timeout=TIMEOUT)
+    want = iw.reference(2)
+    for rank, got in enumerate(results):
+        assert sorted(got["params"]) == sorted(want), rank
+        for name, value in want.items():
+            np.testing.assert_allclose(got["params"][name], value, atol=1e-6, err_msg=name)
+    # Skipped parameters have no gradient; the ignored ones used have theirs.
+    for step, skip in enumerate(iw.SKIPS):
+        none = set(results[0]["nones"][step])
+        assert {"head.weight", "head.bias"} & none == (
+            {"head.weight", "head.bias"} if "head" in skip else set()
+        ), step
+        aux_off = "body.1" in skip or "body.1.aux" in skip
+        assert ("body.1.aux.weight" in none) == aux_off, step

@@ -81,6 +81,11 @@ class PlainSpec:
     """The parameter is one of flatview's own views, described as a plain parameter
     (torch FSDP1 ``NO_SHARD`` computed on views), not one the wrapper registered: the
     wrapper's own functions do not know it."""
+    ignored: bool = False
+    """The wrapper was told to leave it alone (torch FSDP1's ``ignored_modules``, FSDP2's
+    ``ignored_params``, DDP's ``parameters_to_ignore``; DeepSpeed's parameters outside
+    the engine's groups): nobody gathers or reduces it, so whether the unit's
+    collectives run does not depend on it."""
 
 
 @dataclass(frozen=True)

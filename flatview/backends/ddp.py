@@ -118,6 +118,7 @@ class DDPAdapter(Adapter):
                 tuple(param.shape),
                 reduced=id(param) in self._backward.reduced,
                 aliases=tuple(self._aliases[id(param)]),
+                ignored=id(param) not in self._backward.reduced,
             )
             for name, param in self._backward.params
         )

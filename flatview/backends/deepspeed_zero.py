@@ -375,7 +375,7 @@ def plain_specs(
         if id(p) in members:
             continue
         names = [name for name, _ in places[id(p)]]
-        specs.append(PlainSpec(names[0], p, tuple(p.shape), aliases=tuple(names[1:])))
+        specs.append(PlainSpec(names[0], p, tuple(p.shape), aliases=tuple(names[1:]), ignored=True))
     return tuple(specs)
 
 

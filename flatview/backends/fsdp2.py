@@ -74,6 +74,7 @@ Everything changed is an instance attribute or a hook, removed by ``uninstall``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any
 
@@ -200,17 +201,24 @@ class FSDP2Adapter(Adapter):
                 UnitSpec(unit.name, unit.module, (), tuple(plain), unit.module is self.root, own)
             )
         # Parameters FSDP2 does not manage (ignored_params): every rank holds them whole.
-        extra = tuple(
-            PlainSpec(
-                self.model.names[id(p)], p, tuple(p.shape), aliases=tuple(self.model.aliases[id(p)])
+        # Each belongs to the innermost unit it is under (units are in module order), so
+        # that one used keeps that unit callable when the rest of the unit is skipped.
+        ignored = {id(p): p for p in self.root.parameters() if id(p) not in managed}
+        if not ignored:
+            return specs
+        owner: dict[int, int] = {}
+        for index, unit in enumerate(self.units):
+            owner.update((id(p), index) for p in unit.module.parameters() if id(p) in ignored)
+        for key, p in ignored.items():
+            extra = PlainSpec(
+                self.model.names[key],
+                p,
+                tuple(p.shape),
+                aliases=tuple(self.model.aliases[key]),
+                ignored=True,
             )
-            for p in self.root.parameters()
-            if id(p) not in managed
-        )
-        if extra:
-            specs[0] = UnitSpec(
-                specs[0].name, specs[0].module, (), specs[0].plain + extra, specs[0].is_root
-            )
+            spec = specs[owner[key]]
+            specs[owner[key]] = dataclasses.replace(spec, plain=(*spec.plain, extra))
         return specs
 
     def _shards(self, unit: int) -> tuple[int, int]:

@@ -112,7 +112,7 @@ def _plain_params(unit_name: str, unit: Any, unit_ids: set[int]) -> tuple[PlainS
                 continue
             managed.add(id(param))
             name = join(unit_name, clean_name(module_name), attr)
-            plain.append(PlainSpec(name, param, tuple(param.shape)))
+            plain.append(PlainSpec(name, param, tuple(param.shape), ignored=True))
     return tuple(plain)
 
 
