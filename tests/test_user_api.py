@@ -28,6 +28,8 @@ from tests import user_workers as w
 from tests.scenarios import (
     DDP,
     FAIRSCALE,
+    FSDP2,
+    GATED,
     TORCH_NO_SHARD_RUNTIME,
     BackendConfig,
     Scenario,
@@ -49,6 +51,10 @@ SHARDED = (
 )
 BASE = Scenario(width=5, inner=(6, 4), norms=(True, False), skips=((), (1,), (0,)))
 ORIG = {"use_orig_params": True}
+GATED_FIELDS = {
+    field: getattr(GATED, field) for field in ("width", "inner", "norms", "gates", "aux", "skips")
+}
+"""The fields of the skip-set scenario that make a case of it (gates, aux, skips)."""
 
 
 def case(config: BackendConfig, **fields: Any) -> Any:
@@ -75,6 +81,24 @@ def test_forward_inside_summon_full_params(dist_pool: PoolFactory, scenario: Sce
         assert len(got["errors"]) == 3, rank
         assert all("summon_full_params" in e for e in got["errors"]), rank
         assert "recurse=True" in got["not_summoned"], rank
+    compare(results[0]["params"], results[0]["reference"])
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        *(case(c, **GATED_FIELDS) for c in (FAIRSCALE, FULL_SHARD, FSDP2, DDP)),
+        *(
+            pytest.param(*case(c, **GATED_FIELDS).values, marks=pytest.mark.slow, id=str(c))
+            for c in SHARDED[2:]
+        ),
+    ],
+)
+def test_two_forwards_then_one_backward(dist_pool: PoolFactory, scenario: Scenario) -> None:
+    """The contrastive pattern: two forwards of the root (two views of each sample),
+    then one backward through both losses, inside one ``fv.step``, skip sets varying
+    per step: trains as the unwrapped model."""
+    results = dist_pool(2).run(w.contrastive_task, scenario, timeout=TIMEOUT)
     compare(results[0]["params"], results[0]["reference"])
 
 

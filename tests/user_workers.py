@@ -36,6 +36,7 @@ from tests.scenarios import (
     optimizer_steps,
     reference_backward,
     reference_model,
+    skip_names,
     synced_backward,
 )
 
@@ -330,3 +331,33 @@ def _by_original_name(state: dict[str, np.ndarray] | None) -> dict[str, np.ndarr
         if key.startswith("head."):
             out[key] = value
     return out
+
+
+def contrastive_task(scenario: Scenario) -> dict[str, Any]:
+    """Two forwards of the root, then one backward through the sum of their losses (the
+    contrastive pattern: two views of each sample through one model), per step inside
+    one ``fv.step``; rank 0's final parameters and the unwrapped model's, trained alike
+    in this process."""
+
+    def losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, skip: Any) -> torch.Tensor:
+        return loss_of(model(x, skip), y) + 0.5 * loss_of(model(x * 0.5, skip), y)
+
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for micro in range(len(scenario.skips)):
+            x, y = local_batch(scenario, micro)
+            skip = skip_names(scenario, micro)
+            with fv.step(skip=list(skip)):
+                losses(model, x, y, skip).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        params = full_state(model, scenario)
+    net, ref_opts = reference_model(scenario)
+    for micro in range(len(scenario.skips)):
+        x, y = batch(scenario, micro)
+        losses(net, x, y, skip_names(scenario, micro)).backward()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad()
+    return {"params": params, "reference": reference_params(net)}
