@@ -146,9 +146,11 @@ def test_ignored_parameters_with_skip_sets_train_like_the_reference(
     ``ignored_params``, DDP's ``parameters_to_ignore``), averaged by hand: a step that
     skips every managed parameter of a unit but uses an ignored one under it (the root's
     ignored head, block 1's ignored aux, whose unit is still called) trains like the
-    reference. Such a step raised UndeclaredUnusedError (torch FSDP1: the root took no
+    reference, clipped by the global norm of every parameter, the ignored ones
+    included. Such a step raised UndeclaredUnusedError (torch FSDP1: the root took no
     part although its head was not skipped) or refused the unit's forward."""
     results = dist_pool(2).run(iw.train_ignoring, backend, timeout=TIMEOUT)
+    assert min(results[0]["norms"]) > iw.CLIP, results[0]["norms"]  # clipping bites
     want = iw.reference(2)
     for rank, got in enumerate(results):
         assert sorted(got["params"]) == sorted(want), rank
