@@ -30,24 +30,30 @@ def against_plain(scenario: Scenario) -> dict[str, Any]:
     every rank, which bare FSDP2 trains correctly) in the same processes: what each
     communicated per step and their final parameters."""
     model, fv, opts = distributed_model(scenario)
-    plain = wrap_fsdp(scenario, make_net(scenario))
-    plain_opts = optimizers(plain)
     stats, gathers = [], []
     for stepped in distributed_training(scenario, model, fv, opts):
         if not stepped:
             stats.append(fv.stats)
             gathers.append(fv.ledger.calls.get("all_gather", 0))
+    return {
+        "flatview": full_state(model, scenario),
+        "plain": _bare_fsdp2(scenario),
+        "stats": stats,
+        "gathers": gathers,
+    }
+
+
+def _bare_fsdp2(scenario: Scenario) -> dict[str, Any] | None:
+    """The scenario's net sharded with FSDP2 alone, trained a step per micro-batch: its
+    full parameters (rank 0)."""
+    plain = wrap_fsdp(scenario, make_net(scenario))
+    plain_opts = optimizers(plain)
     for micros in [range(i, i + 1) for i in range(len(scenario.skips))]:
         synced_backward(scenario, plain, None, micros)
         for opt in plain_opts:
             opt.step()
             opt.zero_grad()
-    return {
-        "flatview": full_state(model, scenario),
-        "plain": full_state(plain, scenario),
-        "stats": stats,
-        "gathers": gathers,
-    }
+    return full_state(plain, scenario)
 
 
 def built_on_meta(scenario: Scenario) -> dict[str, Any]:
@@ -77,17 +83,10 @@ def built_on_meta(scenario: Scenario) -> dict[str, Any]:
     opts = optimizers(model)
     for _ in distributed_training(scenario, model, fv, opts):
         pass
-    plain = wrap_fsdp(scenario, make_net(scenario))
-    plain_opts = optimizers(plain)
-    for micros in [range(i, i + 1) for i in range(len(scenario.skips))]:
-        synced_backward(scenario, plain, None, micros)
-        for opt in plain_opts:
-            opt.step()
-            opt.zero_grad()
     return {
         "refused": refused,
         "flatview": full_state(model, scenario),
-        "plain": full_state(plain, scenario),
+        "plain": _bare_fsdp2(scenario),
     }
 
 
