@@ -889,6 +889,12 @@ def _torch_kwargs(scenario: Scenario) -> dict[str, Any]:
 _HYBRID_GROUPS: dict[tuple[str, int, int], dict[str, Any]] = {}
 
 
+_FSDP2_MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], Any] = {}
+"""Per worker process, FSDP2's meshes by shape and dimension names, kept as
+:data:`_HYBRID_GROUPS` (an HSDP mesh makes process groups: a thorough run piled up
+hundreds per worker, each with its own gloo threads)."""
+
+
 def hybrid_groups(kind: str, shard_size: int = HYBRID_SHARD_SIZE) -> dict[str, Any]:
     """torch FSDP1's hybrid-sharding argument for a grid of shard groups of ``shard_size``
     consecutive ranks: a 2-D ``device_mesh`` (``kind="mesh"``, dimensions replicate x
@@ -986,7 +992,10 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
         replicas = scenario.world_size // HYBRID_SHARD_SIZE
     shape = (replicas, scenario.world_size // replicas) if replicas else (scenario.world_size,)
     names = ("replicate", "shard") if replicas else ("shard",)
-    kwargs: dict[str, Any] = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=names)}
+    key = (shape, names)
+    if key not in _FSDP2_MESHES:
+        _FSDP2_MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    kwargs: dict[str, Any] = {"mesh": _FSDP2_MESHES[key]}
     if "reshard_after_forward" in options:
         kwargs["reshard_after_forward"] = options.pop("reshard_after_forward")
     if "mixed_precision" in options:
