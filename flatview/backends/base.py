@@ -58,7 +58,8 @@ class FlatSpec:
 
 @dataclass(frozen=True)
 class PlainSpec:
-    """A parameter a unit manages without flattening it."""
+    """A parameter under a unit that the wrapper does not flatten: managed as it is, or
+    ignored (:attr:`ignored`)."""
 
     name: str
     """Its original name."""
