@@ -81,9 +81,15 @@ def _wrap(backend: str, net: IgnoringNet) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import ShardingStrategy
 
-        # NO_SHARD: flatview computes on the views, reducing as for DDP.
-        strategy = ShardingStrategy[backend.partition(":")[2] or "FULL_SHARD"]
-        kwargs: dict[str, Any] = {"device_id": torch.device("cpu"), "sharding_strategy": strategy}
+        # "torch:NO_SHARD": flatview computes on the views, reducing as for DDP;
+        # "torch:orig": use_orig_params=True.
+        option = backend.partition(":")[2]
+        strategy = ShardingStrategy["FULL_SHARD" if option in ("", "orig") else option]
+        kwargs: dict[str, Any] = {
+            "device_id": torch.device("cpu"),
+            "sharding_strategy": strategy,
+            "use_orig_params": option == "orig",
+        }
         for i, block in enumerate(net.body):
             inner = [block.aux] if i == 1 else None
             net.body[i] = FSDP(block, ignored_modules=inner, **kwargs)

@@ -138,7 +138,7 @@ def test_fairscale_cpu_offload_with_skip_sets(dist_pool: PoolFactory) -> None:
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch:NO_SHARD", "fsdp2", "ddp"])
+@pytest.mark.parametrize("backend", ["torch", "torch:orig", "torch:NO_SHARD", "fsdp2", "ddp"])
 def test_ignored_parameters_with_skip_sets_train_like_the_reference(
     dist_pool: PoolFactory, backend: str
 ) -> None:
