@@ -38,8 +38,8 @@ class Binding:
     skipped_segments: tuple[tuple[tuple[int, str], ...], ...]
     """Per flat parameter: ``(segment, name)`` of its skipped segments."""
     uncallable_units: frozenset[int]
-    """Skipped units whose forward is refused: all but the root, and those under which a
-    parameter the wrapper ignores is used (a reason to call them)."""
+    """Skipped units whose forward is refused: every one but the root and those under
+    which the step uses a parameter the wrapper ignores (a reason to call them)."""
 
 
 @dataclass(frozen=True)

@@ -144,16 +144,14 @@ class ParamTable:
         self.managed_plain: tuple[int, ...] = tuple(i for i in self.plain if i not in self.ignored)
         """Indices of the plain parameters the wrapper gathers or reduces (or flatview,
         for DDP)."""
-        self.params_of_unit: list[tuple[int, ...]] = [
-            tuple(p.index for p in self.params if p.unit == u and p.index not in self.ignored)
-            for u in range(len(self.units))
-        ]
+        managed_of: list[list[int]] = [[] for _ in self.units]
+        ignored_of: list[list[int]] = [[] for _ in self.units]
+        for p in self.params:  # one pass: models have thousands of units and tensors
+            (ignored_of if p.index in self.ignored else managed_of)[p.unit].append(p.index)
+        self.params_of_unit: list[tuple[int, ...]] = [tuple(m) for m in managed_of]
         """Per unit, the indices of the parameters it manages: those its collectives
         gather or reduce."""
-        self.ignored_of_unit: list[tuple[int, ...]] = [
-            tuple(p.index for p in self.params if p.unit == u and p.index in self.ignored)
-            for u in range(len(self.units))
-        ]
+        self.ignored_of_unit: list[tuple[int, ...]] = [tuple(m) for m in ignored_of]
         """Per unit, the indices of the parameters under it that the wrapper ignores."""
         self.own_group_params: frozenset[int] = frozenset(
             p.index for p in self.params if self.units[p.unit].group is not None
