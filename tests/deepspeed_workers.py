@@ -1004,6 +1004,7 @@ def muon_engine(
     import flatview
     import flatview.optim
     from tests.scenarios import make_net
+    from tests.whole_workers import ADAMW_EPS
 
     net = make_net(scenario)
     deferred = flatview.optim.Deferred(net.parameters())
@@ -1015,7 +1016,7 @@ def muon_engine(
     matrices = [p for _, p in named if fv.shape_of(p).ndim == 2]
     rest = [p for _, p in named if fv.shape_of(p).ndim != 2]
     muon = flatview.optim.Whole(torch.optim.Muon, fv, matrices, **muon_kwargs)
-    adamw = torch.optim.AdamW(rest, lr=0.01)
+    adamw = torch.optim.AdamW(rest, lr=0.01, eps=ADAMW_EPS)  # as the reference's
     deferred.set(muon, adamw)
     return engine, fv, muon, adamw
 
