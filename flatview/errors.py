@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+
+def listing(names: Sequence[str], limit: int = 8) -> str:
+    """The first ``limit`` names, quoted, and how many more: how a message names its
+    culprits."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
 
 class FlatViewError(RuntimeError):
     """Base class of every error flatview raises on purpose."""

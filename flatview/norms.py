@@ -48,7 +48,7 @@ from torch import nn
 
 from flatview.comm.collectives import gather_objects
 from flatview.comm.norms import COLUMNS, NormExchange, reduce_within, request_code
-from flatview.errors import FlatViewError, NormError, StateError
+from flatview.errors import FlatViewError, NormError, StateError, listing
 from flatview.layout import Placement
 from flatview.local_tensors import local_tensor
 from flatview.phase import Phase
@@ -379,12 +379,6 @@ def _raise_on_disagreement(
             f"on some rank the tensor given for {listing(names)} is laid out like neither "
             "the view nor the whole parameter (its number of elements is neither)"
         )
-
-
-def listing(names: Sequence[str], limit: int = 8) -> str:
-    """The first ``limit`` names, quoted, and how many more."""
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 # ------------------------------------------------------------------ public helpers

@@ -29,9 +29,8 @@ from flatview.backends.base import Adapter
 from flatview.backends.messages import double_count
 from flatview.backends.unit_tree import label
 from flatview.comm.collectives import gather_objects
-from flatview.errors import OptimStateError, ParamGroupError
+from flatview.errors import OptimStateError, ParamGroupError, listing
 from flatview.layout import Placement
-from flatview.norms import listing
 from flatview.table import ParamTable
 from flatview.view_hooks import refuse_view_hooks
 

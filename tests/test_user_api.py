@@ -57,15 +57,17 @@ GATED_FIELDS = {
 """The fields of the skip-set scenario that make a case of it (gates, aux, skips)."""
 
 
-def case(config: BackendConfig, **fields: Any) -> Any:
-    """A ``pytest.param`` of ``BASE`` on ``config``, skipped where it cannot run."""
+def case(config: BackendConfig, *, slow: bool = False, **fields: Any) -> Any:
+    """A ``pytest.param`` of ``BASE`` on ``config``, skipped where it cannot run
+    (``slow``: thorough profile only)."""
     scenario = config.scenario(BASE, **fields)
     orig = "-orig" if scenario.options.get("use_orig_params") else ""
     skip = pytest.mark.skipif(
         config.backend == "torch" and not torch_backend_tested(),
         reason="flatview's torch backend refuses this torch version",
     )
-    return pytest.param(scenario, marks=[skip], id=f"{config}{orig}")
+    marks = [skip, pytest.mark.slow] if slow else [skip]
+    return pytest.param(scenario, marks=marks, id=f"{config}{orig}")
 
 
 def configs(*chosen: BackendConfig, orig: bool = True) -> list[Any]:
@@ -88,10 +90,7 @@ def test_forward_inside_summon_full_params(dist_pool: PoolFactory, scenario: Sce
     "scenario",
     [
         *(case(c, **GATED_FIELDS) for c in (FAIRSCALE, FULL_SHARD, FSDP2, DDP)),
-        *(
-            pytest.param(*case(c, **GATED_FIELDS).values, marks=pytest.mark.slow, id=str(c))
-            for c in SHARDED[2:]
-        ),
+        *(case(c, slow=True, **GATED_FIELDS) for c in SHARDED[2:]),
     ],
 )
 def test_two_forwards_then_one_backward(dist_pool: PoolFactory, scenario: Scenario) -> None:

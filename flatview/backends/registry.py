@@ -30,7 +30,7 @@ from flatview.backends.torch_fsdp import TorchFSDPAdapter
 from flatview.backends.torch_replicated import TorchReplicatedAdapter, ineligibility
 from flatview.backends.torch_versions import is_fsdp2, is_torch_fsdp, tested_torch
 from flatview.comm.options import MASK_GATHER_MIN_SAVED, ReduceOptions
-from flatview.errors import WrapError
+from flatview.errors import WrapError, listing
 
 
 @dataclass(frozen=True)
@@ -173,10 +173,8 @@ def refuse_meta_parameters(model: nn.Module) -> None:
     holds the same meta parameters, so every rank raises, before anything collective."""
     on_meta = [name for name, param in model.named_parameters() if param.is_meta]
     if on_meta:
-        shown = ", ".join(repr(name) for name in on_meta[:3])
-        more = f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else ""
         raise WrapError(
             f"flatview.wrap was given a model whose parameters are still on the meta "
-            f"device ({shown}{more}); materialize them first (module.to_empty(device=...) "
-            "and their initialisation), then wrap"
+            f"device ({listing(on_meta, limit=3)}); materialize them first "
+            "(module.to_empty(device=...) and their initialisation), then wrap"
         )

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flatview.comm.ledger import Ledger
-from flatview.errors import StateError, UndeclaredUnusedError
+from flatview.errors import StateError, UndeclaredUnusedError, listing
 
 _GAVE, _LACKED = 1, 0
 """Rows of an exchanged tensor: this rank gave a gradient; it lacked one although used."""
@@ -114,7 +114,7 @@ def undeclared_unused(
     ``subject`` says what ``names`` are (``"parameter(s)"``, ``"the parameters of FSDP
     unit(s)"``), ``why`` what that does to the wrapper's reduction, if anything."""
     return UndeclaredUnusedError(
-        f"{subject} {_listed(names)} got no gradient on {where} in this backward pass, but are "
+        f"{subject} {listing(names)} got no gradient on {where} in this backward pass, but are "
         f"not declared skipped{why}. Pass what a step does not use to FlatView.step(skip=...)."
     )
 
@@ -123,7 +123,7 @@ def replaced_parameters(names: Sequence[str]) -> StateError:
     """The error of parameters that got no gradient because the model no longer holds the
     tensors flatview was built with (``names``): they were replaced on their modules."""
     return StateError(
-        f"parameter(s) {_listed(names)} got no gradient: the model no longer holds the tensors "
+        f"parameter(s) {listing(names)} got no gradient: the model no longer holds the tensors "
         "flatview.wrap found there (they were replaced, by load_state_dict(assign=True) or "
         "by assigning a new parameter), and flatview, like DDP itself, reduces the tensors "
         "it was built with. Load values in place (load_state_dict without assign), or "
@@ -136,14 +136,8 @@ def gradients_taken_in_backward(names: Sequence[str]) -> StateError:
     backward while a post-accumulate-grad hook is registered on them: an optimizer
     stepped inside the backward (and zeroed), on this rank's unreduced gradient."""
     return StateError(
-        f"parameter(s) {_listed(names)} had no gradient left at the end of the backward, and "
+        f"parameter(s) {listing(names)} had no gradient left at the end of the backward, and "
         "carry post-accumulate-grad hooks: an optimizer stepped inside the backward took "
         "this rank's own gradient before it was averaged over the ranks (each rank would "
         "train apart). Step the optimizers after the backward"
     )
-
-
-def _listed(names: Sequence[str]) -> str:
-    """The first eight of ``names``, quoted, and how many more."""
-    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-    return ", ".join(repr(n) for n in names[:8]) + more
