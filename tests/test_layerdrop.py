@@ -1,0 +1,122 @@
+"""LayerDrop of ``transformers`` models (workers in :mod:`tests.layerdrop_workers`): a
+tiny BART whose encoder and decoder drop layers, a unit per layer, 2 ranks, trained
+through :class:`flatview.integrations.layerdrop.LayerDrop`, equals the unwrapped model in
+one process with the same layers passed over by hand. Without it flatview refuses the
+model's own per-rank draws clearly."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from tests import layerdrop_workers as w
+from tests.scenarios import only_on_tested_torch
+
+if TYPE_CHECKING:
+    from tests.conftest import PoolFactory
+
+pytest.importorskip("transformers")
+
+TIMEOUT = 240.0
+BACKENDS = [
+    pytest.param("torch", marks=only_on_tested_torch("torch")),
+    "fairscale",
+    pytest.param("fsdp2", marks=only_on_tested_torch("fsdp2")),
+    "ddp",
+]
+ENCODER_OWN = [
+    "model.encoder.embed_positions.weight",
+    "model.encoder.layernorm_embedding.bias",
+    "model.encoder.layernorm_embedding.weight",
+]
+
+
+def _under(name: str, modules: list[str]) -> bool:
+    return any(name.startswith(module + ".") for module in modules)
+
+
+def _unread(got: dict[str, Any], dropped: list[str]) -> bool:
+    """Whether a step dropped every decoder layer: nothing reads the encoder's output."""
+    return all(f"model.decoder.layers.{i}" in dropped for i in range(w.LAYERS))
+
+
+@pytest.mark.parametrize(
+    ("encoder_p", "decoder_p", "seed"),
+    [(w.DROP, w.DROP, 0), pytest.param(0.0, w.DROP, 3, id="encoder-never-drops")],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layerdrop_trains_like_the_reference(
+    dist_pool: PoolFactory, backend: str, encoder_p: float, decoder_p: float, seed: int
+) -> None:
+    """The same layers dropped on both ranks, their parameters' gradients ``None``, the
+    parameters the unwrapped model's; a step that drops every decoder layer drops the
+    encoder's layers too and leaves its own parameters (not the tied embedding) without
+    a gradient: nothing reads them."""
+    results = dist_pool(2).run(w.train_task, backend, encoder_p, decoder_p, seed, timeout=TIMEOUT)
+    assert results[0]["drops"] == results[1]["drops"]
+    drops = results[0]["drops"]
+    assert any(_unread(results[0], dropped) for dropped in drops), drops
+    assert any(dropped and not _unread(results[0], dropped) for dropped in drops), drops
+    for got in results:
+        assert got["stacks"] == {"model.encoder": encoder_p, "model.decoder": decoder_p}
+        assert got["names_match"]
+        assert got["max_diff"] < 1e-5, got["max_diff"]
+        for dropped, none in zip(drops, got["none_grads"], strict=True):
+            unread = _unread(got, dropped)
+            if unread:
+                assert all(f"model.encoder.layers.{i}" in dropped for i in range(w.LAYERS))
+            want = [n for n in got["names"] if _under(n, dropped) or (unread and n in ENCODER_OWN)]
+            assert none == sorted(want), (dropped, none)
+        # transformers' own draws go on: the global generator moves as without flatview
+        # (6 draws per forward, the encoder's only where its probability is not 0).
+        draws = 6 if encoder_p else 3
+        for step, (value, dropped) in enumerate(zip(got["rng"], drops, strict=True)):
+            torch.manual_seed(100 + step)
+            for _ in range(3 if not encoder_p and _unread(got, dropped) else 0):
+                torch.rand([])
+            want_value = [float(torch.rand([])) for _ in range(draws + 1)][-1]
+            assert value == want_value, step
+        assert got["without"].startswith("UndeclaredUnusedError"), got["without"]
+        # transformers' own draws, seeded alike on both ranks: the first dropped layer.
+        first = "model.encoder.layers.1" if encoder_p else "model.decoder.layers.1"
+        assert f"'{first}" in got["without"], got["without"]  # the unit or its parameters
+
+
+@pytest.mark.parametrize("backend", [BACKENDS[0], "ddp"])
+def test_layerdrop_read_from_the_config_and_run_anyway_under_fsdp(
+    dist_pool: PoolFactory, backend: str
+) -> None:
+    """wav2vec2: its stack reads ``self.config.layerdrop``, and under torch FSDP runs a
+    dropped layer anyway (``synced_gpus``: bare, its layer drop is off there). Through
+    ``LayerDrop`` the dropped layers are dropped, on torch FSDP1 as on DDP, and training
+    equals the unwrapped model's with them passed over. The config keeps its value (in
+    JSON, and pickled as a plain float)."""
+    results = dist_pool(2).run(w.wav2vec2_task, backend, timeout=TIMEOUT)
+    assert results[0]["drops"] == results[1]["drops"]
+    assert any(results[0]["drops"]), results[0]["drops"]
+    for got in results:
+        assert got["value"] == ("Decided", 0.5)
+        assert got["json"]
+        assert got["pickled"] == "float"
+        assert got["names_match"]
+        assert got["max_diff"] < 1e-5, sorted(got["diffs"].items(), key=lambda kv: -kv[1])[:6]
+
+
+def test_layerdrop_edges(dist_pool: PoolFactory) -> None:
+    """On DDP: a model without layer drop is refused; a training forward outside
+    ``LayerDrop.step()`` raises on every rank; evaluation runs every layer; the stack's
+    value pickles and copies as a plain float; a resumed generator draws
+    what the uninterrupted one would; layers recomputed in the backward (gradient
+    checkpointing) train exactly; ``remove`` puts the plain floats back."""
+    for got in dist_pool(2).run(w.edges_task, timeout=TIMEOUT):
+        assert got["no_stack"].startswith("WrapError: LayerDrop: DistributedDataParallel"), got
+        assert "has no module that drops layers" in got["no_stack"]
+        assert got["outside"].startswith("StateError: 'model.encoder' drew a layer-drop"), got
+        assert "outside LayerDrop.step()" in got["outside"]
+        assert got["eval_loss"] == pytest.approx(got["eval_want"], abs=1e-6)
+        assert got["value"] == ("Decided", 0.5)
+        assert got["pickled"] == got["copied"] == got["removed"] == "float"
+        assert got["next"] == got["drops"][2:4], (got["next"], got["drops"])
+        assert got["max_diff"] < 1e-5, got["max_diff"]
