@@ -85,9 +85,11 @@ class _Frame:
     stack: _Stack
     asked: int = 0
     hidden: list[Any] = field(default_factory=list)
+    """The FSDP mark this forward hid from ``transformers`` (empty: none), put back after."""
 
     def forced(self) -> bool:
-        """Whether this step drops layers of a stack whose probability is 0."""
+        """Whether this step drops layers of a stack whose probability is 0 (its gate
+        before the draws must open)."""
         return bool(self.stack.drops) and self.stack.probability <= 0.0
 
     def decide(self) -> bool:
@@ -113,6 +115,14 @@ _FRAMES: list[_Frame] = []
 :class:`Decided` through torch, with no handle on the :class:`LayerDrop`)."""
 
 
+def _deciding(value: object) -> _Frame | None:
+    """The forward in flight whose stack reads ``value`` as its probability, if any: a
+    comparison of anything else is a plain float's."""
+    if _FRAMES and value is getattr(_FRAMES[-1].stack.owner, "layerdrop", None):
+        return _FRAMES[-1]
+    return None
+
+
 class Decided(float):
     """A stack's layer-drop probability whose comparison with a drawn tensor answers from
     the decisions :class:`LayerDrop` drew for the step (a plain float otherwise)."""
@@ -126,25 +136,22 @@ class Decided(float):
         # ``self.layerdrop > 0.0``, the gate before the draws: open for a stack whose
         # layers this step drops although its own probability is 0 (an encoder whose
         # output nothing reads).
-        if other == 0 and isinstance(other, (int, float)) and _FRAMES and _FRAMES[-1].forced():
+        frame = _deciding(self) if other == 0 and isinstance(other, (int, float)) else None
+        if frame is not None and frame.forced():
             return True
         return float(self) > other
-
-    def __hash__(self) -> int:
-        return float.__hash__(self)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
         if (
-            _FRAMES
-            and name in _COMPARISONS
+            name in _COMPARISONS
             and len(args) == 2
             and isinstance(args[0], torch.Tensor)
-            and isinstance(args[1], Decided)
             and args[0].numel() == 1
+            and (frame := _deciding(args[1])) is not None
         ):
-            drop = _FRAMES[-1].decide()
+            drop = frame.decide()
             return torch.tensor(drop if name in _DROP_WHEN_TRUE else not drop)
         plain = [float(a) if isinstance(a, Decided) else a for a in args]
         return func(*plain, **(kwargs or {}))
