@@ -120,3 +120,17 @@ def test_layerdrop_edges(dist_pool: PoolFactory) -> None:
         assert got["pickled"] == got["copied"] == got["removed"] == "float"
         assert got["next"] == got["drops"][2:4], (got["next"], got["drops"])
         assert got["max_diff"] < 1e-5, got["max_diff"]
+
+
+@pytest.mark.parametrize("backend", [BACKENDS[0], "ddp"])
+def test_layerdrop_of_a_decoder_only_model(dist_pool: PoolFactory, backend: str) -> None:
+    """OPT: one stack, every layer of it dropped in some step (nothing but the
+    embeddings and the head then trains), equal to the reference."""
+    results = dist_pool(2).run(w.opt_task, backend, timeout=TIMEOUT)
+    assert results[0]["drops"] == results[1]["drops"]
+    drops = results[0]["drops"]
+    assert any(len(dropped) == w.LAYERS for dropped in drops), drops
+    for got in results:
+        assert got["stacks"] == {"model.decoder": w.DROP}
+        assert got["names_match"]
+        assert got["max_diff"] < 1e-5, got["max_diff"]
