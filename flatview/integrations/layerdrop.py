@@ -39,7 +39,7 @@ import importlib
 import inspect
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +57,8 @@ _FSDP_MANAGED = "_is_fsdp_managed_module"
 _KEEP_WHEN_TRUE = frozenset({"__gt__", "gt", "__ge__", "ge"})
 _DROP_WHEN_TRUE = frozenset({"__lt__", "lt", "__le__", "le"})
 _COMPARISONS = _KEEP_WHEN_TRUE | _DROP_WHEN_TRUE
+_ANSWERS = {False: torch.tensor(False), True: torch.tensor(True)}
+"""What a comparison answers (made once: a tensor made per layer costs 7 us)."""
 
 
 @dataclass
@@ -84,8 +86,8 @@ class _Frame:
 
     stack: _Stack
     asked: int = 0
-    hidden: list[Any] = field(default_factory=list)
-    """The FSDP mark this forward hid from ``transformers`` (empty: none), put back after."""
+    hid_mark: bool = False
+    """Whether this forward hid torch FSDP's mark from ``transformers`` (put back after)."""
 
     def forced(self) -> bool:
         """Whether this step drops layers of a stack whose probability is 0 (its gate
@@ -99,7 +101,8 @@ class _Frame:
             raise StateError(
                 f"{stack.name!r} drew a layer-drop decision outside LayerDrop.step(): every "
                 "training forward of a model with layer drop must run inside "
-                "LayerDrop.step() (it declares the dropped layers), or set its layerdrop to 0"
+                "LayerDrop.step() (it declares the dropped layers); LayerDrop.remove() "
+                "gives the model its own draws back"
             )
         if self.asked >= len(stack.layers):
             raise StateError(
@@ -136,9 +139,9 @@ class Decided(float):
         # ``self.layerdrop > 0.0``, the gate before the draws: open for a stack whose
         # layers this step drops although its own probability is 0 (an encoder whose
         # output nothing reads).
-        frame = _deciding(self) if other == 0 and isinstance(other, (int, float)) else None
-        if frame is not None and frame.forced():
-            return True
+        if float(self) <= 0.0 and other == 0 and isinstance(other, (int, float)):
+            frame = _deciding(self)
+            return frame is not None and frame.forced()
         return float(self) > other
 
     @classmethod
@@ -152,7 +155,7 @@ class Decided(float):
             and (frame := _deciding(args[1])) is not None
         ):
             drop = frame.decide()
-            return torch.tensor(drop if name in _DROP_WHEN_TRUE else not drop)
+            return _ANSWERS[drop if name in _DROP_WHEN_TRUE else not drop]
         plain = [float(a) if isinstance(a, Decided) else a for a in args]
         return func(*plain, **(kwargs or {}))
 
@@ -245,7 +248,8 @@ class LayerDrop:
     Raises:
         WrapError: the model has no stack with layer drop, or one flatview does not
             recognise, or a stack that runs dropped layers anyway under DeepSpeed
-            ZeRO-3; the message names it.
+            ZeRO-3, or one another ``LayerDrop`` already draws for (``remove()`` it
+            first); the message names it.
     """
 
     def __init__(self, fv: FlatView, *, seed: int = 0) -> None:
@@ -255,6 +259,12 @@ class LayerDrop:
             raise WrapError(
                 f"LayerDrop: {type(fv.model).__name__} has no module that drops layers "
                 "(a transformers stack reading self.layerdrop or self.config.layerdrop)"
+            )
+        taken = [stack.name for stack in self._stacks if isinstance(stack.owner.layerdrop, Decided)]
+        if taken:
+            raise WrapError(
+                f"LayerDrop: {taken} already draw(s) through another LayerDrop; remove() "
+                "that one first (two would each declare their own decisions)"
             )
         _refuse_zero3(self._stacks)
         self._unread = {
@@ -329,7 +339,7 @@ class LayerDrop:
         def enter(module: nn.Module, args: Any) -> None:
             frame = _Frame(stack)
             if stack.synced and getattr(module, _FSDP_MANAGED, False):
-                frame.hidden.append(module.__dict__.get(_FSDP_MANAGED))
+                frame.hid_mark = True
                 setattr(module, _FSDP_MANAGED, False)
             _FRAMES.append(frame)
 
@@ -343,8 +353,8 @@ class LayerDrop:
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
             frame = _FRAMES.pop()
-            if frame.hidden:
-                setattr(module, _FSDP_MANAGED, frame.hidden[0])
+            if frame.hid_mark:
+                setattr(module, _FSDP_MANAGED, True)
 
         module = stack.module
         self._handles.append(module.register_forward_pre_hook(enter))
