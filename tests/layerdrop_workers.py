@@ -1,8 +1,8 @@
-"""Worker tasks of ``tests/test_layerdrop.py``: a tiny BART from ``transformers`` with
-layer drop in its encoder and decoder, a unit per layer, trained through
-:class:`flatview.integrations.layerdrop.LayerDrop` on 2 ranks, against the unwrapped model
-in one process whose dropped layers are passed over by hand. ``transformers`` is imported
-inside the tasks: the module imports without it."""
+"""Worker tasks of ``tests/test_layerdrop.py``: tiny ``transformers`` models with layer
+drop (BART: encoder and decoder; wav2vec2: read from the config; OPT: decoder-only), a
+unit per layer, trained through :class:`flatview.integrations.layerdrop.LayerDrop` on 2
+ranks, against the unwrapped model in one process whose dropped layers are passed over by
+hand. ``transformers`` is imported inside the tasks: the module imports without it."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ VOCAB = 40
 LAYERS = 3
 STEPS = 5
 DROP = 0.5
+
+Loss = Callable[..., torch.Tensor]
+"""``loss(model, step, chunk=False)``: a step's loss on the global batch, or on this
+rank's chunk of it."""
 
 
 def bart_config(encoder_p: float, decoder_p: float) -> Any:
@@ -57,47 +61,36 @@ def tiny_bart(encoder_p: float = DROP, decoder_p: float = DROP) -> nn.Module:
     return BartForConditionalGeneration(bart_config(encoder_p, decoder_p))
 
 
-def layer_classes() -> set[type[nn.Module]]:
+def bart_layers() -> set[type[nn.Module]]:
     from transformers.models.bart.modeling_bart import BartDecoderLayer, BartEncoderLayer
 
     return {BartEncoderLayer, BartDecoderLayer}
 
 
-def wrapped(model: nn.Module, backend: str) -> nn.Module:
-    """``model`` in the backend's wrapper, each encoder and decoder layer a unit."""
+def wrapped(model: nn.Module, backend: str, layers: set[type[nn.Module]]) -> nn.Module:
+    """``model`` in the backend's wrapper, each module of a type in ``layers`` a unit."""
+    kinds = tuple(layers)
     if backend == "torch":
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        policy = ModuleWrapPolicy(layer_classes())
+        policy = ModuleWrapPolicy(layers)
         return TorchFSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    if backend == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, kinds)]
     if backend == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for module in list(model.modules()):
-            if isinstance(module, tuple(layer_classes())):
-                fully_shard(module)
+        for _, module in units:
+            fully_shard(module)
         fully_shard(model)
         return model
-    if backend == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
     from fairscale.nn.data_parallel import FullyShardedDataParallel as FairscaleFSDP
 
-    for stack in (model.model.encoder, model.model.decoder):  # type: ignore[union-attr]
-        for i in range(len(stack.layers)):
-            stack.layers[i] = FairscaleFSDP(stack.layers[i])
+    for name, module in units:
+        model.set_submodule(name, FairscaleFSDP(module))
     return FairscaleFSDP(model)
-
-
-def full(model: nn.Module, backend: str) -> dict[str, np.ndarray]:
-    if backend in ("torch", "fairscale"):
-        return full_params(model, backend)
-    inner = model.module if backend == "ddp" else model
-    out = {}
-    for name, param in inner.named_parameters():
-        tensor = param.full_tensor() if backend == "fsdp2" else param  # type: ignore[operator]
-        out[name] = tensor.detach().clone().numpy()
-    return out
 
 
 def batch(step: int, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +115,7 @@ class PassOver(nn.Module):
         return hidden_states
 
 
-def reference(
-    drops: list[list[str]], model: nn.Module, loss: Callable[[nn.Module, int], torch.Tensor]
-) -> dict[str, np.ndarray]:
+def reference(drops: list[list[str]], model: nn.Module, loss: Loss) -> dict[str, np.ndarray]:
     """``model`` (unwrapped, its layer drop 0) trained with the layers named in ``drops``
     passed over in each step."""
     model.train()
@@ -141,6 +132,51 @@ def reference(
     return {n: p.detach().numpy() for n, p in model.named_parameters()}
 
 
+def train(
+    model: nn.Module,
+    fv: flatview.FlatView,
+    layerdrop: LayerDrop,
+    loss: Loss,
+    before: Callable[[int], Any] | None = None,
+    after: Callable[[int], Any] | None = None,
+) -> list[list[str]]:
+    """:data:`STEPS` steps through ``layerdrop`` on this rank's chunks (``before`` and
+    ``after`` each step's forward and backward); the layers each step dropped."""
+    opt = adamw(fv.parameters())
+    drops = []
+    for step in range(STEPS):
+        if before is not None:
+            before(step)
+        with layerdrop.step():
+            loss(model, step, chunk=True).backward()
+        drops.append(list(layerdrop.dropped))
+        if after is not None:
+            after(step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return drops
+
+
+def compared(
+    model: nn.Module, backend: str, drops: list[list[str]], plain: nn.Module, loss: Loss
+) -> dict[str, Any]:
+    """The trained ``model`` against ``plain`` trained by :func:`reference`."""
+    got = full_params(model, backend)
+    want = reference(drops, plain, loss)
+    return {
+        "names_match": sorted(got) == sorted(want),
+        "max_diff": max(float(np.abs(got[n] - want[n]).max()) for n in want),
+    }
+
+
+def _error(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except flatview.FlatViewError as error:
+        return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
 def bart_loss(model: nn.Module, step: int, chunk: bool = False) -> torch.Tensor:
     ids, labels = batch(step)
     if chunk:
@@ -149,45 +185,39 @@ def bart_loss(model: nn.Module, step: int, chunk: bool = False) -> torch.Tensor:
 
 
 def train_task(backend: str, encoder_p: float, decoder_p: float, seed: int) -> dict[str, Any]:
-    """Train through ``LayerDrop``; also what flatview does without it, the parameters
-    left without a gradient each step, and the global generator after each step."""
+    """Train a BART through ``LayerDrop``; also what flatview does without it, the
+    parameters left without a gradient each step, and the global generator after each
+    step."""
     out: dict[str, Any] = {}
     with backend_context(backend):
-        model = wrapped(tiny_bart(encoder_p, decoder_p), backend)
+        model = wrapped(tiny_bart(encoder_p, decoder_p), backend, bart_layers())
         fv = flatview.wrap(model)
-        ids, labels = batch(0)
+
+        def without() -> None:
+            with fv.step():
+                bart_loss(model, 0, chunk=True).backward()
+
         # transformers draws then drop model.encoder.layers.1 and model.decoder.layers.0.
         torch.manual_seed(2)
-        try:
-            with fv.step():
-                model(input_ids=local(ids), labels=local(labels)).loss.backward()
-        except flatview.FlatViewError as error:
-            out["without"] = f"{type(error).__name__}: {error}"
+        out["without"] = _error(without)
         for param in fv.parameters():
             param.grad = None
         layerdrop = LayerDrop(fv, seed=seed)
         out["stacks"] = layerdrop.stacks
-        opt = adamw(fv.parameters())
-        drops, none_grads, rng = [], [], []
-        for step in range(STEPS):
-            ids, labels = batch(step)
-            torch.manual_seed(100 + step)
-            with layerdrop.step():
-                model(input_ids=local(ids), labels=local(labels)).loss.backward()
+        none_grads, rng = [], []
+
+        def record(step: int) -> None:
             rng.append(float(torch.rand([])))
-            drops.append(list(layerdrop.dropped))
             none_grads.append(
                 sorted(n for n, p in fv.named_parameters() if p.grad is None and p.numel())
             )
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+
+        drops = train(
+            model, fv, layerdrop, bart_loss, lambda step: torch.manual_seed(100 + step), record
+        )
         out.update(drops=drops, none_grads=none_grads, rng=rng)
         out["names"] = [n for n, p in fv.named_parameters() if p.numel()]
-        got = full(model, backend)
-        want = reference(drops, tiny_bart(0.0, 0.0), bart_loss)
-        out["names_match"] = sorted(got) == sorted(want)
-        out["max_diff"] = max(float(np.abs(got[n] - want[n]).max()) for n in want)
-        out["rank"] = dist.get_rank()
+        out.update(compared(model, backend, drops, tiny_bart(0.0, 0.0), bart_loss))
     return out
 
 
@@ -218,48 +248,6 @@ def tiny_wav2vec2(layerdrop: float = DROP) -> nn.Module:
     return Wav2Vec2Model(config)
 
 
-def wav2vec2_task(backend: str) -> dict[str, Any]:
-    import pickle
-
-    from transformers.models.wav2vec2.modeling_wav2vec2 import Wav2Vec2EncoderLayer
-
-    out: dict[str, Any] = {}
-    with backend_context(backend):
-        net = tiny_wav2vec2()
-        if backend == "torch":
-            from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-            model = TorchFSDP(
-                net,
-                auto_wrap_policy=ModuleWrapPolicy({Wav2Vec2EncoderLayer}),
-                device_id=torch.device("cpu"),
-            )
-        else:
-            model = nn.parallel.DistributedDataParallel(net)
-        fv = flatview.wrap(model)
-        layerdrop = LayerDrop(fv, seed=0)
-        config = net.config
-        out["value"] = (type(config.layerdrop).__name__, config.layerdrop)
-        out["json"] = '"layerdrop": 0.5' in config.to_json_string()
-        out["pickled"] = type(pickle.loads(pickle.dumps(config)).layerdrop).__name__
-        opt = adamw(fv.parameters())
-        drops = []
-        for step in range(STEPS):
-            with layerdrop.step():
-                wav2vec2_loss(model, step, chunk=True).backward()
-            drops.append(list(layerdrop.dropped))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        out["drops"] = drops
-        got = full(model, backend)
-        want = reference(drops, tiny_wav2vec2(0.0), wav2vec2_loss)
-        out["names_match"] = sorted(got) == sorted(want)
-        out["diffs"] = {n: float(np.abs(got[n] - want[n]).max()) for n in want}
-        out["max_diff"] = max(float(np.abs(got[n] - want[n]).max()) for n in want)
-    return out
-
-
 def wav2vec2_loss(model: nn.Module, step: int, chunk: bool = False) -> torch.Tensor:
     g = torch.Generator().manual_seed(step)
     x, target = torch.randn(4, 40, generator=g), torch.randn(4, 9, 16, generator=g)
@@ -270,17 +258,10 @@ def wav2vec2_loss(model: nn.Module, step: int, chunk: bool = False) -> torch.Ten
     return (model(x).last_hidden_state - target).pow(2).mean()  # type: ignore[no-any-return]
 
 
-def _error(call: Callable[[], Any]) -> str:
-    try:
-        call()
-    except flatview.FlatViewError as error:
-        return f"{type(error).__name__}: {error}"
-    return "accepted"
-
-
 def edges_task() -> dict[str, Any]:
-    """On DDP: refusals, evaluation, the config's value, resuming the draws, gradient
-    checkpointing (layers recomputed in the backward), and ``remove``."""
+    """On DDP: refusals, evaluation, the stack's value, resuming the draws, gradient
+    checkpointing (layers recomputed in the backward), ranks given different seeds,
+    ``unwrap`` and ``remove``."""
     import copy
     import pickle
 
@@ -297,10 +278,9 @@ def edges_task() -> dict[str, Any]:
     model = nn.parallel.DistributedDataParallel(net)
     fv = flatview.wrap(model)
     layerdrop = LayerDrop(fv, seed=0)
+    out["second"] = _error(lambda: LayerDrop(fv))
+    out["outside"] = _error(lambda: bart_loss(model, 0, chunk=True).backward())
     ids, labels = batch(0)
-    out["outside"] = _error(
-        lambda: model(input_ids=local(ids), labels=local(labels)).loss.backward()
-    )
     net.eval()
     with torch.no_grad():
         out["eval_loss"] = float(model(input_ids=ids, labels=labels).loss)
@@ -309,27 +289,32 @@ def edges_task() -> dict[str, Any]:
     out["value"] = (type(value).__name__, value)
     out["pickled"] = type(pickle.loads(pickle.dumps(value))).__name__
     out["copied"] = type(copy.deepcopy(value)).__name__
-    opt = adamw(fv.parameters())
-    drops = []
-    for step in range(STEPS):
+
+    def resume_at_2(step: int) -> None:
         if step == 2:
             saved = layerdrop.state_dict()
             out["next"] = [layerdrop.draw() and list(layerdrop.dropped) for _ in range(2)]
             layerdrop.load_state_dict(saved)
-        with layerdrop.step():
-            bart_loss(model, step, chunk=True).backward()
-        drops.append(list(layerdrop.dropped))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    out["drops"] = drops
-    got = full(model, "ddp")
-    want = reference(drops, tiny_bart(0.0, 0.0), bart_loss)
-    out["max_diff"] = max(float(np.abs(got[n] - want[n]).max()) for n in want)
+
+    out["drops"] = train(model, fv, layerdrop, bart_loss, resume_at_2)
+    out.update(compared(model, "ddp", out["drops"], tiny_bart(0.0, 0.0), bart_loss))
     plain = tiny_bart(0.0, 0.0).eval()
     with torch.no_grad():
         out["eval_want"] = float(plain(input_ids=ids, labels=labels).loss)
     layerdrop.remove()
-    out["removed"] = type(net.model.decoder.layerdrop).__name__
+    out["removed"] = type(net.model.decoder.layerdrop).__name__  # type: ignore[union-attr]
+
+    # One rank's seed differs: its first step drops other layers.
+    differing = LayerDrop(fv, seed=dist.get_rank())
+
+    def one_step() -> None:
+        with differing.step():
+            bart_loss(model, 0, chunk=True).backward()
+
+    out["seeds"] = _error(one_step)
+    fv.unwrap()
+    out["unwrapped"] = _error(one_step)
+    differing.remove()
     return out
 
 
@@ -361,36 +346,43 @@ def opt_loss(model: nn.Module, step: int, chunk: bool = False) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
 
 
-def opt_task(backend: str) -> dict[str, Any]:
+def wav2vec2_layers() -> set[type[nn.Module]]:
+    from transformers.models.wav2vec2.modeling_wav2vec2 import Wav2Vec2EncoderLayer
+
+    return {Wav2Vec2EncoderLayer}
+
+
+def opt_layers() -> set[type[nn.Module]]:
     from transformers.models.opt.modeling_opt import OPTDecoderLayer
 
-    with backend_context(backend):
-        if backend == "torch":
-            from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    return {OPTDecoderLayer}
 
-            model = TorchFSDP(
-                tiny_opt(),
-                auto_wrap_policy=ModuleWrapPolicy({OPTDecoderLayer}),
-                device_id=torch.device("cpu"),
-            )
-        else:
-            model = nn.parallel.DistributedDataParallel(tiny_opt())
+
+KINDS: dict[str, tuple[Callable[..., nn.Module], Callable[[], set[type[nn.Module]]], Loss]] = {
+    "wav2vec2": (tiny_wav2vec2, wav2vec2_layers, wav2vec2_loss),
+    "opt": (tiny_opt, opt_layers, opt_loss),
+}
+"""Models with one stack: how to build one (its probability), its layers' types, its loss."""
+
+
+def model_task(kind: str, backend: str) -> dict[str, Any]:
+    """Train one of :data:`KINDS` through ``LayerDrop``, against the reference; also what
+    its config reads as its probability (JSON, pickled)."""
+    import pickle
+
+    build, layers, loss = KINDS[kind]
+    with backend_context(backend):
+        net = build(DROP)
+        model = wrapped(net, backend, layers())
         fv = flatview.wrap(model)
         layerdrop = LayerDrop(fv, seed=0)
-        opt = adamw(fv.parameters())
-        drops = []
-        for step in range(STEPS):
-            with layerdrop.step():
-                opt_loss(model, step, chunk=True).backward()
-            drops.append(list(layerdrop.dropped))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        got = full(model, backend)
-        want = reference(drops, tiny_opt(0.0), opt_loss)
-        return {
-            "drops": drops,
+        config = net.config
+        out: dict[str, Any] = {
             "stacks": layerdrop.stacks,
-            "names_match": sorted(got) == sorted(want),
-            "max_diff": max(float(np.abs(got[n] - want[n]).max()) for n in want),
+            "value": (type(config.layerdrop).__name__, config.layerdrop),
+            "json": f'"layerdrop": {DROP}' in config.to_json_string(),
+            "pickled": type(pickle.loads(pickle.dumps(config)).layerdrop).__name__,
         }
+        out["drops"] = train(model, fv, layerdrop, loss)
+        out.update(compared(model, backend, out["drops"], build(0.0), loss))
+    return out

@@ -93,7 +93,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def full_params(model: nn.Module, backend: str) -> dict[str, np.ndarray]:
-    """The full parameters by original name (every rank)."""
+    """The full parameters by original name (every rank); ``backend`` also ``"fsdp2"``
+    or ``"ddp"``."""
+    if backend in ("fsdp2", "ddp"):
+        inner = model.module if backend == "ddp" else model
+        return {
+            name: (p.full_tensor() if backend == "fsdp2" else p).detach().clone().numpy()  # type: ignore[operator]
+            for name, p in inner.named_parameters()  # type: ignore[union-attr]
+        }
     out = {}
     with summoned(model, backend):
         for name, param in user_module(model, backend).named_parameters():
