@@ -6,7 +6,7 @@ model's own per-rank draws clearly."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -37,7 +37,7 @@ def _under(name: str, modules: list[str]) -> bool:
     return any(name.startswith(module + ".") for module in modules)
 
 
-def _unread(got: dict[str, Any], dropped: list[str]) -> bool:
+def _unread(dropped: list[str]) -> bool:
     """Whether a step dropped every decoder layer: nothing reads the encoder's output."""
     return all(f"model.decoder.layers.{i}" in dropped for i in range(w.LAYERS))
 
@@ -57,14 +57,14 @@ def test_layerdrop_trains_like_the_reference(
     results = dist_pool(2).run(w.train_task, backend, encoder_p, decoder_p, seed, timeout=TIMEOUT)
     assert results[0]["drops"] == results[1]["drops"]
     drops = results[0]["drops"]
-    assert any(_unread(results[0], dropped) for dropped in drops), drops
-    assert any(dropped and not _unread(results[0], dropped) for dropped in drops), drops
+    assert any(_unread(dropped) for dropped in drops), drops
+    assert any(dropped and not _unread(dropped) for dropped in drops), drops
     for got in results:
         assert got["stacks"] == {"model.encoder": encoder_p, "model.decoder": decoder_p}
         assert got["names_match"]
         assert got["max_diff"] < 1e-5, got["max_diff"]
         for dropped, none in zip(drops, got["none_grads"], strict=True):
-            unread = _unread(got, dropped)
+            unread = _unread(dropped)
             if unread:
                 assert all(f"model.encoder.layers.{i}" in dropped for i in range(w.LAYERS))
             want = [n for n in got["names"] if _under(n, dropped) or (unread and n in ENCODER_OWN)]
@@ -74,7 +74,7 @@ def test_layerdrop_trains_like_the_reference(
         draws = 6 if encoder_p else 3
         for step, (value, dropped) in enumerate(zip(got["rng"], drops, strict=True)):
             torch.manual_seed(100 + step)
-            for _ in range(3 if not encoder_p and _unread(got, dropped) else 0):
+            for _ in range(3 if not encoder_p and _unread(dropped) else 0):
                 torch.rand([])
             want_value = [float(torch.rand([])) for _ in range(draws + 1)][-1]
             assert value == want_value, step

@@ -76,6 +76,9 @@ class _Stack:
     feeds_on: _Stack | None = None
     """The encoder whose output this decoder's layers alone read (an encoder-decoder
     model's ``encoder`` beside it): unused in a step that drops all of them."""
+    unread: tuple[str, ...] = ()
+    """The names of ``feeds_on``'s own parameters (not those held outside it too, as a
+    tied embedding is), skipped in such a step."""
     drops: tuple[bool, ...] = ()
     """This step's decisions, one per layer (True: dropped); empty outside a step."""
 
@@ -210,7 +213,7 @@ def _find_stacks(model: nn.Module, clean: Any) -> list[_Stack]:
     return stacks
 
 
-def _own_parameters(fv: FlatView, module: nn.Module) -> list[str]:
+def _own_parameters(fv: FlatView, module: nn.Module) -> tuple[str, ...]:
     """The original names of the parameters under ``module`` that nothing outside it
     holds (a tied embedding is held outside too)."""
     names = {id(param): name for name, param in fv.named_parameters()}
@@ -220,7 +223,7 @@ def _own_parameters(fv: FlatView, module: nn.Module) -> list[str]:
     for m in fv.model.modules():
         held = inside if id(m) in under else outside
         held.update(id(param) for param in m.parameters(recurse=False))
-    return sorted(names[i] for i in inside - outside if i in names)
+    return tuple(sorted(names[i] for i in inside - outside if i in names))
 
 
 class LayerDrop:
@@ -267,11 +270,9 @@ class LayerDrop:
                 "that one first (two would each declare their own decisions)"
             )
         _refuse_zero3(self._stacks)
-        self._unread = {
-            id(stack): _own_parameters(fv, stack.feeds_on.module)
-            for stack in self._stacks
-            if stack.feeds_on is not None
-        }
+        for stack in self._stacks:
+            if stack.feeds_on is not None:
+                stack.unread = _own_parameters(fv, stack.feeds_on.module)
         self._generator = torch.Generator().manual_seed(seed)
         self._handles: list[Any] = []
         self.dropped: list[str] = []
@@ -300,7 +301,7 @@ class LayerDrop:
                 # Nothing reads the encoder's output: its layers change nothing, and its
                 # own parameters (not the embedding tied to the decoder's) get no gradient.
                 encoder.drops = (True,) * len(encoder.layers)
-                skip += self._unread[id(stack)]
+                skip += stack.unread
         self.dropped = []
         for stack in (stack for stack in self._stacks if stack.drops):
             for layer, name, drop in zip(stack.layers, stack.layer_names, stack.drops, strict=True):
@@ -325,6 +326,7 @@ class LayerDrop:
         return {"generator": self._generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the draws from :meth:`state_dict`."""
         self._generator.set_state(state["generator"])
 
     def remove(self) -> None:
