@@ -6,6 +6,7 @@ hand. ``transformers`` is imported inside the tasks: the module imports without 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -115,20 +116,23 @@ class PassOver(nn.Module):
         return hidden_states
 
 
-def reference(drops: list[list[str]], model: nn.Module, loss: Loss) -> dict[str, np.ndarray]:
+def reference(
+    drops: list[list[str]], model: nn.Module, loss: Loss, micros: int = 1
+) -> dict[str, np.ndarray]:
     """``model`` (unwrapped, its layer drop 0) trained with the layers named in ``drops``
-    passed over in each step."""
+    passed over in each micro-batch, stepped every ``micros`` of them."""
     model.train()
     opt = adamw(model.parameters())
-    for step, dropped in enumerate(drops):
+    for index, dropped in enumerate(drops):
         kept = {name: model.get_submodule(name) for name in dropped}
         for name in dropped:
             model.set_submodule(name, PassOver())
-        loss(model, step).backward()
+        loss(model, index).backward()
         for name, layer in kept.items():
             model.set_submodule(name, layer)
-        opt.step()
-        opt.zero_grad()
+        if index % micros == micros - 1:
+            opt.step()
+            opt.zero_grad()
     return {n: p.detach().numpy() for n, p in model.named_parameters()}
 
 
@@ -139,30 +143,40 @@ def train(
     loss: Loss,
     before: Callable[[int], Any] | None = None,
     after: Callable[[int], Any] | None = None,
+    micros: int = 1,
 ) -> list[list[str]]:
-    """:data:`STEPS` steps through ``layerdrop`` on this rank's chunks (``before`` and
-    ``after`` each step's forward and backward); the layers each step dropped."""
+    """:data:`STEPS` optimizer steps through ``layerdrop`` on this rank's chunks, each of
+    ``micros`` micro-batches (all but the last under the wrapper's ``no_sync()``;
+    ``before`` and ``after`` each one's forward and backward, given its index); the layers
+    each micro-batch dropped."""
     opt = adamw(fv.parameters())
     drops = []
-    for step in range(STEPS):
+    for index in range(STEPS * micros):
         if before is not None:
-            before(step)
-        with layerdrop.step():
-            loss(model, step, chunk=True).backward()
+            before(index)
+        last = index % micros == micros - 1
+        with contextlib.nullcontext() if last else model.no_sync(), layerdrop.step():  # type: ignore[operator]
+            loss(model, index, chunk=True).backward()
         drops.append(list(layerdrop.dropped))
         if after is not None:
-            after(step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            after(index)
+        if last:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return drops
 
 
 def compared(
-    model: nn.Module, backend: str, drops: list[list[str]], plain: nn.Module, loss: Loss
+    model: nn.Module,
+    backend: str,
+    drops: list[list[str]],
+    plain: nn.Module,
+    loss: Loss,
+    micros: int = 1,
 ) -> dict[str, Any]:
     """The trained ``model`` against ``plain`` trained by :func:`reference`."""
     got = full_params(model, backend)
-    want = reference(drops, plain, loss)
+    want = reference(drops, plain, loss, micros)
     return {
         "names_match": sorted(got) == sorted(want),
         "max_diff": max(float(np.abs(got[n] - want[n]).max()) for n in want),
@@ -385,4 +399,16 @@ def model_task(kind: str, backend: str) -> dict[str, Any]:
         }
         out["drops"] = train(model, fv, layerdrop, loss)
         out.update(compared(model, backend, out["drops"], build(0.0), loss))
+    return out
+
+
+def accumulation_task(backend: str) -> dict[str, Any]:
+    """A BART through ``LayerDrop``, 2 micro-batches per optimizer step (the first under
+    ``no_sync()``), each drawing its own layers."""
+    with backend_context(backend):
+        model = wrapped(tiny_bart(), backend, bart_layers())
+        fv = flatview.wrap(model)
+        drops = train(model, fv, LayerDrop(fv, seed=0), bart_loss, micros=2)
+        out = {"drops": drops}
+        out.update(compared(model, backend, drops, tiny_bart(0.0, 0.0), bart_loss, micros=2))
     return out

@@ -143,3 +143,17 @@ def test_layerdrop_of_a_decoder_only_model(dist_pool: PoolFactory, backend: str)
         assert got["value"] == ("float", w.DROP)  # the stack keeps its own copy
         assert got["names_match"]
         assert got["max_diff"] < 1e-5, got["max_diff"]
+
+
+@pytest.mark.parametrize("backend", [BACKENDS[0], "fairscale", "ddp"])
+def test_layerdrop_with_gradient_accumulation(dist_pool: PoolFactory, backend: str) -> None:
+    """Two micro-batches per optimizer step, the first under ``no_sync()``, each dropping
+    its own layers: a layer dropped in one and kept in the other gets the gradient of the
+    one, as the unwrapped model accumulates it."""
+    results = dist_pool(2).run(w.accumulation_task, backend, timeout=TIMEOUT)
+    drops = results[0]["drops"]
+    assert results[1]["drops"] == drops
+    assert any(set(drops[i]) != set(drops[i + 1]) for i in range(0, len(drops), 2)), drops
+    for got in results:
+        assert got["names_match"]
+        assert got["max_diff"] < 1e-5, got["max_diff"]
