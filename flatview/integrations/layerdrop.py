@@ -20,8 +20,10 @@ moves exactly as it would without flatview. The value still equals the float it 
 prints and serialises as that float (``save_pretrained``), and pickles as a plain float.
 
 Checked on every forward of a stack, on every rank alike (the same decisions, the same
-code): as many decisions as the stack has layers, and each layer called exactly when it
-was kept. A model whose layer drop flatview does not recognise is refused when the
+code): as many decisions as the stack has layers. That each layer runs exactly when it
+was kept is flatview's own check of every skip set (a dropped unit called, a dropped
+parameter given a gradient, a kept one left without), so nothing here hooks the layers. A
+model whose layer drop flatview does not recognise is refused when the
 :class:`LayerDrop` is made, naming the stack.
 
 wav2vec2-like stacks run a dropped layer anyway under torch FSDP (``synced_gpus`` in
@@ -362,23 +364,6 @@ class LayerDrop:
         self._handles.append(module.register_forward_pre_hook(enter))
         self._handles.append(module.register_forward_hook(finished))
         self._handles.append(module.register_forward_hook(leave, always_call=True))
-        for position, layer in enumerate(stack.layers):
-            self._handles.append(layer.register_forward_pre_hook(_layer_check(stack, position)))
-
-
-def _layer_check(stack: _Stack, position: int) -> Any:
-    def check(module: nn.Module, args: Any) -> None:
-        if not _FRAMES or _FRAMES[-1].stack is not stack or not stack.drops:
-            return  # a recomputation in the backward, or evaluation
-        if _FRAMES[-1].asked != position + 1 or stack.drops[position]:
-            raise StateError(
-                f"{stack.name!r} called its layer {position} after "
-                f"{_FRAMES[-1].asked} layer-drop decisions, "
-                f"{'dropped' if stack.drops[position] else 'kept'}: not the layer drop "
-                "flatview knows"
-            )
-
-    return check
 
 
 def _refuse_zero3(stacks: list[_Stack]) -> None:
