@@ -48,11 +48,16 @@ class InFlight(Protocol):
 
 def _plain_guard(
     owner: weakref.ref[InFlight], index: int, name: str
-) -> Callable[[torch.Tensor], None]:
+) -> Callable[[torch.Tensor | None], None]:
     """The persistent guard hook of plain parameter ``index`` (weakly bound: a
     parameter that outlives its model's runtime must not keep it alive)."""
 
-    def refuse(grad: torch.Tensor) -> None:
+    def refuse(grad: torch.Tensor | None) -> None:
+        # Called with None when autograd reaches the parameter without a gradient: DDP
+        # with find_unused_parameters=True passes every output through one node, whose
+        # backward hands on None for outputs the loss did not use.
+        if grad is None:
+            return
         runtime = owner()
         if runtime is None or runtime.phase is not Phase.COMPUTING:
             return

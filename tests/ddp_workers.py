@@ -393,3 +393,33 @@ def checkpointed_whole_model(scenario: Scenario) -> dict[str, bool]:
         out[f"overlap={overlap}"] = equal and fv.phase.name == "IDLE"
         fv.unwrap()
     return out
+
+
+class TwoHeads(nn.Module):
+    """Two outputs, of which a loss may use one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Linear(3, 2)
+        self.unused = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"used": self.used(x), "unused": self.unused(x)}
+
+
+def skipped_behind_an_unused_output(skip: list[str]) -> dict[str, Any]:
+    """DDP with ``find_unused_parameters=True`` passes every output through one autograd
+    node, whose backward reaches the parameters of an output the loss did not use with
+    no gradient (None): a step that skips them trains; one that does not is refused."""
+    model = DDP(TwoHeads(), find_unused_parameters=True)
+    fv = flatview.wrap(model)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(dist.get_rank()))
+    try:
+        with fv.step(skip=skip):
+            model(x)["used"].sum().backward()
+    except FlatViewError as error:
+        return {"error": type(error).__name__}
+    finally:
+        fv.unwrap()
+    return {"none": sorted(n for n, p in fv.named_parameters() if p.grad is None)}

@@ -195,3 +195,15 @@ def test_checkpointed_whole_model(dist_pool: PoolFactory) -> None:
     scenario = DDP.scenario(inner=(5, 3, 4), norms=(True, False, True))
     for result in dist_pool(2).run(w.checkpointed_whole_model, scenario, timeout=TIMEOUT):
         assert result == {"overlap=False": True, "overlap=True": True}, result
+
+
+def test_find_unused_keeps_a_skipped_parameter_behind_an_unused_output(
+    dist_pool: PoolFactory,
+) -> None:
+    # The Hugging Face Trainer's DDP default for transformers models: a BART whose decoder
+    # drops every layer leaves its encoder reached only through an unused output.
+    pool = dist_pool(2)
+    for result in pool.run(w.skipped_behind_an_unused_output, ["unused"]):
+        assert result == {"none": ["unused.bias", "unused.weight"]}, result
+    for result in pool.run(w.skipped_behind_an_unused_output, []):
+        assert result == {"error": "UndeclaredUnusedError"}, result
