@@ -96,8 +96,22 @@ def prepare(
             plugin but runs as something else (accelerate on CPU turns FSDP into DDP);
             or :func:`flatview.wrap` refuses the prepared model.
     """
-    if _check_distributed(accelerator) == "DEEPSPEED":
-        return _prepare_deepspeed(accelerator, model, optimizers, wrap_options)
+    return prepare_by(accelerator.prepare, accelerator, model, optimizers, **wrap_options)
+
+
+def prepare_by(
+    prepare_fn: Callable[..., Any],
+    accelerator: Any,
+    model: nn.Module,
+    optimizers: OptimizerFactory,
+    **wrap_options: Any,
+) -> Prepared:
+    """:func:`prepare`, with accelerate's own preparation done by ``prepare_fn``: the
+    accelerator's ``prepare`` as it was before something shadowed it (the Trainer
+    integration, :mod:`flatview.integrations.hf_trainer`, routes the Trainer's call to
+    ``accelerator.prepare`` here)."""
+    if check_distributed(accelerator) == "DEEPSPEED":
+        return _prepare_deepspeed(prepare_fn, accelerator, model, optimizers, wrap_options)
     if getattr(accelerator, "is_fsdp2", False):
         if _takes_fv(optimizers):
             raise WrapError(
@@ -108,20 +122,26 @@ def prepare(
                 "flatview.wrap it and build Whole over it yourself"
             )
         built = _built(optimizers, model, None)
-        prepared_model, *prepared = accelerator.prepare(model, *built)
+        result = prepare_fn(model, *built)
+        # accelerate hands back one object bare, several as a tuple.
+        prepared_model, *prepared = result if built else (result,)
         fv = flatview.wrap(prepared_model, **wrap_options)
     else:
-        prepared_model = accelerator.prepare(model)
+        prepared_model = prepare_fn(model)
         fv = flatview.wrap(prepared_model, **wrap_options)
         built = _built(optimizers, model, fv)
-        result = accelerator.prepare(*built) if built else ()
+        result = prepare_fn(*built) if built else ()
         prepared = list(result) if isinstance(result, tuple) else [result]
     _route_clipping(accelerator, fv)
     return Prepared(prepared_model, fv, prepared)
 
 
 def _prepare_deepspeed(
-    accelerator: Any, model: nn.Module, optimizers: OptimizerFactory, wrap_options: Any
+    prepare_fn: Callable[..., Any],
+    accelerator: Any,
+    model: nn.Module,
+    optimizers: OptimizerFactory,
+    wrap_options: Any,
 ) -> Prepared:
     """The DeepSpeed plugin's order (see the module docstring). What is returned for
     each optimizer is accelerate's own DeepSpeed optimizer wrapper around it (``step``
@@ -131,15 +151,16 @@ def _prepare_deepspeed(
     # The stand-in is not an optimizer DeepSpeed knows; the ones it steps are the user's.
     accelerator.state.deepspeed_plugin.deepspeed_config["zero_allow_untested_optimizer"] = True
     deferred = Deferred(model.parameters())
-    engine, _ = accelerator.prepare(model, deferred)
+    engine, _ = prepare_fn(model, deferred)
     fv = flatview.wrap(engine, **wrap_options)
     built = _built(optimizers, model, fv)
     deferred.set(*built)
     return Prepared(engine, fv, [wrapper(opt) for opt in built])
 
 
-def _check_distributed(accelerator: Any) -> str:
-    """The accelerator's distributed type, refused where flatview cannot serve it."""
+def check_distributed(accelerator: Any) -> str:
+    """The accelerator's distributed type (``"MULTI_CPU"``, ``"FSDP"``, ...), refused
+    with :class:`~flatview.errors.WrapError` where flatview cannot serve it."""
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
     plugin_given = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if plugin_given and kind != "FSDP":

@@ -49,6 +49,7 @@ from torch import nn
 
 from flatview.errors import StateError, WrapError
 from flatview.handle import FlatView
+from flatview.skip import SkipItem, SkipSet
 
 _ITERATED = re.compile(r"for\s+[\w\s,()]+?\s+in\s+(?:enumerate\()?self\.(\w+)")
 """The module list a stack's forward iterates (``for layer in self.layers``)."""
@@ -313,15 +314,24 @@ class LayerDrop:
         return skip
 
     @contextlib.contextmanager
-    def step(self, *, check: bool | None = None) -> Iterator[FlatView]:
+    def step(self, *, skip: SkipSet = None, check: bool | None = None) -> Iterator[FlatView]:
         """One iteration's forward and backward with this step's layers dropped: ``fv.step``
-        with them as the skip set (``check`` as there)."""
+        with them as the skip set, and ``skip`` (names, modules or tensors, as
+        ``fv.step`` takes them) skipped as well; ``check`` as there."""
+        drawn: list[SkipItem] = list(self.draw())
+        if skip is not None:
+            drawn += [skip] if isinstance(skip, (str, nn.Module, torch.Tensor)) else list(skip)
         try:
-            with self._fv.step(skip=self.draw(), check=check) as fv:
+            with self._fv.step(skip=drawn, check=check) as fv:
                 yield fv
         finally:
             for stack in self._stacks:
                 stack.drops = ()
+
+    def reseed(self, seed: int) -> None:
+        """Seed the draws anew: a run that seeds each step from its place in the run
+        (the Trainer integration does) draws the same when resumed, with no state saved."""
+        self._generator.manual_seed(seed)
 
     def state_dict(self) -> dict[str, Any]:
         """The generator's state: a resumed run draws what the uninterrupted one would."""
