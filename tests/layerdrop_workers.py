@@ -55,11 +55,15 @@ def bart_config(encoder_p: float, decoder_p: float) -> Any:
     )
 
 
-def tiny_bart(encoder_p: float = DROP, decoder_p: float = DROP) -> nn.Module:
+def tiny_bart(encoder_p: float = DROP, decoder_p: float = DROP, tie: bool = True) -> nn.Module:
+    """``tie``: the output projection is the shared embedding (accelerate's FSDP2 cannot
+    wrap that: the bare ``Trainer`` refuses it too)."""
     from transformers import BartForConditionalGeneration
 
     torch.manual_seed(0)
-    return BartForConditionalGeneration(bart_config(encoder_p, decoder_p))
+    config = bart_config(encoder_p, decoder_p)
+    config.tie_word_embeddings = tie
+    return BartForConditionalGeneration(config)
 
 
 def bart_layers() -> set[type[nn.Module]]:

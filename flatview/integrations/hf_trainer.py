@@ -1,0 +1,278 @@
+"""flatview where Hugging Face ``transformers`` users train: the ``Trainer``, in one call.
+
+::
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    attach(trainer, skip=lambda model, inputs: blocks_to_skip(inputs))
+    trainer.train()
+
+:func:`attach` changes three things on this one ``Trainer`` (instance attributes, never
+its class; :meth:`Attached.remove` puts them back):
+
+* **The wrap.** The ``Trainer`` prepares the model with its accelerator inside
+  ``train()``; the call that prepares the user's model goes through
+  :func:`flatview.integrations.accelerate.prepare_by` instead: accelerate prepares it,
+  ``flatview.wrap`` wraps what it made, and the optimizer the ``Trainer`` built is
+  prepared with it, as accelerate would (the order for each backend below).
+  ``accelerator.clip_grad_norm_`` (the ``Trainer``'s ``max_grad_norm``) stays exact.
+* **The step.** Each call of ``training_step`` (one micro-batch: its forward and its
+  backward) runs inside ``fv.step(skip=skip(model, inputs))``: ``model`` is the model
+  given to the ``Trainer``, names are relative to it, ``inputs`` the micro-batch. Under
+  gradient accumulation each micro-batch declares its own skip set; the ``Trainer``'s
+  ``no_sync`` before the last one is honoured as ``fv.step`` honours it.
+* **Layer drop.** With ``layerdrop=seed``, the layer drop of a ``transformers`` model
+  (BART, Whisper, wav2vec2, ...) is drawn by :class:`~flatview.integrations.layerdrop.
+  LayerDrop` and added to each micro-batch's skip set. Its generator is seeded for every
+  micro-batch from ``seed``, the optimizer step and the micro-batch's place in it, so a
+  run resumed from a checkpoint (``train(resume_from_checkpoint=...)``) drops what the
+  uninterrupted run dropped, with nothing more saved.
+
+Evaluation (``evaluate``, ``predict``, evaluation during training) runs as without
+flatview: outside any step, in ``eval()`` mode, where nothing is skipped or dropped.
+
+Which backends: the ``Trainer``'s DDP, FSDP2 (``fsdp_config`` version 2, transformers'
+default) and FSDP1, launched in several processes (``torchrun``, ``accelerate launch``).
+Under FSDP2 the ``Trainer`` builds its optimizer before the wrap (accelerate swaps in the
+sharded parameters), under FSDP1 after it, from the wrapped model: with
+``use_orig_params=False`` its parameters are flatview's views by then (weight decay
+still decided by their names), with ``True`` torch's own. The ``Trainer``'s checkpoints
+are its own (accelerate's FSDP functions), except FSDP1 with ``use_orig_params=False``:
+there the optimizer holds views, which ``FSDP.optim_state_dict`` cannot save, so saving
+checkpoints is refused (see :func:`attach`).
+
+Refused with :class:`~flatview.errors.WrapError` when :func:`attach` is called, before
+any collective: DeepSpeed (``flatview.integrations.accelerate.prepare`` serves it in a
+loop of one's own), FSDP on XLA, a model ``transformers`` sharded at load time,
+``auto_find_batch_size`` (which prepares the model anew after running out of memory), one
+process without a distributed wrapper, accelerate's FSDP plugin where it runs as DDP
+(on CPU), FSDP1 with ``use_orig_params=False`` and checkpoints, and a second
+:func:`attach` on the same ``Trainer``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatview.errors import StateError, WrapError
+from flatview.handle import FlatView
+from flatview.integrations.accelerate import check_distributed, prepare_by
+from flatview.integrations.batch_steps import Scope, scope_of
+from flatview.integrations.layerdrop import LayerDrop
+from flatview.integrations.patching import InstancePatches
+from flatview.skip import SkipItem
+
+SkipFn = Callable[[nn.Module, dict[str, Any]], "SkipItem | Iterable[SkipItem] | None"]
+"""``(model, inputs) -> skip set`` of one micro-batch: ``model`` is the model given to
+the ``Trainer`` (names are relative to it), ``inputs`` what its ``training_step`` got."""
+
+_PREPARED_MARK = "_is_accelerate_prepared"
+"""accelerate's mark on what its ``prepare`` / ``prepare_model`` has seen."""
+_ATTACHED = "_flatview_attached"
+"""Where an attached ``Trainer`` keeps its :class:`Attached` (a second one is refused)."""
+
+
+def _seed_at(seed: int, step: int, micro: int) -> int:
+    """The layer drop's seed for micro-batch ``micro`` (from 1) of optimizer step
+    ``step``: a digest, the same in every process and Python version."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{micro}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class Attached:
+    """flatview attached to one ``Trainer`` (:func:`attach` returns it)."""
+
+    def __init__(self, trainer: Any, skip: SkipFn | None, layerdrop: int | None) -> None:
+        self.trainer = trainer
+        self.model: nn.Module = trainer.model
+        """The model given to the ``Trainer``: skip sets name things relative to it."""
+        self._skip = skip
+        self._layerdrop_seed = layerdrop
+        self._fv: FlatView | None = None
+        self._scope = Scope()
+        self._layerdrop: LayerDrop | None = None
+        self._place = (-1, 0)
+        """(optimizer step, micro-batches of it begun): the layer drop's seed."""
+        self._patches = InstancePatches()
+
+    @property
+    def fv(self) -> FlatView:
+        """The handle of the wrapped model, once ``train()`` has prepared it."""
+        if self._fv is None:
+            raise StateError(
+                "the Trainer has not prepared its model yet: flatview wraps it when "
+                "train() prepares it (fv exists from the first training step on)"
+            )
+        return self._fv
+
+    @property
+    def layerdrop(self) -> LayerDrop | None:
+        """The model's :class:`LayerDrop` (with ``layerdrop=seed``), once wrapped."""
+        return self._layerdrop
+
+    def remove(self) -> None:
+        """Put the ``Trainer``'s own methods back and the layer drop's plain
+        probabilities; the model stays wrapped (``fv.unwrap()`` undoes that)."""
+        self._patches.remove()
+        if self._layerdrop is not None:
+            self._layerdrop.remove()
+            self._layerdrop = None
+        vars(self.trainer).pop(_ATTACHED, None)
+
+    def _install(self, wrap_options: dict[str, Any]) -> None:
+        accelerator = self.trainer.accelerator
+        accelerates = accelerator.prepare
+
+        def prepare(*objs: Any, **kwargs: Any) -> Any:
+            if self._fv is not None or not any(obj is self.model for obj in objs):
+                return accelerates(*objs, **kwargs)
+            return self._prepare(accelerates, objs, kwargs, wrap_options)
+
+        training_step = self.trainer.training_step
+
+        def step_one_batch(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._layerdrop_seed is not None:
+                # training_step's first act, done before the draw: after an evaluation
+                # the model is still in eval() mode, where nothing would be drawn.
+                model.train()
+            with self._step(inputs):
+                return training_step(model, inputs, *args, **kwargs)
+
+        self._patches.set(accelerator, "prepare", prepare)
+        self._patches.set(self.trainer, "training_step", step_one_batch)
+
+    def _prepare(
+        self,
+        accelerates: Callable[..., Any],
+        objs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        wrap_options: dict[str, Any],
+    ) -> Any:
+        """The ``Trainer``'s ``accelerator.prepare(model, optimizer, ...)``: the model
+        prepared and wrapped, the optimizers prepared, returned in the order given."""
+        others = [obj for obj in objs if obj is not self.model]
+        unknown = [
+            type(obj).__name__ for obj in others if not isinstance(obj, torch.optim.Optimizer)
+        ]
+        if unknown or kwargs:
+            raise WrapError(
+                f"the Trainer prepared its model together with {unknown or sorted(kwargs)}: "
+                "flatview.integrations.hf_trainer knows a model prepared alone or with its "
+                "optimizers only"
+            )
+
+        def factory(model: nn.Module) -> list[Any]:
+            return others
+
+        # The Trainer's evaluate() before train() prepares the model for evaluation only
+        # (no DDP), and accelerate marks it prepared: its prepare for training would then
+        # hand it back unwrapped, and each rank would train alone (the bare Trainer does,
+        # transformers 5.24 with accelerate 1.16). Unmarked, it is wrapped for training.
+        vars(self.model).pop(_PREPARED_MARK, None)
+        prepared = prepare_by(
+            accelerates, self.trainer.accelerator, self.model, factory, **wrap_options
+        )
+        self._fv = prepared.fv
+        self._scope = scope_of(prepared.fv, self.model)
+        if self._layerdrop_seed is not None:
+            self._layerdrop = LayerDrop(prepared.fv, seed=self._layerdrop_seed)
+        optimizers = iter(prepared.optimizers)
+        out = [prepared.model if obj is self.model else next(optimizers) for obj in objs]
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _step(self, inputs: Any) -> Any:
+        fv = self.fv
+        skip = self._scope.skip(self._skip(self.model, inputs)) if self._skip else None
+        if self._layerdrop is None or self._layerdrop_seed is None:
+            return fv.step(skip=skip)
+        step, begun = self._place
+        now = int(self.trainer.state.global_step)
+        begun = begun + 1 if step == now else 1
+        self._place = (now, begun)
+        self._layerdrop.reseed(_seed_at(self._layerdrop_seed, now, begun))
+        return self._layerdrop.step(skip=skip)
+
+
+def attach(
+    trainer: Any,
+    *,
+    skip: SkipFn | None = None,
+    layerdrop: int | None = None,
+    **wrap_options: Any,
+) -> Attached:
+    """Train ``trainer``'s model with flatview: wrapped when ``train()`` prepares it, each
+    micro-batch inside ``fv.step(skip=skip(model, inputs))``.
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or a subclass: ``Seq2SeqTrainer``, TRL's),
+            not trained yet, running DDP, FSDP2 or FSDP1 in several processes.
+        skip: ``(model, inputs) -> skip set`` for each micro-batch (names relative to the
+            model given to the ``Trainer``, its modules or parameters); the same on
+            every rank. ``None``: nothing skipped but what ``layerdrop`` drops.
+        layerdrop: a seed, the same on every rank: the model's own layer drop is drawn
+            from it and skipped (:class:`~flatview.integrations.layerdrop.LayerDrop`).
+            ``None``: a model whose layer drop is on is refused by flatview at its first
+            dropped layer, naming it.
+        **wrap_options: keyword arguments of :func:`flatview.wrap`.
+
+    Returns:
+        :class:`Attached`: ``.fv`` once ``train()`` has prepared the model.
+
+    Raises:
+        flatview.WrapError: the ``Trainer`` runs DeepSpeed, a model sharded at load
+            time, ``auto_find_batch_size``, one process, FSDP1 with
+            ``use_orig_params=False`` while saving checkpoints (``save_strategy`` other
+            than ``"no"``), or is attached already (see the module docstring).
+    """
+    if getattr(trainer, _ATTACHED, None) is not None:
+        raise WrapError("flatview is attached to this Trainer already (remove() it first)")
+    _refuse_unserved(trainer)
+    attached = Attached(trainer, skip, layerdrop)
+    attached._install(dict(wrap_options))
+    setattr(trainer, _ATTACHED, attached)
+    return attached
+
+
+def _refuse_unserved(trainer: Any) -> None:
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        not_yet = "its DeepSpeed config"
+    elif getattr(trainer, "is_fsdp_xla_enabled", False):
+        not_yet = "FSDP on XLA"
+    elif getattr(trainer, "is_distributed_loading_by_transformers", False):
+        not_yet = "a model transformers sharded when it was loaded (tp_plan / device_mesh)"
+    elif getattr(trainer.args, "auto_find_batch_size", False):
+        # After an out-of-memory error the Trainer prepares the model anew, in a wrapper
+        # flatview has not wrapped.
+        not_yet = "auto_find_batch_size"
+    else:
+        check_distributed(trainer.accelerator)
+        _refuse_fsdp1_checkpoints(trainer)
+        return
+    raise WrapError(
+        f"flatview.integrations.hf_trainer serves the Trainer's DDP, FSDP2 and FSDP1, not "
+        f"{not_yet} yet: train in a loop of your own with "
+        "flatview.integrations.accelerate.prepare, which serves accelerate's DeepSpeed too"
+    )
+
+
+def _refuse_fsdp1_checkpoints(trainer: Any) -> None:
+    """FSDP1 with flat parameters: the optimizer holds flatview's views, and the
+    ``Trainer`` saves optimizers with ``FSDP.optim_state_dict``, which knows flat
+    parameters only (it raises at the first checkpoint: refused here, before training)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 1 or plugin.use_orig_params:
+        return
+    saving = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
+    if saving != "no":
+        raise WrapError(
+            "the Trainer runs FSDP1 with use_orig_params=False and saves checkpoints "
+            f"(save_strategy={saving!r}): its optimizer then holds flatview's views, which "
+            "the Trainer saves with FSDP.optim_state_dict, made for flat parameters only. "
+            "Use fsdp_config use_orig_params=True (the default) or FSDP2 (version 2, "
+            "transformers' default), or save_strategy='no' and save with "
+            "flatview.checkpoint"
+        )

@@ -1,0 +1,390 @@
+"""Worker tasks of ``test_hf_trainer``: Hugging Face ``transformers``' ``Trainer`` under
+DDP on the pool's 2 ranks with :func:`flatview.integrations.hf_trainer.attach`, against
+the same training written out by hand in one process (AdamW with weight decay by name,
+the linear schedule, loss scaled by the accumulation, clipping by the total norm).
+
+The data reach each rank as the suite's scenarios lay them out: a sequential sampler over
+rows ordered micro-batch by micro-batch, rank by rank, so that accelerate's sharding of
+batches (rank ``r`` takes batches ``r, r + W, ...``) hands rank ``r`` its chunk of each.
+Each row carries its micro-batch's index, from which the model and the skip function
+decide the same skip set. ``transformers`` is imported inside the tasks.
+
+FSDP: the ``Trainer`` runs accelerate's FSDP plugin only on accelerators (on CPU
+accelerate silently trains with DDP instead). :func:`trainer_session` lets accelerate's
+state take the FSDP plugin on CPU, as it would on GPUs; everything after that is the
+``Trainer``'s and accelerate's own code (FSDP wrapping, delayed optimizer creation, no_sync,
+checkpoints)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatview
+from tests import layerdrop_workers as lw
+from tests.integration_workers import EVEN, framework_env
+from tests.scenarios import Net, Scenario, batch, loss_of, skip_names
+
+LR = 0.05
+DECAY = 0.01
+FSDP = {
+    "ddp": None,
+    "fsdp2": {"version": 2},
+    "fsdp1": {"version": 1, "use_orig_params": False},
+    "fsdp1-orig": {"version": 1, "use_orig_params": True},
+}
+"""Each backend's ``fsdp_config`` (``None``: DDP)."""
+
+
+@contextlib.contextmanager
+def trainer_session() -> Iterator[str]:
+    """:func:`tests.integration_workers.framework_env`, with accelerate's state taking an
+    FSDP plugin on CPU (see the module docstring) and reset on the way out, so that the
+    next task in the same worker starts from a fresh one."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def fsdp_on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+            self.device = torch.device("cpu")  # accelerate's is "cpu:0", which FSDP1 refuses
+
+    AcceleratorState.__init__ = fsdp_on_cpu  # type: ignore[method-assign]
+    try:
+        with framework_env() as out:
+            yield out
+    finally:
+        AcceleratorState.__init__ = init  # type: ignore[method-assign]
+        fresh_state()
+
+
+def fresh_state() -> None:
+    """A new ``Trainer`` in the same session starts from a fresh accelerate state."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def fsdp_options(backend: str, *layers: str) -> dict[str, Any]:
+    """``TrainingArguments`` of ``backend``: nothing for DDP; for FSDP a unit per module
+    of the classes named ``layers``, and checkpoints saved sharded (accelerate's full
+    state dicts offload to CPU, which on CPU frees tensors still in use: the bare
+    ``Trainer`` fails alike)."""
+    config = FSDP[backend]
+    if config is None:
+        return {}
+    config = {
+        **config,
+        "sync_module_states": False,
+        "transformer_layer_cls_to_wrap": list(layers),
+        "state_dict_type": "SHARDED_STATE_DICT",
+    }
+    return {"fsdp": True, "fsdp_config": config}
+
+
+class TrainerNet(Net):
+    """The scenarios' model as a ``Trainer`` takes one: inputs by keyword, the loss out;
+    the micro-batch's index says what it skips."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        torch.manual_seed(scenario.seed)
+        super().__init__(scenario)
+        self.scenario = scenario
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, labels: torch.Tensor, micro: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        skip: Collection[str] = skip_names(self.scenario, int(micro[0]))
+        return {"loss": loss_of(super().forward(x, skip), labels)}
+
+
+def skipped(model: nn.Module, inputs: dict[str, Any]) -> tuple[str, ...]:
+    """The skip function given to :func:`attach`: the same names the model passes over."""
+    return skip_names(EVEN, int(inputs["micro"][0]))
+
+
+def rows(scenario: Scenario) -> list[dict[str, Any]]:
+    """Every micro-batch's rows, rank by rank (see the module docstring)."""
+    out = []
+    for micro in range(len(scenario.skips)):
+        x, y = batch(scenario, micro)
+        out += [{"x": x[i], "labels": y[i], "micro": torch.tensor(micro)} for i in range(len(y))]
+    return out
+
+
+def arguments(out: str, per_rank: int, accumulate: int, clip: float, **more: Any) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=per_rank,
+        gradient_accumulation_steps=accumulate,
+        learning_rate=LR,
+        weight_decay=DECAY,
+        max_grad_norm=clip,
+        num_train_epochs=1,
+        train_sampling_strategy="sequential",
+        remove_unused_columns=False,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        **more,
+    )
+
+
+def linear(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The ``Trainer``'s default schedule without warmup: from the learning rate to 0."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda done: (steps - done) / steps)
+
+
+def no_decay(net: nn.Module) -> set[str]:
+    """What the ``Trainer`` keeps out of weight decay here: biases, LayerNorm weights."""
+    norms = {n for n, m in net.named_modules() if isinstance(m, nn.LayerNorm)}
+    return {
+        n for n, _ in net.named_parameters() if n.endswith("bias") or n.rpartition(".")[0] in norms
+    }
+
+
+def reference(scenario: Scenario, accumulate: int, clip: float) -> dict[str, np.ndarray]:
+    """The run in one process on whole batches, written out."""
+    net = TrainerNet(scenario)
+    plain = no_decay(net)
+    groups = [
+        {"params": [p for n, p in net.named_parameters() if n not in plain], "weight_decay": DECAY},
+        {"params": [p for n, p in net.named_parameters() if n in plain], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=LR)
+    micros = len(scenario.skips)
+    schedule = linear(opt, micros // accumulate)
+    for micro in range(micros):
+        x, y = batch(scenario, micro)
+        loss = net(x, y, torch.tensor([micro]))["loss"] / accumulate
+        loss.backward()
+        if micro % accumulate == accumulate - 1:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            opt.step()
+            schedule.step()
+            opt.zero_grad()
+    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+
+
+def worst(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    return max(float(np.abs(got[n] - want[n]).max()) for n in want)
+
+
+def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dict[str, Any]:
+    """Train :data:`EVEN` through an attached ``Trainer``; on rank 0 the largest difference
+    from :func:`reference`, and on every rank, before each optimizer step, the non-empty
+    views and those of them without a gradient."""
+    from transformers import Trainer, TrainerCallback
+
+    from flatview.integrations.hf_trainer import attach
+    from tests.integration_workers import params_of
+
+    seen: list[dict[str, list[str]]] = []
+
+    class Record(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+            views = [(n, p) for n, p in attached.fv.named_parameters() if p.numel()]
+            seen.append(
+                {
+                    "views": sorted(n for n, _ in views),
+                    "none": sorted(n for n, p in views if p.grad is None),
+                }
+            )
+
+    with trainer_session() as out:
+        net = TrainerNet(EVEN)
+        more = fsdp_options(backend, "Block")
+        args = arguments(out, EVEN.batch_per_rank, accumulate, clip, save_strategy="no", **more)
+        trainer = Trainer(model=net, args=args, train_dataset=rows(EVEN), callbacks=[Record()])
+        attached = attach(trainer, skip=skipped)
+        trainer.train()
+        got = params_of(trainer.model)
+        fv = attached.fv
+        attached.remove()
+        fv.unwrap()
+    diff = worst(got, reference(EVEN, accumulate, clip)) if dist.get_rank() == 0 else None
+    return {"worst": diff, "seen": seen, "wrapper": type(fv.model).__name__}
+
+
+# ----------------------------------------------------------------------- layer drop
+
+
+class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """The tiny BART's batches of :mod:`tests.layerdrop_workers`, row by row, laid out as
+    :func:`rows` lays out the scenarios'."""
+
+    def __init__(self, micros: int) -> None:
+        world = dist.get_world_size()
+        self.items = []
+        for micro in range(micros):
+            ids, labels = lw.batch(micro, rows=2 * world)
+            self.items += [{"input_ids": ids[i], "labels": labels[i]} for i in range(len(ids))]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.items[index]
+
+
+def bart_trainer(
+    out: str, backend: str, micros: int, accumulate: int, **more: Any
+) -> tuple[Any, Any, list[Any]]:
+    """A ``Trainer`` of the tiny BART (its layer drop on, its embeddings untied: see
+    :func:`tests.layerdrop_workers.tiny_bart`), attached with ``layerdrop=7``,
+    evaluating after every optimizer step (in ``eval()`` mode: nothing dropped, nothing
+    trained); the layers each micro-batch dropped are recorded."""
+    from transformers import Trainer
+
+    from flatview.integrations.hf_trainer import attach
+
+    drops: list[list[str]] = []
+
+    class Recording(Trainer):  # type: ignore[misc]
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            assert attached.layerdrop is not None
+            drops.append(list(attached.layerdrop.dropped))
+            return super().training_step(*args, **kwargs)
+
+    more.update(fsdp_options(backend, "BartEncoderLayer", "BartDecoderLayer"))
+    args = arguments(out, 2, accumulate, 1.0, adam_epsilon=1e-4, eval_steps=1, **more)
+    model = lw.tiny_bart(tie=False)
+    # Untied, the BART of transformers 5 never reads model.shared. Under DDP it is
+    # declared skipped; under FSDP2 frozen: torch's sharded checkpoints cannot load an
+    # optimizer that never stepped a parameter it holds (the bare Trainer fails alike).
+    dead = "model.shared" if backend == "ddp" else None
+    if dead is None:
+        model.get_submodule("model.shared").requires_grad_(False)
+    trainer = Recording(model=model, args=args, train_dataset=Rows(micros), eval_dataset=Rows(1))
+    attached = attach(trainer, layerdrop=7, skip=lambda model, inputs: dead)
+    return trainer, attached, drops
+
+
+def bart_reference(drops: list[list[str]], accumulate: int) -> dict[str, np.ndarray]:
+    """The unwrapped BART in one process, the layers each micro-batch dropped passed
+    over (:func:`tests.layerdrop_workers.reference`), with the ``Trainer``'s schedule,
+    decay and clipping, and its loss scaling for a model whose forward takes ``**kwargs``
+    (it expects such a model to divide by ``num_items_in_batch``, which BART's loss does
+    not): not divided by the accumulation, multiplied by the number of ranks
+    (``average_tokens_across_devices``)."""
+    model = lw.tiny_bart(0.0, 0.0, tie=False)
+    model.train()
+    plain = no_decay(model)
+    groups = [
+        {
+            "params": [p for n, p in model.named_parameters() if n not in plain],
+            "weight_decay": DECAY,
+        },
+        {"params": [p for n, p in model.named_parameters() if n in plain], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=LR, eps=1e-4)
+    schedule = linear(opt, len(drops) // accumulate)
+    world = dist.get_world_size()
+    for micro, dropped in enumerate(drops):
+        kept = {name: model.get_submodule(name) for name in dropped}
+        for name in dropped:
+            model.set_submodule(name, lw.PassOver())
+        ids, labels = lw.batch(micro, rows=2 * world)
+        (model(input_ids=ids, labels=labels).loss * world).backward()
+        for name, layer in kept.items():
+            model.set_submodule(name, layer)
+        if micro % accumulate == accumulate - 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            schedule.step()
+            opt.zero_grad()
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def layerdrop_like_the_reference(backend: str, micros: int, accumulate: int) -> dict[str, Any]:
+    """The tiny BART trained through the ``Trainer`` with its layer drop; then the same
+    run interrupted at its middle checkpoint and resumed by a fresh ``Trainer``."""
+    from tests.integration_workers import params_of
+
+    middle = micros // accumulate // 2
+    with trainer_session() as out:
+        trainer, attached, drops = bart_trainer(
+            out,
+            backend,
+            micros,
+            accumulate,
+            eval_strategy="steps",
+            save_strategy="steps",
+            save_steps=middle,
+        )
+        trainer.evaluate()  # before the training prepared the model (FSDP: prepares it)
+        trainer.train()
+        evaluations = sum("eval_loss" in entry for entry in trainer.state.log_history)
+        got = params_of(trainer.model)
+        fv = attached.fv
+        attached.remove()
+        fv.unwrap()
+        fresh_state()
+        again, attached, resumed_drops = bart_trainer(
+            out, backend, micros, accumulate, save_strategy="no"
+        )
+        again.train(resume_from_checkpoint=f"{out}/checkpoint-{middle}")
+        resumed = params_of(again.model)
+        fv = attached.fv
+        attached.remove()
+        fv.unwrap()
+    result: dict[str, Any] = {"drops": drops, "resumed_drops": resumed_drops}
+    result["evaluations"] = evaluations
+    result["resumed_worst"] = worst(resumed, got)
+    result["worst"] = (
+        worst(got, bart_reference(drops, accumulate)) if dist.get_rank() == 0 else None
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def refusals() -> dict[str, str]:
+    """What :func:`attach` refuses, before any collective."""
+    from transformers import Trainer
+
+    from flatview.integrations.hf_trainer import attach
+
+    cases = {
+        "deepspeed": ("ddp", "steps"),
+        "auto_find_batch_size": ("ddp", "no"),
+        "fsdp1": ("fsdp1", "steps"),
+        "fsdp1-no-checkpoints": ("fsdp1", "no"),
+        "twice": ("ddp", "no"),
+    }
+    out: dict[str, str] = {}
+    for case, (backend, saving) in cases.items():
+        with trainer_session() as tmp:
+            more = fsdp_options(backend, "Block")
+            if case == "auto_find_batch_size":
+                more["auto_find_batch_size"] = True
+            args = arguments(tmp, 2, 1, 1.0, save_strategy=saving, **more)
+            trainer = Trainer(model=TrainerNet(EVEN), args=args)
+            if case == "deepspeed":
+                trainer.is_deepspeed_enabled = True
+            elif case == "twice":
+                attach(trainer)
+            try:
+                attach(trainer)
+            except flatview.WrapError as error:
+                out[case] = str(error)
+            else:
+                out[case] = "accepted"
+    return out

@@ -1,0 +1,103 @@
+"""Hugging Face ``transformers``' ``Trainer`` with :func:`flatview.integrations.hf_trainer.
+attach` (workers in :mod:`tests.hf_trainer_workers`): DDP on 2 ranks trains exactly as
+the same run written out in one process, with skip sets, gradient accumulation, clipping,
+the linear schedule and weight decay by name; a BART's layer drop is drawn alike on every
+rank, and a run resumed from the ``Trainer``'s checkpoint drops and trains as the
+uninterrupted one."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests import hf_trainer_workers as w
+from tests.integration_workers import call
+from tests.scenarios import skip_names
+
+if TYPE_CHECKING:
+    from tests.conftest import PoolFactory
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+TIMEOUT = 240.0
+WORKERS = "tests.hf_trainer_workers"
+
+
+def _under(names: list[str], micro: int) -> set[str]:
+    """The parameters micro-batch ``micro`` skips."""
+    skip = skip_names(w.EVEN, micro)
+    return {n for n in names if any(n.startswith(s + ".") for s in skip)}
+
+
+WRAPPERS = {
+    "ddp": "DistributedDataParallel",
+    "fsdp2": "FSDPTrainerNet",
+    "fsdp1": "FullyShardedDataParallel",
+    "fsdp1-orig": "FullyShardedDataParallel",
+}
+
+
+@pytest.mark.parametrize(
+    ("backend", "accumulate", "clip"),
+    [
+        ("ddp", 1, 1.0),
+        ("ddp", 2, 0.05),
+        ("fsdp2", 2, 0.05),
+        ("fsdp1", 2, 0.05),
+        ("fsdp1-orig", 1, 0.05),
+    ],
+)
+def test_trainer_trains_like_the_reference(
+    dist_pool: PoolFactory, backend: str, accumulate: int, clip: float
+) -> None:
+    # The Trainer's own FSDP path (accelerate's wrapping, optimizer built after it under
+    # FSDP1: over views with use_orig_params=False) on CPU: see hf_trainer_workers.
+    results = dist_pool(2).run(
+        call, WORKERS, "trains_like_the_reference", backend, accumulate, clip, timeout=TIMEOUT
+    )
+    assert results[0]["worst"] <= 1e-5, results[0]["worst"]
+    every = [name for name, _ in w.TrainerNet(w.EVEN).named_parameters()]
+    # At each optimizer step exactly the parameters every micro-batch of it skipped
+    # are without a gradient.
+    held = set()
+    for result in results:
+        assert result["wrapper"] == WRAPPERS[backend]
+        seen = result["seen"]
+        assert len(seen) == len(w.EVEN.skips) // accumulate
+        for step, views in enumerate(seen):
+            micros = range(step * accumulate, (step + 1) * accumulate)
+            want = set.intersection(*(_under(every, m) for m in micros))
+            assert views["none"] == sorted(want & set(views["views"])), (step, views)
+            held |= set(views["views"])
+    assert held == set(every)
+    assert any(views["none"] for result in results for views in result["seen"])
+
+
+@pytest.mark.parametrize(("backend", "accumulate"), [("ddp", 1), ("ddp", 2), ("fsdp2", 2)])
+def test_trainer_layerdrop_trains_and_resumes_like_the_reference(
+    dist_pool: PoolFactory, backend: str, accumulate: int
+) -> None:
+    micros = 4 * accumulate
+    results = dist_pool(2).run(
+        call, WORKERS, "layerdrop_like_the_reference", backend, micros, accumulate, timeout=TIMEOUT
+    )
+    first, second = results
+    assert first["evaluations"] == micros // accumulate  # one after every step
+    assert first["drops"] == second["drops"]  # every rank dropped the same layers
+    assert any(first["drops"]) and first["drops"][0] != first["drops"][1]
+    # The resumed run starts at the middle checkpoint and drops what the first did.
+    assert first["resumed_drops"] == first["drops"][micros // 2 :]
+    assert first["worst"] <= 1e-5, first["worst"]
+    for result in results:
+        assert result["resumed_worst"] <= 1e-6, result["resumed_worst"]
+
+
+def test_attach_refuses_what_it_does_not_serve(dist_pool: PoolFactory) -> None:
+    for refused in dist_pool(2).run(call, WORKERS, "refusals", timeout=TIMEOUT):
+        assert "not its DeepSpeed config yet" in refused["deepspeed"], refused
+        assert "not auto_find_batch_size yet" in refused["auto_find_batch_size"], refused
+        assert "use_orig_params=False and saves checkpoints" in refused["fsdp1"], refused
+        assert refused["fsdp1-no-checkpoints"] == "accepted", refused
+        assert "attached to this Trainer already" in refused["twice"], refused
