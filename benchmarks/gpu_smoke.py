@@ -629,9 +629,99 @@ def _accelerate_fsdp(
             GradientState._reset_state()
 
 
+class _TrainerNet(nn.Module):
+    """The benchmark's net as a Hugging Face ``Trainer`` takes one: inputs by keyword,
+    the loss out; the step index in the inputs says which blocks it skips."""
+
+    def __init__(self, cfg: bench.Config, masks: list[list[int]]) -> None:
+        super().__init__()
+        self.net = bench.make_net(cfg)
+        self.masks = masks
+
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor, step: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        skip = self.masks[int(step[0])]
+        return {"loss": F.cross_entropy(self.net(x, skip), labels)}
+
+
+def _hf_trainer_reference(
+    cfg: bench.Config, device: torch.device, steps: int
+) -> dict[str, torch.Tensor]:
+    """What the ``Trainer`` below does, written out: SGD over every parameter at a
+    constant rate, clipped by the total norm."""
+    masks, batches = _framework_data(cfg, device, steps)
+    net = bench.make_net(cfg).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=cfg.lr)
+    for (x, y), skip in zip(batches, masks, strict=True):
+        F.cross_entropy(net(x, skip), y).backward()
+        torch.nn.utils.clip_grad_norm_(list(net.parameters()), FRAMEWORK_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {f"net.{n}": p.detach().clone() for n, p in net.named_parameters()}
+
+
+def _hf_trainer(
+    cfg: bench.Config, device: torch.device, steps: int, version: int, orig: bool = True
+) -> dict[str, torch.Tensor]:
+    """flatview.integrations.hf_trainer.attach on a Hugging Face Trainer under accelerate's
+    FSDP plugin (version 1 or 2; a unit per block), skipping the benchmark's blocks."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import Trainer, TrainingArguments
+
+    from flatview.integrations.hf_trainer import attach
+
+    masks, batches = _framework_data(cfg, torch.device("cpu"), steps)
+    rows = [
+        {"x": x[i], "labels": y[i], "step": torch.tensor(step)}
+        for step, (x, y) in enumerate(batches)
+        for i in range(len(y))
+    ]
+    with _launched() as tmp:
+        fsdp_config = {
+            "version": version,
+            "transformer_layer_cls_to_wrap": ["Block"],
+            **({"use_orig_params": orig} if version == 1 else {}),
+        }
+        args = TrainingArguments(
+            output_dir=tmp,
+            per_device_train_batch_size=cfg.batch,
+            learning_rate=cfg.lr,
+            optim="sgd",
+            weight_decay=0.0,
+            lr_scheduler_type="constant",
+            max_grad_norm=FRAMEWORK_CLIP,
+            num_train_epochs=1,
+            train_sampling_strategy="sequential",
+            remove_unused_columns=False,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            fsdp=True,
+            fsdp_config=fsdp_config,
+        )
+        try:
+            trainer = Trainer(model=_TrainerNet(cfg, masks), args=args, train_dataset=rows)
+            attached = attach(
+                trainer,
+                skip=lambda model, inputs: [
+                    f"net.blocks.{i}" for i in masks[int(inputs["step"][0])]
+                ],
+            )
+            trainer.train()
+            got = _full_params(trainer.model)
+            attached.remove()
+            return got
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+
 def check_frameworks(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
     """Each framework path that needs a GPU, against the plain model."""
-    checks: dict[str, tuple[str, Callable[[], dict[str, torch.Tensor]], bool]] = {
+    # clip: the reference of the framework checks with or without clipping; None: the
+    # Trainer's (its SGD over every parameter, clipped).
+    checks: dict[str, tuple[str, Callable[[], dict[str, torch.Tensor]], bool | None]] = {
         "lightning_trainer_flatview_fsdp1_clip": (
             "lightning",
             lambda: _lightning_trainer(cfg, device, steps, "fsdp1"),
@@ -645,6 +735,13 @@ def check_frameworks(cfg: bench.Config, device: torch.device, steps: int) -> dic
         "fabric_fsdp1_flat_views": ("lightning", lambda: _fabric_fsdp1(cfg, device, steps), True),
         "accelerate_fsdp1": ("accelerate", lambda: _accelerate_fsdp(cfg, device, steps, 1), True),
         "accelerate_fsdp2": ("accelerate", lambda: _accelerate_fsdp(cfg, device, steps, 2), True),
+        "hf_trainer_fsdp2": ("transformers", lambda: _hf_trainer(cfg, device, steps, 2), None),
+        "hf_trainer_fsdp1_flat_views": (
+            "transformers",
+            lambda: _hf_trainer(cfg, device, steps, 1, orig=False),
+            None,
+        ),
+        "hf_trainer_fsdp1_orig": ("transformers", lambda: _hf_trainer(cfg, device, steps, 1), None),
     }
     import importlib.util
 
@@ -658,7 +755,10 @@ def check_frameworks(cfg: bench.Config, device: torch.device, steps: int) -> dic
             continue
         try:
             got = run()
-            want = _framework_reference(cfg, device, steps, clip)
+            if clip is None:
+                want = _hf_trainer_reference(cfg, device, steps)
+            else:
+                want = _framework_reference(cfg, device, steps, clip)
             worst = max(float((got[n].reshape(-1) - want[n].reshape(-1)).abs().max()) for n in want)
             results[name] = {
                 "ok": got.keys() == want.keys() and worst < 1e-4,

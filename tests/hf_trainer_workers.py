@@ -150,23 +150,33 @@ def linear(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.L
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda done: (steps - done) / steps)
 
 
-def no_decay(net: nn.Module) -> set[str]:
-    """What the ``Trainer`` keeps out of weight decay here: biases, LayerNorm weights."""
-    norms = {n for n, m in net.named_modules() if isinstance(m, nn.LayerNorm)}
-    return {
-        n for n, _ in net.named_parameters() if n.endswith("bias") or n.rpartition(".")[0] in norms
-    }
+def trainer_adamw(model: nn.Module, eps: float = 1e-8) -> torch.optim.AdamW:
+    """The ``Trainer``'s AdamW: no weight decay on biases and LayerNorm weights."""
+    norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)}
+    named = list(model.named_parameters())
+    plain = {n for n, _ in named if n.endswith("bias") or n.rpartition(".")[0] in norms}
+    groups = [
+        {"params": [p for n, p in named if n not in plain], "weight_decay": DECAY},
+        {"params": [p for n, p in named if n in plain], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=LR, eps=eps)
+
+
+def finish(trainer: Any, attached: Any) -> dict[str, np.ndarray]:
+    """The trained parameters, whole; flatview taken off the ``Trainer`` and the model."""
+    from tests.integration_workers import params_of
+
+    got = params_of(trainer.model)
+    fv = attached.fv
+    attached.remove()
+    fv.unwrap()
+    return got
 
 
 def reference(scenario: Scenario, accumulate: int, clip: float) -> dict[str, np.ndarray]:
     """The run in one process on whole batches, written out."""
     net = TrainerNet(scenario)
-    plain = no_decay(net)
-    groups = [
-        {"params": [p for n, p in net.named_parameters() if n not in plain], "weight_decay": DECAY},
-        {"params": [p for n, p in net.named_parameters() if n in plain], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=LR)
+    opt = trainer_adamw(net)
     micros = len(scenario.skips)
     schedule = linear(opt, micros // accumulate)
     for micro in range(micros):
@@ -193,7 +203,6 @@ def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dic
     from transformers import Trainer, TrainerCallback
 
     from flatview.integrations.hf_trainer import attach
-    from tests.integration_workers import params_of
 
     seen: list[dict[str, list[str]]] = []
 
@@ -214,12 +223,10 @@ def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dic
         trainer = Trainer(model=net, args=args, train_dataset=rows(EVEN), callbacks=[Record()])
         attached = attach(trainer, skip=skipped)
         trainer.train()
-        got = params_of(trainer.model)
-        fv = attached.fv
-        attached.remove()
-        fv.unwrap()
+        wrapper = type(attached.fv.model).__name__
+        got = finish(trainer, attached)
     diff = worst(got, reference(EVEN, accumulate, clip)) if dist.get_rank() == 0 else None
-    return {"worst": diff, "seen": seen, "wrapper": type(fv.model).__name__}
+    return {"worst": diff, "seen": seen, "wrapper": wrapper}
 
 
 # ----------------------------------------------------------------------- layer drop
@@ -285,15 +292,7 @@ def bart_reference(drops: list[list[str]], accumulate: int) -> dict[str, np.ndar
     (``average_tokens_across_devices``)."""
     model = lw.tiny_bart(0.0, 0.0, tie=False)
     model.train()
-    plain = no_decay(model)
-    groups = [
-        {
-            "params": [p for n, p in model.named_parameters() if n not in plain],
-            "weight_decay": DECAY,
-        },
-        {"params": [p for n, p in model.named_parameters() if n in plain], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=LR, eps=1e-4)
+    opt = trainer_adamw(model, eps=1e-4)
     schedule = linear(opt, len(drops) // accumulate)
     world = dist.get_world_size()
     for micro, dropped in enumerate(drops):
@@ -315,8 +314,6 @@ def bart_reference(drops: list[list[str]], accumulate: int) -> dict[str, np.ndar
 def layerdrop_like_the_reference(backend: str, micros: int, accumulate: int) -> dict[str, Any]:
     """The tiny BART trained through the ``Trainer`` with its layer drop; then the same
     run interrupted at its middle checkpoint and resumed by a fresh ``Trainer``."""
-    from tests.integration_workers import params_of
-
     middle = micros // accumulate // 2
     with trainer_session() as out:
         trainer, attached, drops = bart_trainer(
@@ -331,19 +328,13 @@ def layerdrop_like_the_reference(backend: str, micros: int, accumulate: int) -> 
         trainer.evaluate()  # before the training prepared the model (FSDP: prepares it)
         trainer.train()
         evaluations = sum("eval_loss" in entry for entry in trainer.state.log_history)
-        got = params_of(trainer.model)
-        fv = attached.fv
-        attached.remove()
-        fv.unwrap()
+        got = finish(trainer, attached)
         fresh_state()
         again, attached, resumed_drops = bart_trainer(
             out, backend, micros, accumulate, save_strategy="no"
         )
         again.train(resume_from_checkpoint=f"{out}/checkpoint-{middle}")
-        resumed = params_of(again.model)
-        fv = attached.fv
-        attached.remove()
-        fv.unwrap()
+        resumed = finish(again, attached)
     result: dict[str, Any] = {"drops": drops, "resumed_drops": resumed_drops}
     result["evaluations"] = evaluations
     result["resumed_worst"] = worst(resumed, got)
