@@ -318,10 +318,12 @@ class LayerDrop:
         """One iteration's forward and backward with this step's layers dropped: ``fv.step``
         with them as the skip set, and ``skip`` (names, modules or tensors, as
         ``fv.step`` takes them) skipped as well; ``check`` as there."""
-        drawn: list[SkipItem] = list(self.draw())
-        if skip is not None:
-            drawn += [skip] if isinstance(skip, (str, nn.Module, torch.Tensor)) else list(skip)
         try:
+            drawn: list[SkipItem] = list(self.draw())
+            if isinstance(skip, (str, nn.Module, torch.Tensor)):
+                drawn.append(skip)
+            elif skip is not None:
+                drawn += list(skip)
             with self._fv.step(skip=drawn, check=check) as fv:
                 yield fv
         finally:
