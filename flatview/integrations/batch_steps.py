@@ -21,9 +21,9 @@ LightningModule); where the wrapped model is not that module, names are mapped
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from flatview.errors import SkipSetError, StateError
 from flatview.handle import FlatView
 from flatview.phase import Phase
 from flatview.skip import SkipSet
+
+StepOf: TypeAlias = Callable[[SkipSet], contextlib.AbstractContextManager[Any]]
+"""Makes a batch's step from its skip set (names already mapped to the wrapped model)."""
 
 
 @dataclass(frozen=True)
@@ -105,11 +108,13 @@ class BatchSteps:
         """A batch starts: forwards are counted from here."""
         self._forwards = 0
 
-    def enter(self, skip: SkipSet) -> None:
-        """Enter ``fv.step(skip=...)`` (names relative to the user's module)."""
+    def enter(self, skip: SkipSet, step_of: StepOf | None = None) -> None:
+        """Enter ``fv.step(skip=...)`` (names relative to the user's module), or what
+        ``step_of`` makes of the mapped skip set (a layer drop's step)."""
         if self._step is not None:
             self.leave()  # the last batch ended without its end hook (it was skipped)
-        step = self.fv.step(skip=self.scope.skip(skip))
+        mapped = self.scope.skip(skip)
+        step = self.fv.step(skip=mapped) if step_of is None else step_of(mapped)
         step.__enter__()
         self._step = step
 

@@ -51,7 +51,6 @@ process without a distributed wrapper, accelerate's FSDP plugin where it runs as
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -76,13 +75,6 @@ _ATTACHED = "_flatview_attached"
 """Where an attached ``Trainer`` keeps its :class:`Attached` (a second one is refused)."""
 
 
-def _seed_at(seed: int, step: int, micro: int) -> int:
-    """The layer drop's seed for micro-batch ``micro`` (from 1) of optimizer step
-    ``step``: a digest, the same in every process and Python version."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{micro}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 class Attached:
     """flatview attached to one ``Trainer`` (:func:`attach` returns it)."""
 
@@ -95,8 +87,6 @@ class Attached:
         self._fv: FlatView | None = None
         self._scope = Scope()
         self._layerdrop: LayerDrop | None = None
-        self._place = (-1, 0)
-        """(optimizer step, micro-batches of it begun): the layer drop's seed."""
         self._patches = InstancePatches()
 
     @property
@@ -187,14 +177,9 @@ class Attached:
     def _step(self, inputs: Any) -> Any:
         fv = self.fv
         skip = self._scope.skip(self._skip(self.model, inputs)) if self._skip else None
-        if self._layerdrop is None or self._layerdrop_seed is None:
+        if self._layerdrop is None:
             return fv.step(skip=skip)
-        step, begun = self._place
-        now = int(self.trainer.state.global_step)
-        begun = begun + 1 if step == now else 1
-        self._place = (now, begun)
-        self._layerdrop.reseed(_seed_at(self._layerdrop_seed, now, begun))
-        return self._layerdrop.step(skip=skip)
+        return self._layerdrop.step_at(int(self.trainer.state.global_step), skip=skip)
 
 
 def attach(

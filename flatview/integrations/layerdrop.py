@@ -37,6 +37,7 @@ refused.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import inspect
 import re
@@ -276,7 +277,10 @@ class LayerDrop:
         for stack in self._stacks:
             if stack.feeds_on is not None:
                 stack.unread = _own_parameters(fv, stack.feeds_on.module)
+        self._seed = seed
         self._generator = torch.Generator().manual_seed(seed)
+        self._place = (-1, 0)
+        """(optimizer step, micro-batches of it begun) of :meth:`step_at`."""
         self._handles: list[Any] = []
         self.dropped: list[str] = []
         """The original paths of the layers the latest :meth:`draw` dropped, model order."""
@@ -330,10 +334,18 @@ class LayerDrop:
             for stack in self._stacks:
                 stack.drops = ()
 
-    def reseed(self, seed: int) -> None:
-        """Seed the draws anew: a run that seeds each step from its place in the run
-        (the Trainer integration does) draws the same when resumed, with no state saved."""
-        self._generator.manual_seed(seed)
+    def step_at(
+        self, step: int, *, skip: SkipSet = None, check: bool | None = None
+    ) -> contextlib.AbstractContextManager[FlatView]:
+        """:meth:`step` for the next micro-batch of optimizer step ``step``, its draws
+        seeded from ``seed``, ``step`` and the micro-batch's place in the step: a run
+        resumed at a step boundary draws what the uninterrupted run drew, with no state
+        saved (the framework integrations use it, with the framework's step count)."""
+        last, begun = self._place
+        begun = begun + 1 if step == last else 1
+        self._place = (step, begun)
+        self._generator.manual_seed(_seed_at(self._seed, step, begun))
+        return self.step(skip=skip, check=check)
 
     def state_dict(self) -> dict[str, Any]:
         """The generator's state: a resumed run draws what the uninterrupted one would."""
@@ -376,6 +388,13 @@ class LayerDrop:
         self._handles.append(module.register_forward_pre_hook(enter))
         self._handles.append(module.register_forward_hook(finished))
         self._handles.append(module.register_forward_hook(leave, always_call=True))
+
+
+def _seed_at(seed: int, step: int, micro: int) -> int:
+    """The draws' seed for micro-batch ``micro`` (from 1) of optimizer step ``step``: a
+    digest, the same in every process and Python version."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{micro}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _refuse_zero3(stacks: list[_Stack]) -> None:

@@ -45,6 +45,7 @@ from flatview.errors import OptimStateError, WrapError
 from flatview.handle import FlatView
 from flatview.integrations.batch_steps import BatchSteps, scope_of
 from flatview.integrations.frameworks import find_wrapper
+from flatview.integrations.layerdrop import LayerDrop
 from flatview.integrations.patching import InstancePatches
 from flatview.integrations.trainer_patches import TrainerPatches
 from flatview.phase import Phase
@@ -86,6 +87,12 @@ class FlatViewCallback(_Callback):
             forward leaves out: call the same function from ``training_step``.
         enter_steps: ``False`` enters no step: ``training_step`` enters its own
             (``with flatview_of(self.trainer).step(skip=...)``, manual optimization).
+        layerdrop: a seed, the same on every rank: the layer drop of the Hugging Face
+            ``transformers`` model inside is drawn from it, per batch, and added to the
+            batch's skip set (:class:`~flatview.integrations.layerdrop.LayerDrop`, made
+            at ``on_fit_start``: :attr:`layerdrop`). Each batch's draws are seeded from
+            the seed, ``trainer.global_step`` and the batch's place in that step, so a
+            fit resumed from a checkpoint drops what the uninterrupted one did.
         **wrap_options: keyword arguments of :func:`flatview.wrap` (not with
             :class:`FlatViewFSDPStrategy`, which wraps itself: give them to it).
 
@@ -100,11 +107,23 @@ class FlatViewCallback(_Callback):
     """
 
     def __init__(
-        self, skip: SkipSet | SkipFn = None, *, enter_steps: bool = True, **wrap_options: Any
+        self,
+        skip: SkipSet | SkipFn = None,
+        *,
+        enter_steps: bool = True,
+        layerdrop: int | None = None,
+        **wrap_options: Any,
     ) -> None:
         super().__init__()
+        if layerdrop is not None and not enter_steps:
+            raise WrapError(
+                "FlatViewCallback: layerdrop= draws in the steps the callback enters; with "
+                "enter_steps=False enter LayerDrop.step() in training_step yourself"
+            )
         self.skip = skip
         self.enter_steps = enter_steps
+        self.layerdrop_seed = layerdrop
+        self.layerdrop: LayerDrop | None = None
         self.wrap_options = wrap_options
         self.fv: FlatView | None = None
         self._steps: BatchSteps | None = None
@@ -117,6 +136,8 @@ class FlatViewCallback(_Callback):
         fv = self.fv = self._adopt_or_wrap(trainer)
         self._steps = BatchSteps(fv, scope_of(fv, pl_module))
         self._patches = TrainerPatches(trainer, fv)
+        if self.layerdrop_seed is not None and self.layerdrop is None:
+            self.layerdrop = LayerDrop(fv, seed=self.layerdrop_seed)
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -124,8 +145,15 @@ class FlatViewCallback(_Callback):
         """Enter the batch's step."""
         steps = self._require_steps()
         steps.begin_batch()
-        if self.enter_steps:
-            steps.enter(self._skip_of(pl_module, batch, batch_idx))
+        if not self.enter_steps:
+            return
+        skip = self._skip_of(pl_module, batch, batch_idx)
+        layerdrop = self.layerdrop
+        if layerdrop is None:
+            steps.enter(skip)
+            return
+        at = int(trainer.global_step)
+        steps.enter(skip, lambda mapped: layerdrop.step_at(at, skip=mapped))
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         """Check that flatview reduced the backward that just ran."""
@@ -170,6 +198,9 @@ class FlatViewCallback(_Callback):
         if self._steps is not None:
             self._steps.remove()
             self._steps = None
+        if self.layerdrop is not None:
+            self.layerdrop.remove()
+            self.layerdrop = None
         if self._patches is not None:
             self._patches.remove()
             self._patches = None

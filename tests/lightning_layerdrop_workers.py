@@ -1,0 +1,116 @@
+"""Worker tasks of ``test_integrations`` for the layer drop of a Hugging Face model trained
+by the Lightning Trainer with ``FlatViewCallback(layerdrop=seed)``: the tiny BART of
+:mod:`tests.layerdrop_workers` inside a LightningModule, under DDP and FSDP2
+(``ModelParallelStrategy``, a unit per layer), against the unwrapped model in one process
+with the layers each batch dropped passed over by hand. Called through
+:func:`tests.integration_workers.call`, so only the workers import Lightning."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from flatview.integrations.lightning import FlatViewCallback
+from tests import layerdrop_workers as lw
+from tests.integration_workers import framework_env, params_of, without_prefix
+
+PER_EPOCH = 4
+"""Batches per epoch; a fit of two epochs is checkpointed between them."""
+
+
+class BartLit(pl.LightningModule):
+    """The tiny BART (layer drop on in both stacks) as ``self.model``; each batch trains
+    on this rank's chunk of batch ``epoch * PER_EPOCH + batch_idx`` and records the
+    layers the callback's layer drop dropped for it."""
+
+    def __init__(self, sharded: bool, callback: FlatViewCallback) -> None:
+        super().__init__()
+        self.model = lw.tiny_bart()
+        self.sharded = sharded
+        self.callback = callback
+        self.drops: list[list[str]] = []
+
+    def configure_model(self) -> None:
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        layers = lw.bart_layers()
+        for module in list(self.model.modules()):
+            if isinstance(module, tuple(layers)):
+                fully_shard(module, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        assert self.callback.layerdrop is not None
+        # Paths in the wrapped model: DDP wraps this module, FSDP2 shards self.model.
+        inside = "" if self.sharded else "model."
+        self.drops.append([n.removeprefix(inside) for n in self.callback.layerdrop.dropped])
+        micro = self.current_epoch * PER_EPOCH + batch_idx
+        return lw.bart_loss(self.model, micro, chunk=True)
+
+    def configure_optimizers(self) -> Any:
+        return lw.adamw(self.parameters())
+
+
+def _fit(strategy: str, accumulate: int, tmp: str, epochs: int, resume: str | None) -> Any:
+    callback = FlatViewCallback(layerdrop=3)
+    module = BartLit(strategy == "fsdp2", callback)
+    kind: Any = strategy
+    if strategy == "fsdp2":
+        kind = pl.strategies.ModelParallelStrategy(
+            data_parallel_size=dist.get_world_size(), tensor_parallel_size=1
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=kind,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp,
+        callbacks=[callback],
+        accumulate_grad_batches=accumulate,
+    )
+    loader = DataLoader(list(range(PER_EPOCH)), batch_size=None)
+    trainer.fit(module, loader, ckpt_path=resume)
+    return trainer, module
+
+
+def layerdrop(strategy: str, accumulate: int) -> dict[str, Any]:
+    """Two epochs in one fit, then the same fit checkpointed after the first epoch and
+    resumed by a new Trainer, module and callback: the layers each batch dropped (every
+    rank), and on rank 0 the largest differences from the reference and between the
+    two fits."""
+    with framework_env() as tmp:
+        whole, module = _fit(strategy, accumulate, tmp, epochs=2, resume=None)
+        drops = module.drops
+        got = without_prefix(params_of(whole.strategy.model), "model.")
+        first, module = _fit(strategy, accumulate, tmp, epochs=1, resume=None)
+        path = os.path.join(tmp, "resume.ckpt")
+        first.save_checkpoint(path)
+        again, resumed = _fit(strategy, accumulate, tmp, epochs=2, resume=path)
+        resumed_drops = module.drops + resumed.drops
+        resumed_got = without_prefix(params_of(again.strategy.model), "model.")
+    out: dict[str, Any] = {"drops": drops, "resumed_drops": resumed_drops}
+    if dist.get_rank() == 0:
+
+        def loss(model: Any, step: int, chunk: bool = False) -> torch.Tensor:
+            return lw.bart_loss(model, step) / accumulate  # Lightning scales it so
+
+        want = lw.reference(drops, lw.tiny_bart(0.0, 0.0), loss, micros=accumulate)
+        out["worst"] = max(float(np.abs(got[n] - want[n]).max()) for n in want)
+        out["resumed_worst"] = max(float(np.abs(resumed_got[n] - got[n]).max()) for n in got)
+        out["names_match"] = sorted(got) == sorted(want)
+    return out
