@@ -220,8 +220,20 @@ def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dic
         net = TrainerNet(EVEN)
         more = fsdp_options(backend, "Block")
         args = arguments(out, EVEN.batch_per_rank, accumulate, clip, save_strategy="no", **more)
-        trainer = Trainer(model=net, args=args, train_dataset=rows(EVEN), callbacks=[Record()])
+        # Evaluated first on the micro-batch that skips nothing (outside any step): under
+        # FSDP2 that prepares (and wraps) the model, under DDP it marks it prepared. Not
+        # under FSDP1, where the bare Trainer then fails to build its optimizer.
+        evaluated = [row for row in rows(EVEN) if not skip_names(EVEN, int(row["micro"]))]
+        trainer = Trainer(
+            model=net,
+            args=args,
+            train_dataset=rows(EVEN),
+            eval_dataset=evaluated,
+            callbacks=[Record()],
+        )
         attached = attach(trainer, skip=skipped)
+        if not backend.startswith("fsdp1"):
+            trainer.evaluate()
         trainer.train()
         wrapper = type(attached.fv.model).__name__
         got = finish(trainer, attached)
@@ -311,9 +323,12 @@ def bart_reference(drops: list[list[str]], accumulate: int) -> dict[str, np.ndar
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-def layerdrop_like_the_reference(backend: str, micros: int, accumulate: int) -> dict[str, Any]:
-    """The tiny BART trained through the ``Trainer`` with its layer drop; then the same
-    run interrupted at its middle checkpoint and resumed by a fresh ``Trainer``."""
+def layerdrop_like_the_reference(
+    backend: str, micros: int, accumulate: int, recompute: bool
+) -> dict[str, Any]:
+    """The tiny BART trained through the ``Trainer`` with its layer drop (``recompute``:
+    with the ``Trainer``'s gradient checkpointing); then the same run interrupted at its
+    middle checkpoint and resumed by a fresh ``Trainer``."""
     middle = micros // accumulate // 2
     with trainer_session() as out:
         trainer, attached, drops = bart_trainer(
@@ -324,19 +339,22 @@ def layerdrop_like_the_reference(backend: str, micros: int, accumulate: int) -> 
             eval_strategy="steps",
             save_strategy="steps",
             save_steps=middle,
+            gradient_checkpointing=recompute,
         )
         trainer.evaluate()  # before the training prepared the model (FSDP: prepares it)
         trainer.train()
+        checkpointed = trainer.model.is_gradient_checkpointing
         evaluations = sum("eval_loss" in entry for entry in trainer.state.log_history)
         got = finish(trainer, attached)
         fresh_state()
         again, attached, resumed_drops = bart_trainer(
-            out, backend, micros, accumulate, save_strategy="no"
+            out, backend, micros, accumulate, save_strategy="no", gradient_checkpointing=recompute
         )
         again.train(resume_from_checkpoint=f"{out}/checkpoint-{middle}")
         resumed = finish(again, attached)
     result: dict[str, Any] = {"drops": drops, "resumed_drops": resumed_drops}
     result["evaluations"] = evaluations
+    result["checkpointed"] = checkpointed
     result["resumed_worst"] = worst(resumed, got)
     result["worst"] = (
         worst(got, bart_reference(drops, accumulate)) if dist.get_rank() == 0 else None

@@ -42,7 +42,6 @@ WRAPPERS = {
 @pytest.mark.parametrize(
     ("backend", "accumulate", "clip"),
     [
-        ("ddp", 1, 1.0),
         ("ddp", 2, 0.05),
         ("fsdp2", 2, 0.05),
         ("fsdp1", 2, 0.05),
@@ -75,16 +74,26 @@ def test_trainer_trains_like_the_reference(
     assert any(views["none"] for result in results for views in result["seen"])
 
 
-@pytest.mark.parametrize(("backend", "accumulate"), [("ddp", 1), ("ddp", 2), ("fsdp2", 2)])
+@pytest.mark.parametrize(
+    ("backend", "accumulate", "recompute"), [("ddp", 2, True), ("fsdp2", 1, False)]
+)
 def test_trainer_layerdrop_trains_and_resumes_like_the_reference(
-    dist_pool: PoolFactory, backend: str, accumulate: int
+    dist_pool: PoolFactory, backend: str, accumulate: int, recompute: bool
 ) -> None:
     micros = 4 * accumulate
     results = dist_pool(2).run(
-        call, WORKERS, "layerdrop_like_the_reference", backend, micros, accumulate, timeout=TIMEOUT
+        call,
+        WORKERS,
+        "layerdrop_like_the_reference",
+        backend,
+        micros,
+        accumulate,
+        recompute,
+        timeout=TIMEOUT,
     )
     first, second = results
     assert first["evaluations"] == micros // accumulate  # one after every step
+    assert first["checkpointed"] == recompute
     assert first["drops"] == second["drops"]  # every rank dropped the same layers
     assert any(first["drops"]) and first["drops"][0] != first["drops"][1]
     # The resumed run starts at the middle checkpoint and drops what the first did.
