@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from flatview.integrations.lightning import FlatViewCallback
 from tests import layerdrop_workers as lw
 from tests.integration_workers import framework_env, params_of, without_prefix
+from tests.lightning_workers import quiet_trainer
 
 PER_EPOCH = 4
 """Batches per epoch; a fit of two epochs is checkpointed between them."""
@@ -68,21 +69,7 @@ def _fit(strategy: str, accumulate: int, tmp: str, epochs: int, resume: str | No
         kind = pl.strategies.ModelParallelStrategy(
             data_parallel_size=dist.get_world_size(), tensor_parallel_size=1
         )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        strategy=kind,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        default_root_dir=tmp,
-        callbacks=[callback],
-        accumulate_grad_batches=accumulate,
-    )
+    trainer = quiet_trainer(kind, tmp, [callback], epochs, accumulate)
     loader = DataLoader(list(range(PER_EPOCH)), batch_size=None)
     trainer.fit(module, loader, ckpt_path=resume)
     return trainer, module

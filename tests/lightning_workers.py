@@ -182,11 +182,28 @@ def _strategy(name: str) -> Any:
 def _trainer(
     run: Run, strategy: str, tmp: str, callbacks: list[Any], epochs: int, precision: str = "32"
 ) -> Any:
+    clip = None if run.manual else run.clip
+    return quiet_trainer(
+        _strategy(strategy), tmp, callbacks, epochs, run.accumulate, clip, precision
+    )
+
+
+def quiet_trainer(
+    strategy: Any,
+    tmp: str,
+    callbacks: list[Any],
+    epochs: int,
+    accumulate: int = 1,
+    clip: float | None = None,
+    precision: str = "32",
+) -> Any:
+    """A Lightning Trainer on this pool's ranks (CPU), writing and printing nothing, the
+    data loaders' own order kept."""
     return pl.Trainer(
         precision=precision,  # type: ignore[arg-type]
         accelerator="cpu",
         devices=dist.get_world_size(),
-        strategy=_strategy(strategy),
+        strategy=strategy,
         max_epochs=epochs,
         logger=False,
         enable_checkpointing=False,
@@ -196,8 +213,8 @@ def _trainer(
         num_sanity_val_steps=0,
         default_root_dir=tmp,
         callbacks=callbacks,
-        accumulate_grad_batches=run.accumulate,
-        gradient_clip_val=None if run.manual else run.clip,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
     )
 
 
