@@ -224,12 +224,19 @@ def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dic
         # FSDP2 that prepares (and wraps) the model, under DDP it marks it prepared. Not
         # under FSDP1, where the bare Trainer then fails to build its optimizer.
         evaluated = [row for row in rows(EVEN) if not skip_names(EVEN, int(row["micro"]))]
+        # Under DDP the optimizer and schedule are given, as users may (the Trainer's
+        # own, built alike); the Trainer refuses that under FSDP.
+        given: Any = (None, None)
+        if backend == "ddp":
+            opt = trainer_adamw(net)
+            given = (opt, linear(opt, len(EVEN.skips) // accumulate))
         trainer = Trainer(
             model=net,
             args=args,
             train_dataset=rows(EVEN),
             eval_dataset=evaluated,
             callbacks=[Record()],
+            optimizers=given,
         )
         attached = attach(trainer, skip=skipped)
         if not backend.startswith("fsdp1"):
