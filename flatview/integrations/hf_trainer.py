@@ -28,7 +28,10 @@ its class; :meth:`Attached.remove` puts them back):
   uninterrupted run dropped, with nothing more saved.
 
 Evaluation (``evaluate``, ``predict``, evaluation during training) runs as without
-flatview: outside any step, in ``eval()`` mode, where nothing is skipped or dropped.
+flatview: outside any step, in ``eval()`` mode, where nothing is skipped or dropped. An
+``evaluate()`` before ``train()`` under DDP leaves accelerate's mark "prepared" on the
+model, after which the bare ``Trainer`` trains it without DDP, each rank alone; the mark
+is cleared before the training's prepare, so the model is wrapped.
 
 Which backends: the ``Trainer``'s DDP, FSDP2 (``fsdp_config`` version 2, transformers'
 default) and FSDP1, launched in several processes (``torchrun``, ``accelerate launch``).
