@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatview
 from flatview.errors import FlatViewError
 from flatview.testing.counting import CollectiveCounter
-from tests.scenarios import Scenario, as_names, local_batch, loss_of, make_net
+from tests.scenarios import Scenario, as_names, batch, local_batch, loss_of, make_net
 
 
 def _same_on_every_rank(tensor: torch.Tensor) -> bool:
@@ -423,3 +423,39 @@ def skipped_behind_an_unused_output(skip: list[str]) -> dict[str, Any]:
     finally:
         fv.unwrap()
     return {"none": sorted(n for n, p in fv.named_parameters() if p.grad is None)}
+
+
+def frozen_before_the_wrap(scenario: Scenario, overlap: bool) -> dict[str, Any]:
+    """A block frozen before DDP is built (LoRA's base, a frozen backbone): flatview wraps
+    it, leaves its parameters without a gradient, and once it is unfrozen (from the third
+    step on) reduces them; trained alongside the unwrapped model on the whole batches."""
+    net, plain = make_net(scenario), make_net(scenario)
+    for module in (net, plain):
+        module.body[0].requires_grad_(False)
+    # Overlapped: buckets of about 100 elements start as their gradients are ready.
+    model = DDP(net, bucket_cap_mb=0.0004) if overlap else DDP(net)
+    fv = flatview.wrap(model, overlap_reduction=overlap)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, plain)]
+    none = []
+    for micro in range(4):
+        if micro == 2:
+            for module in (net, plain):
+                module.body[0].requires_grad_(True)
+        x, y = local_batch(scenario, micro)
+        with fv.step():
+            loss_of(model(x), y).backward()
+        whole_x, whole_y = batch(scenario, micro)
+        loss_of(plain(whole_x), whole_y).backward()
+        none.append(sorted(n for n, p in fv.named_parameters() if p.grad is None))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    # Hooked once unfrozen, as every trained parameter is: its gradient starts its
+    # bucket during the backward (with overlap), and shows a backward's start.
+    hooked = bool(getattr(net.body[0].up.weight, "_post_accumulate_grad_hooks", None))
+    fv.unwrap()
+    worst = max(
+        float((a - b).abs().max())
+        for a, b in zip(net.parameters(), plain.parameters(), strict=True)
+    )
+    return {"none": none, "worst": worst, "hooked": hooked}

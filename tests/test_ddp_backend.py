@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from flatview.backends.bucket_order import readiness_order
 from flatview.comm.bucketing import plan_buckets
 from tests import ddp_workers as w
-from tests.scenarios import DDP
+from tests.scenarios import DDP, Scenario
 
 if TYPE_CHECKING:
     from tests.conftest import PoolFactory
@@ -207,3 +207,15 @@ def test_find_unused_keeps_a_skipped_parameter_behind_an_unused_output(
         assert result == {"none": ["unused.bias", "unused.weight"]}, result
     for result in pool.run(w.skipped_behind_an_unused_output, []):
         assert result == {"error": "UndeclaredUnusedError"}, result
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_parameters_frozen_before_the_wrap(dist_pool: PoolFactory, overlap: bool) -> None:
+    # Was: RuntimeError "cannot register a hook on a tensor that doesn't require
+    # gradient" from flatview.wrap (a PEFT model under the Hugging Face Trainer's DDP).
+    for result in dist_pool(2).run(w.frozen_before_the_wrap, Scenario(), overlap):
+        frozen = ["body.0.gain", "body.0.norm.bias", "body.0.norm.weight"]
+        frozen += ["body.0.up.bias", "body.0.up.weight", "body.0.down.weight"]
+        assert result["none"] == [sorted(frozen)] * 2 + [[]] * 2, result["none"]
+        assert result["worst"] <= 1e-6, result["worst"]
+        assert result["hooked"]

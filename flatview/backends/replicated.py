@@ -190,19 +190,43 @@ class ReplicatedBackward:
         self._tensors: dict[int, nn.Parameter] = {}
         """Per runtime index of a parameter flatview reduces, the parameter (plain: the
         table never replaces it)."""
+        self._patches = patches
+        self._unhooked: dict[int, nn.Parameter] = {}
+        """Parameters flatview reduces that were frozen at the wrap (LoRA's base, a frozen
+        backbone): torch hooks only a tensor that requires grad, so each is hooked once
+        it trains (:meth:`_hook_unfrozen`)."""
+        self._checked: frozenset[int] | None = None
+        """The used set :meth:`_hook_unfrozen` last looked at (the same object while the
+        skip set and the frozen parameters stay the same)."""
         for _, param in self.params:
             index = runtime.index_of(param)
             if index is not None and id(param) in self.reduced:
                 self._tensors[index] = param
-                # Also without overlap: the first gradient ready is what shows a backward
-                # inside the root's forward (root_forward), which nothing else sees. It
-                # costs one Python call per gradient and backward (about 1-2 µs on this
-                # project's 2-core CPU, benchmarks/README.md's scale section).
-                ready = functools.partial(self._grad_ready, index)
-                patches.hook(param.register_post_accumulate_grad_hook(ready))
+                if param.requires_grad:
+                    self._hook(index, param)
+                else:
+                    self._unhooked[index] = param
         self._reduced_of: dict[frozenset[int], list[int]] = {}
         """Per set of parameters used (a skip set's, or with the window's), those
         flatview reduces, in model order (skip sets repeat)."""
+
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        # Also without overlap: the first gradient ready is what shows a backward inside
+        # the root's forward (root_forward), which nothing else sees. It costs one Python
+        # call per gradient and backward (about 1-2 µs on this project's 2-core CPU,
+        # benchmarks/README.md's scale section).
+        ready = functools.partial(self._grad_ready, index)
+        self._patches.hook(param.register_post_accumulate_grad_hook(ready))
+
+    def _hook_unfrozen(self) -> None:
+        """Hook the parameters frozen at the wrap that this iteration trains, before its
+        backward."""
+        used = self.runtime.plain_used()
+        if used is self._checked:
+            return
+        self._checked = used
+        for index in [i for i in self._unhooked if i in used]:
+            self._hook(index, self._unhooked.pop(index))
 
     def uninstall(self) -> None:
         self._round = None
@@ -221,6 +245,8 @@ class ReplicatedBackward:
             self._round = None
             self._reduction.wait_in_flight(discard=True)
         runtime.begin_compute(outermost=True)
+        if self._unhooked:
+            self._hook_unfrozen()
         runtime.guard_skipped_plain()
         self._pass.move(Pass.REDUCING if synced else Pass.ACCUMULATING)
         if self._plans.observing and synced and torch.is_grad_enabled():
