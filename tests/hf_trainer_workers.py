@@ -404,3 +404,39 @@ def refusals() -> dict[str, str]:
             else:
                 out[case] = "accepted"
     return out
+
+
+# ------------------------------------------------------------------------------ PEFT
+
+
+def lora_like_bare() -> dict[str, Any]:
+    """A LoRA model (PEFT: the base frozen before the ``Trainer`` wraps it in DDP) trained
+    by the bare ``Trainer`` and by an attached one: the largest difference of the trained
+    parameters, and how many there are."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer
+
+    from flatview.integrations.hf_trainer import attach
+
+    trained = []
+    for attached in (False, True):
+        with trainer_session() as out:
+            base = lw.tiny_opt(0.0)
+            model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+            args = arguments(out, 2, 2, 1.0, save_strategy="no", adam_epsilon=1e-4)
+            trainer = Trainer(model=model, args=args, train_dataset=Rows(4))
+            handle = attach(trainer) if attached else None
+            trainer.train()
+            trained.append(
+                {
+                    n: p.detach().numpy().copy()
+                    for n, p in model.named_parameters()
+                    if p.requires_grad
+                }
+            )
+            if handle is not None:
+                fv = handle.fv
+                handle.remove()
+                fv.unwrap()
+    bare, flat = trained
+    return {"count": len(bare), "worst": worst(flat, bare)}

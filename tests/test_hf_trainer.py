@@ -103,6 +103,15 @@ def test_trainer_layerdrop_trains_and_resumes_like_the_reference(
         assert result["resumed_worst"] <= 1e-6, result["resumed_worst"]
 
 
+def test_lora_trains_as_the_bare_trainer(dist_pool: PoolFactory) -> None:
+    # PEFT freezes the base before the Trainer wraps the model in DDP (flatview's wrap
+    # raised "cannot register a hook on a tensor that doesn't require gradient"). With
+    # nothing skipped, flatview's buckets sum as DDP's here: the same numbers.
+    pytest.importorskip("peft")
+    for result in dist_pool(2).run(call, WORKERS, "lora_like_bare", timeout=TIMEOUT):
+        assert result["count"] > 0 and result["worst"] == 0.0, result
+
+
 def test_attach_refuses_what_it_does_not_serve(dist_pool: PoolFactory) -> None:
     for refused in dist_pool(2).run(call, WORKERS, "refusals", timeout=TIMEOUT):
         assert "not its DeepSpeed config yet" in refused["deepspeed"], refused
