@@ -440,3 +440,80 @@ def lora_like_bare() -> dict[str, Any]:
                 fv.unwrap()
     bare, flat = trained
     return {"count": len(bare), "worst": worst(flat, bare)}
+
+
+# --------------------------------------------------------------------------- Whisper
+
+
+def whisper_seq2seq() -> dict[str, Any]:
+    """A tiny Whisper (layer drop in its encoder and decoder) through ``Seq2SeqTrainer``
+    with ``attach(trainer, layerdrop=0)``: the stacks found, the layers dropped per
+    micro-batch, and a digest of the trained parameters (equal on every rank)."""
+    from transformers import (
+        Seq2SeqTrainer,
+        Seq2SeqTrainingArguments,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
+
+    from flatview.integrations.hf_trainer import attach
+
+    config = WhisperConfig(
+        vocab_size=40,
+        num_mel_bins=8,
+        d_model=16,
+        encoder_layers=3,
+        decoder_layers=3,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
+        max_source_positions=8,
+        max_target_positions=16,
+        encoder_layerdrop=0.5,
+        decoder_layerdrop=0.5,
+        dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(config)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {
+            "input_features": torch.randn(8, 16, generator=g),
+            "labels": torch.randint(3, 40, (5,), generator=g),
+        }
+        for _ in range(16)
+    ]
+    drops: list[list[str]] = []
+
+    class Recording(Seq2SeqTrainer):  # type: ignore[misc]
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            assert attached.layerdrop is not None
+            drops.append(list(attached.layerdrop.dropped))
+            return super().training_step(*args, **kwargs)
+
+    with trainer_session() as out:
+        args = Seq2SeqTrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=2,
+            max_steps=4,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=True,
+            remove_unused_columns=False,
+        )
+        trainer = Recording(model=model, args=args, train_dataset=data)
+        attached = attach(trainer, layerdrop=0)
+        trainer.train()
+        assert attached.layerdrop is not None
+        stacks = attached.layerdrop.stacks
+        digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+        fv = attached.fv
+        attached.remove()
+        fv.unwrap()
+    return {"stacks": stacks, "drops": drops, "digest": digest}

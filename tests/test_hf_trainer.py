@@ -103,6 +103,16 @@ def test_trainer_layerdrop_trains_and_resumes_like_the_reference(
         assert result["resumed_worst"] <= 1e-6, result["resumed_worst"]
 
 
+def test_whisper_layerdrop_through_seq2seq_trainer(dist_pool: PoolFactory) -> None:
+    # The layer drop of Whisper (BART's form, in another model) through Seq2SeqTrainer:
+    # both stacks found, the same layers dropped on every rank, the same training.
+    first, second = dist_pool(2).run(call, WORKERS, "whisper_seq2seq", timeout=TIMEOUT)
+    assert first["stacks"] == {"model.encoder": 0.5, "model.decoder": 0.5}
+    assert first["drops"] == second["drops"] and len(first["drops"]) == 4
+    assert any(first["drops"])
+    assert first["digest"] == second["digest"]
+
+
 def test_lora_trains_as_the_bare_trainer(dist_pool: PoolFactory) -> None:
     # PEFT freezes the base before the Trainer wraps the model in DDP (flatview's wrap
     # raised "cannot register a hook on a tensor that doesn't require gradient"). With
