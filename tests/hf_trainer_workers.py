@@ -167,10 +167,32 @@ def finish(trainer: Any, attached: Any) -> dict[str, np.ndarray]:
     from tests.integration_workers import params_of
 
     got = params_of(trainer.model)
+    detach(attached)
+    return got
+
+
+def detach(attached: Any) -> None:
+    """flatview taken off the ``Trainer`` (``remove``) and off the model (``unwrap``)."""
     fv = attached.fv
     attached.remove()
     fv.unwrap()
-    return got
+
+
+def recording(trainer_class: type) -> type:
+    """``trainer_class`` recording, in ``drops``, the layers each micro-batch dropped (its
+    ``attached`` set to what :func:`attach` returned)."""
+
+    class Recording(trainer_class):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.attached: Any = None
+            self.drops: list[list[str]] = []
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            self.drops.append(list(self.attached.layerdrop.dropped))
+            return super().training_step(*args, **kwargs)
+
+    return Recording
 
 
 def reference(scenario: Scenario, accumulate: int, clip: float) -> dict[str, np.ndarray]:
@@ -280,14 +302,6 @@ def bart_trainer(
 
     from flatview.integrations.hf_trainer import attach
 
-    drops: list[list[str]] = []
-
-    class Recording(Trainer):  # type: ignore[misc]
-        def training_step(self, *args: Any, **kwargs: Any) -> Any:
-            assert attached.layerdrop is not None
-            drops.append(list(attached.layerdrop.dropped))
-            return super().training_step(*args, **kwargs)
-
     more.update(fsdp_options(backend, "BartEncoderLayer", "BartDecoderLayer"))
     args = arguments(out, 2, accumulate, 1.0, adam_epsilon=1e-4, eval_steps=1, **more)
     model = lw.tiny_bart(tie=False)
@@ -297,9 +311,11 @@ def bart_trainer(
     dead = "model.shared" if backend == "ddp" else None
     if dead is None:
         model.get_submodule("model.shared").requires_grad_(False)
-    trainer = Recording(model=model, args=args, train_dataset=Rows(micros), eval_dataset=Rows(1))
-    attached = attach(trainer, layerdrop=7, skip=lambda model, inputs: dead)
-    return trainer, attached, drops
+    trainer = recording(Trainer)(
+        model=model, args=args, train_dataset=Rows(micros), eval_dataset=Rows(1)
+    )
+    trainer.attached = attach(trainer, layerdrop=7, skip=lambda model, inputs: dead)
+    return trainer, trainer.attached, trainer.drops
 
 
 def bart_reference(drops: list[list[str]], accumulate: int) -> dict[str, np.ndarray]:
@@ -435,9 +451,7 @@ def lora_like_bare() -> dict[str, Any]:
                 }
             )
             if handle is not None:
-                fv = handle.fv
-                handle.remove()
-                fv.unwrap()
+                detach(handle)
     bare, flat = trained
     return {"count": len(bare), "worst": worst(flat, bare)}
 
@@ -488,14 +502,6 @@ def whisper_seq2seq() -> dict[str, Any]:
         }
         for _ in range(16)
     ]
-    drops: list[list[str]] = []
-
-    class Recording(Seq2SeqTrainer):  # type: ignore[misc]
-        def training_step(self, *args: Any, **kwargs: Any) -> Any:
-            assert attached.layerdrop is not None
-            drops.append(list(attached.layerdrop.dropped))
-            return super().training_step(*args, **kwargs)
-
     with trainer_session() as out:
         args = Seq2SeqTrainingArguments(
             output_dir=out,
@@ -507,13 +513,11 @@ def whisper_seq2seq() -> dict[str, Any]:
             use_cpu=True,
             remove_unused_columns=False,
         )
-        trainer = Recording(model=model, args=args, train_dataset=data)
-        attached = attach(trainer, layerdrop=0)
+        trainer = recording(Seq2SeqTrainer)(model=model, args=args, train_dataset=data)
+        attached = trainer.attached = attach(trainer, layerdrop=0)
         trainer.train()
         assert attached.layerdrop is not None
         stacks = attached.layerdrop.stacks
         digest = float(sum(p.detach().double().sum() for p in model.parameters()))
-        fv = attached.fv
-        attached.remove()
-        fv.unwrap()
-    return {"stacks": stacks, "drops": drops, "digest": digest}
+        detach(attached)
+    return {"stacks": stacks, "drops": trainer.drops, "digest": digest}
