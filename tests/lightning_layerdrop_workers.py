@@ -101,3 +101,15 @@ def layerdrop(strategy: str, accumulate: int) -> dict[str, Any]:
         out["resumed_worst"] = max(float(np.abs(resumed_got[n] - got[n]).max()) for n in got)
         out["names_match"] = sorted(got) == sorted(want)
     return out
+
+
+def refused_without_steps() -> str:
+    """``FlatViewCallback(layerdrop=..., enter_steps=False)``: the draws happen in the
+    steps the callback enters, so it is refused when made."""
+    from flatview.errors import WrapError
+
+    try:
+        FlatViewCallback(layerdrop=0, enter_steps=False)
+    except WrapError as error:
+        return str(error)
+    return "accepted"

@@ -190,3 +190,14 @@ def test_lightning_callback_layerdrop_trains_and_resumes(
     assert first["names_match"]
     assert first["worst"] <= 1e-5, first["worst"]
     assert first["resumed_worst"] <= 1e-6, first["resumed_worst"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="lightning is not installed"
+)
+def test_lightning_callback_layerdrop_needs_its_steps(dist_pool: PoolFactory) -> None:
+    from tests.integration_workers import call
+
+    workers = "tests.lightning_layerdrop_workers"
+    for message in dist_pool(2).run(call, workers, "refused_without_steps", timeout=TIMEOUT):
+        assert "enter_steps=False" in message, message
