@@ -661,11 +661,29 @@ def _hf_trainer_reference(
     return {f"net.{n}": p.detach().clone() for n, p in net.named_parameters()}
 
 
+def _fsdp_arguments(version: int, orig: bool = True) -> dict[str, Any]:
+    """``TrainingArguments`` of accelerate's FSDP plugin (version 1 or 2), a unit per block."""
+    config = {
+        "version": version,
+        "transformer_layer_cls_to_wrap": ["Block"],
+        **({"use_orig_params": orig} if version == 1 else {}),
+    }
+    return {"fsdp": True, "fsdp_config": config}
+
+
+def _deepspeed_arguments(stage: int) -> dict[str, Any]:
+    """``TrainingArguments`` of DeepSpeed ZeRO ``stage``, the rest filled by the Trainer."""
+    auto = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps")
+    config = {"zero_optimization": {"stage": stage}, "gradient_clipping": "auto"}
+    return {"deepspeed": {**config, **dict.fromkeys(auto, "auto")}}
+
+
 def _hf_trainer(
-    cfg: bench.Config, device: torch.device, steps: int, version: int, orig: bool = True
+    cfg: bench.Config, device: torch.device, steps: int, backend: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """flatview.integrations.hf_trainer.attach on a Hugging Face Trainer under accelerate's
-    FSDP plugin (version 1 or 2; a unit per block), skipping the benchmark's blocks."""
+    """flatview.integrations.hf_trainer.attach on a Hugging Face Trainer under ``backend``
+    (:func:`_fsdp_arguments` or :func:`_deepspeed_arguments`), skipping the benchmark's
+    blocks."""
     from accelerate.state import AcceleratorState, GradientState
     from transformers import Trainer, TrainingArguments
 
@@ -678,11 +696,6 @@ def _hf_trainer(
         for i in range(len(y))
     ]
     with _launched() as tmp:
-        fsdp_config = {
-            "version": version,
-            "transformer_layer_cls_to_wrap": ["Block"],
-            **({"use_orig_params": orig} if version == 1 else {}),
-        }
         args = TrainingArguments(
             output_dir=tmp,
             per_device_train_batch_size=cfg.batch,
@@ -697,8 +710,7 @@ def _hf_trainer(
             save_strategy="no",
             report_to="none",
             disable_tqdm=True,
-            fsdp=True,
-            fsdp_config=fsdp_config,
+            **backend,
         )
         try:
             trainer = Trainer(model=_TrainerNet(cfg, masks), args=args, train_dataset=rows)
@@ -709,9 +721,15 @@ def _hf_trainer(
                 ],
             )
             trainer.train()
-            got = _full_params(trainer.model)
             attached.remove()
-            return got
+            if not trainer.is_deepspeed_enabled:
+                return _full_params(trainer.model)
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            attached.fv.unwrap()  # DeepSpeed's own parameters again: read its fp32 masters
+            return {
+                n: safe_get_full_fp32_param(p).detach() for n, p in trainer.model.named_parameters()
+            }
         finally:
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()
@@ -735,13 +753,31 @@ def check_frameworks(cfg: bench.Config, device: torch.device, steps: int) -> dic
         "fabric_fsdp1_flat_views": ("lightning", lambda: _fabric_fsdp1(cfg, device, steps), True),
         "accelerate_fsdp1": ("accelerate", lambda: _accelerate_fsdp(cfg, device, steps, 1), True),
         "accelerate_fsdp2": ("accelerate", lambda: _accelerate_fsdp(cfg, device, steps, 2), True),
-        "hf_trainer_fsdp2": ("transformers", lambda: _hf_trainer(cfg, device, steps, 2), None),
-        "hf_trainer_fsdp1_flat_views": (
+        "hf_trainer_fsdp2": (
             "transformers",
-            lambda: _hf_trainer(cfg, device, steps, 1, orig=False),
+            lambda: _hf_trainer(cfg, device, steps, _fsdp_arguments(2)),
             None,
         ),
-        "hf_trainer_fsdp1_orig": ("transformers", lambda: _hf_trainer(cfg, device, steps, 1), None),
+        "hf_trainer_fsdp1_flat_views": (
+            "transformers",
+            lambda: _hf_trainer(cfg, device, steps, _fsdp_arguments(1, orig=False)),
+            None,
+        ),
+        "hf_trainer_fsdp1_orig": (
+            "transformers",
+            lambda: _hf_trainer(cfg, device, steps, _fsdp_arguments(1)),
+            None,
+        ),
+        "hf_trainer_deepspeed_zero2": (
+            "deepspeed",
+            lambda: _hf_trainer(cfg, device, steps, _deepspeed_arguments(2)),
+            None,
+        ),
+        "hf_trainer_deepspeed_zero3": (
+            "deepspeed",
+            lambda: _hf_trainer(cfg, device, steps, _deepspeed_arguments(3)),
+            None,
+        ),
     }
     import importlib.util
 

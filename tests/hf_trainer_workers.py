@@ -1,7 +1,8 @@
 """Worker tasks of ``test_hf_trainer``: Hugging Face ``transformers``' ``Trainer`` under
-DDP on the pool's 2 ranks with :func:`flatview.integrations.hf_trainer.attach`, against
-the same training written out by hand in one process (AdamW with weight decay by name,
-the linear schedule, loss scaled by the accumulation, clipping by the total norm).
+DDP, FSDP and DeepSpeed on the pool's 2 ranks with
+:func:`flatview.integrations.hf_trainer.attach`, against the same training written out by
+hand in one process (AdamW with weight decay by name, the linear schedule, loss scaled by
+the accumulation, clipping by the total norm).
 
 The data reach each rank as the suite's scenarios lay them out: a sequential sampler over
 rows ordered micro-batch by micro-batch, rank by rank, so that accelerate's sharding of
@@ -13,7 +14,7 @@ FSDP: the ``Trainer`` runs accelerate's FSDP plugin only on accelerators (on CPU
 accelerate silently trains with DDP instead). :func:`trainer_session` lets accelerate's
 state take the FSDP plugin on CPU, as it would on GPUs; everything after that is the
 ``Trainer``'s and accelerate's own code (FSDP wrapping, delayed optimizer creation, no_sync,
-checkpoints)."""
+checkpoints). DeepSpeed runs on CPU through :func:`flatview.testing.deepspeed_on_cpu`."""
 
 from __future__ import annotations
 
@@ -43,12 +44,15 @@ FSDP = {
 
 
 @contextlib.contextmanager
-def trainer_session() -> Iterator[str]:
+def trainer_session(deepspeed: bool = False) -> Iterator[str]:
     """:func:`tests.integration_workers.framework_env`, with accelerate's state taking an
     FSDP plugin on CPU (see the module docstring) and reset on the way out, so that the
-    next task in the same worker starts from a fresh one."""
+    next task in the same worker starts from a fresh one; with ``deepspeed``, DeepSpeed
+    set up on CPU (:func:`flatview.testing.deepspeed_on_cpu`)."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
+
+    from flatview.testing import deepspeed_on_cpu
 
     init = AcceleratorState.__init__
 
@@ -62,7 +66,7 @@ def trainer_session() -> Iterator[str]:
 
     AcceleratorState.__init__ = fsdp_on_cpu  # type: ignore[method-assign]
     try:
-        with framework_env() as out:
+        with framework_env() as out, deepspeed_on_cpu() if deepspeed else contextlib.nullcontext():
             yield out
     finally:
         AcceleratorState.__init__ = init  # type: ignore[method-assign]
@@ -92,6 +96,26 @@ def fsdp_options(backend: str, *layers: str) -> dict[str, Any]:
         "state_dict_type": "SHARDED_STATE_DICT",
     }
     return {"fsdp": True, "fsdp_config": config}
+
+
+def deepspeed_options(
+    stage: int, per_rank: int, accumulate: int, clip: float, own_optimizer: bool = False
+) -> dict[str, Any]:
+    """``TrainingArguments`` of DeepSpeed ZeRO ``stage``. The batch sizes are given: on
+    CPU the ``Trainer`` fills DeepSpeed's ``"auto"`` ones for one process and DeepSpeed
+    refuses them. ``own_optimizer``: DeepSpeed builds the optimizer from its config
+    (torch's AdamW, every parameter decayed), the ``Trainer`` its schedule over it."""
+    config: dict[str, Any] = {
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": per_rank,
+        "gradient_accumulation_steps": accumulate,
+        "train_batch_size": per_rank * accumulate * dist.get_world_size(),
+        "gradient_clipping": clip,
+    }
+    if own_optimizer:
+        params = {"lr": LR, "weight_decay": DECAY, "torch_adam": True, "adam_w_mode": True}
+        config["optimizer"] = {"type": "AdamW", "params": params}
+    return {"deepspeed": config}
 
 
 class TrainerNet(Net):
@@ -124,6 +148,13 @@ def rows(scenario: Scenario) -> list[dict[str, Any]]:
     return out
 
 
+def evaluated_rows() -> list[dict[str, Any]]:
+    """The rows of :data:`EVEN`'s micro-batches that skip nothing: what is evaluated
+    (outside any step nothing is skipped, and under ZeRO 3 ranks running other blocks
+    would gather other parameters)."""
+    return [row for row in rows(EVEN) if not skip_names(EVEN, int(row["micro"]))]
+
+
 def arguments(out: str, per_rank: int, accumulate: int, clip: float, **more: Any) -> Any:
     from transformers import TrainingArguments
 
@@ -150,8 +181,11 @@ def linear(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.L
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda done: (steps - done) / steps)
 
 
-def trainer_adamw(model: nn.Module, eps: float = 1e-8) -> torch.optim.AdamW:
-    """The ``Trainer``'s AdamW: no weight decay on biases and LayerNorm weights."""
+def trainer_adamw(model: nn.Module, eps: float = 1e-8, by_name: bool = True) -> torch.optim.AdamW:
+    """The ``Trainer``'s AdamW: no weight decay on biases and LayerNorm weights (unless
+    not ``by_name``: every parameter decayed, as DeepSpeed's own AdamW does)."""
+    if not by_name:
+        return torch.optim.AdamW(model.parameters(), lr=LR, eps=eps, weight_decay=DECAY)
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)}
     named = list(model.named_parameters())
     plain = {n for n, _ in named if n.endswith("bias") or n.rpartition(".")[0] in norms}
@@ -164,9 +198,13 @@ def trainer_adamw(model: nn.Module, eps: float = 1e-8) -> torch.optim.AdamW:
 
 def finish(trainer: Any, attached: Any) -> dict[str, np.ndarray]:
     """The trained parameters, whole; flatview taken off the ``Trainer`` and the model."""
+    from tests.deepspeed_workers import full_params
     from tests.integration_workers import params_of
 
-    got = params_of(trainer.model)
+    if trainer.is_deepspeed_enabled:  # the module's parameters are views of partitions
+        got = full_params(attached.fv, trainer.model_wrapped)
+    else:
+        got = params_of(trainer.model)
     detach(attached)
     return got
 
@@ -195,10 +233,13 @@ def recording(trainer_class: type) -> type:
     return Recording
 
 
-def reference(scenario: Scenario, accumulate: int, clip: float) -> dict[str, np.ndarray]:
-    """The run in one process on whole batches, written out."""
+def reference(
+    scenario: Scenario, accumulate: int, clip: float, by_name: bool = True
+) -> dict[str, np.ndarray]:
+    """The run in one process on whole batches, written out (``by_name``: see
+    :func:`trainer_adamw`)."""
     net = TrainerNet(scenario)
-    opt = trainer_adamw(net)
+    opt = trainer_adamw(net, by_name=by_name)
     micros = len(scenario.skips)
     schedule = linear(opt, micros // accumulate)
     for micro in range(micros):
@@ -245,7 +286,6 @@ def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dic
         # Evaluated first on the micro-batch that skips nothing (outside any step): under
         # FSDP2 that prepares (and wraps) the model, under DDP it marks it prepared. Not
         # under FSDP1, where the bare Trainer then fails to build its optimizer.
-        evaluated = [row for row in rows(EVEN) if not skip_names(EVEN, int(row["micro"]))]
         # Under DDP the optimizer and schedule are given, as users may (the Trainer's
         # own, built alike); the Trainer refuses that under FSDP.
         given: Any = (None, None)
@@ -256,7 +296,7 @@ def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dic
             model=net,
             args=args,
             train_dataset=rows(EVEN),
-            eval_dataset=evaluated,
+            eval_dataset=evaluated_rows(),
             callbacks=[Record()],
             optimizers=given,
         )
@@ -268,6 +308,65 @@ def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dic
         got = finish(trainer, attached)
     diff = worst(got, reference(EVEN, accumulate, clip)) if dist.get_rank() == 0 else None
     return {"worst": diff, "seen": seen, "wrapper": wrapper}
+
+
+def deepspeed_like_the_reference(
+    stage: int, accumulate: int, clip: float, own_optimizer: bool
+) -> dict[str, Any]:
+    """Train :data:`EVEN` through an attached ``Trainer`` on DeepSpeed ZeRO ``stage``
+    (``own_optimizer``: see :func:`deepspeed_options`), saving a checkpoint after its
+    first step; then a fresh ``Trainer`` resumed from it. On rank 0 the largest
+    difference from :func:`reference`, and on every rank the resumed run's from the
+    uninterrupted one."""
+    from transformers import Trainer
+
+    from flatview.integrations.hf_trainer import attach
+
+    def trained(resume: str | None) -> dict[str, np.ndarray]:
+        more = deepspeed_options(stage, EVEN.batch_per_rank, accumulate, clip, own_optimizer)
+        saving = {"save_strategy": "no"} if resume else {"save_strategy": "steps", "save_steps": 1}
+        args = arguments(out, EVEN.batch_per_rank, accumulate, clip, **saving, **more)
+        trainer = Trainer(model=TrainerNet(EVEN), args=args, train_dataset=rows(EVEN))
+        attached = attach(trainer, skip=skipped)
+        trainer.train(resume_from_checkpoint=resume)
+        got = finish(trainer, attached)
+        fresh_state()
+        return got
+
+    with trainer_session(deepspeed=True) as out:
+        got = trained(None)
+        resumed = trained(f"{out}/checkpoint-1")
+    result: dict[str, Any] = {"resumed_worst": worst(resumed, got), "worst": None}
+    if dist.get_rank() == 0:
+        result["worst"] = worst(got, reference(EVEN, accumulate, clip, by_name=not own_optimizer))
+    return result
+
+
+def zero3_evaluated_first() -> str:
+    """Under ZeRO 3 an ``evaluate()`` before ``train()``: what the first training step
+    raises (the bare ``Trainer`` fails there too, less clearly)."""
+    from transformers import Trainer
+
+    from flatview.integrations.hf_trainer import attach
+
+    with trainer_session(deepspeed=True) as out:
+        more = deepspeed_options(3, EVEN.batch_per_rank, 1, 0.0)
+        args = arguments(out, EVEN.batch_per_rank, 1, 0.0, save_strategy="no", **more)
+        trainer = Trainer(
+            model=TrainerNet(EVEN),
+            args=args,
+            train_dataset=rows(EVEN),
+            eval_dataset=evaluated_rows(),
+        )
+        attach(trainer, skip=skipped)
+        trainer.evaluate()
+        try:
+            trainer.train()
+        except flatview.StateError as error:
+            return str(error)
+        finally:
+            fresh_state()
+    return "trained"
 
 
 # ----------------------------------------------------------------------- layer drop
@@ -302,13 +401,16 @@ def bart_trainer(
 
     from flatview.integrations.hf_trainer import attach
 
-    more.update(fsdp_options(backend, "BartEncoderLayer", "BartDecoderLayer"))
+    if backend.startswith("zero"):
+        more.update(deepspeed_options(int(backend[-1]), 2, accumulate, 1.0))
+    else:
+        more.update(fsdp_options(backend, "BartEncoderLayer", "BartDecoderLayer"))
     args = arguments(out, 2, accumulate, 1.0, adam_epsilon=1e-4, eval_steps=1, **more)
     model = lw.tiny_bart(tie=False)
-    # Untied, the BART of transformers 5 never reads model.shared. Under DDP it is
-    # declared skipped; under FSDP2 frozen: torch's sharded checkpoints cannot load an
+    # Untied, the BART of transformers 5 never reads model.shared. It is declared
+    # skipped, but under FSDP2 frozen: torch's sharded checkpoints cannot load an
     # optimizer that never stepped a parameter it holds (the bare Trainer fails alike).
-    dead = "model.shared" if backend == "ddp" else None
+    dead = None if backend == "fsdp2" else "model.shared"
     if dead is None:
         model.get_submodule("model.shared").requires_grad_(False)
     trainer = recording(Trainer)(
@@ -353,7 +455,7 @@ def layerdrop_like_the_reference(
     with the ``Trainer``'s gradient checkpointing); then the same run interrupted at its
     middle checkpoint and resumed by a fresh ``Trainer``."""
     middle = micros // accumulate // 2
-    with trainer_session() as out:
+    with trainer_session(deepspeed=backend.startswith("zero")) as out:
         trainer, attached, drops = bart_trainer(
             out,
             backend,
@@ -364,7 +466,11 @@ def layerdrop_like_the_reference(
             save_steps=middle,
             gradient_checkpointing=recompute,
         )
-        trainer.evaluate()  # before the training prepared the model (FSDP: prepares it)
+        # Before the training prepared the model (FSDP: prepares it). Not under DeepSpeed,
+        # where the bare Trainer cannot (ZeRO 1/2: "ZeRO inference only makes sense
+        # with ZeRO Stage 3"; ZeRO 3: its training then has no engine to step).
+        if not backend.startswith("zero"):
+            trainer.evaluate()
         trainer.train()
         checkpointed = trainer.model.is_gradient_checkpointing
         evaluations = sum("eval_loss" in entry for entry in trainer.state.log_history)
@@ -390,12 +496,13 @@ def layerdrop_like_the_reference(
 
 def refusals() -> dict[str, str]:
     """What :func:`attach` refuses, before any collective."""
+    from accelerate import ParallelismConfig
     from transformers import Trainer
 
     from flatview.integrations.hf_trainer import attach
 
     cases = {
-        "deepspeed": ("ddp", "steps"),
+        "tensor-parallel": ("ddp", "no"),
         "auto_find_batch_size": ("ddp", "no"),
         "fsdp1": ("fsdp1", "steps"),
         "fsdp1-no-checkpoints": ("fsdp1", "no"),
@@ -409,8 +516,8 @@ def refusals() -> dict[str, str]:
                 more["auto_find_batch_size"] = True
             args = arguments(tmp, 2, 1, 1.0, save_strategy=saving, **more)
             trainer = Trainer(model=TrainerNet(EVEN), args=args)
-            if case == "deepspeed":
-                trainer.is_deepspeed_enabled = True
+            if case == "tensor-parallel":  # what the Trainer's parallelism_config makes
+                trainer.accelerator.state.parallelism_config = ParallelismConfig(tp_size=2)
             elif case == "twice":
                 attach(trainer)
             try:
@@ -425,35 +532,53 @@ def refusals() -> dict[str, str]:
 # ------------------------------------------------------------------------------ PEFT
 
 
-def lora_like_bare() -> dict[str, Any]:
-    """A LoRA model (PEFT: the base frozen before the ``Trainer`` wraps it in DDP) trained
-    by the bare ``Trainer`` and by an attached one: the largest difference of the trained
-    parameters, and how many there are."""
+def lora_like_bare(backend: str = "ddp", bf16: bool = False) -> dict[str, Any]:
+    """A LoRA model (PEFT: the base frozen before the ``Trainer`` wraps it) trained by the
+    bare ``Trainer`` and by an attached one, nothing skipped, on ``backend`` (``"ddp"`` or
+    ``"zero<stage>"``; ``bf16``: the ``Trainer``'s ``bf16=True``): the largest difference
+    of the trained parameters, how many there are, the dtypes the model computed in and
+    what flatview wrapped."""
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer
 
     from flatview.integrations.hf_trainer import attach
 
-    trained = []
+    deepspeed = backend.startswith("zero")
+    more: dict[str, Any] = {"bf16": True} if bf16 else {}
+    if deepspeed:
+        more.update(deepspeed_options(int(backend[-1]), 2, 2, 1.0))
+        if bf16:
+            more["deepspeed"]["bf16"] = {"enabled": True}
+    trained, wrapped = [], ""
     for attached in (False, True):
-        with trainer_session() as out:
+        with trainer_session(deepspeed=deepspeed) as out:
             base = lw.tiny_opt(0.0)
             model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-            args = arguments(out, 2, 2, 1.0, save_strategy="no", adam_epsilon=1e-4)
+            args = arguments(out, 2, 2, 1.0, save_strategy="no", adam_epsilon=1e-4, **more)
             trainer = Trainer(model=model, args=args, train_dataset=Rows(4))
             handle = attach(trainer) if attached else None
             trainer.train()
-            trained.append(
-                {
-                    n: p.detach().numpy().copy()
-                    for n, p in model.named_parameters()
-                    if p.requires_grad
-                }
-            )
             if handle is not None:
+                wrapped = type(handle.fv.model).__name__
                 detach(handle)
+            dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+            trained.append(trainable(model, deepspeed))
     bare, flat = trained
-    return {"count": len(bare), "worst": worst(flat, bare)}
+    return {"count": len(bare), "worst": worst(flat, bare), "dtypes": dtypes, "wrapped": wrapped}
+
+
+def trainable(model: nn.Module, deepspeed: bool) -> dict[str, np.ndarray]:
+    """The trained parameters of ``model`` (not wrapped by flatview), whole; under
+    DeepSpeed its fp32 masters."""
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            if deepspeed:
+                from deepspeed.utils import safe_get_full_fp32_param
+
+                param = safe_get_full_fp32_param(param)
+            out[name] = param.detach().float().numpy().copy()
+    return out
 
 
 # --------------------------------------------------------------------------- Whisper

@@ -1,9 +1,9 @@
 """Hugging Face ``transformers``' ``Trainer`` with :func:`flatview.integrations.hf_trainer.
-attach` (workers in :mod:`tests.hf_trainer_workers`): DDP on 2 ranks trains exactly as
-the same run written out in one process, with skip sets, gradient accumulation, clipping,
-the linear schedule and weight decay by name; a BART's layer drop is drawn alike on every
-rank, and a run resumed from the ``Trainer``'s checkpoint drops and trains as the
-uninterrupted one."""
+attach` (workers in :mod:`tests.hf_trainer_workers`): DDP, FSDP2, FSDP1 and DeepSpeed ZeRO
+1-3 on 2 ranks train exactly as the same run written out in one process, with skip sets,
+gradient accumulation, clipping, the linear schedule and weight decay by name; a BART's
+layer drop is drawn alike on every rank, and a run resumed from the ``Trainer``'s
+checkpoint drops and trains as the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -75,7 +75,37 @@ def test_trainer_trains_like_the_reference(
 
 
 @pytest.mark.parametrize(
-    ("backend", "accumulate", "recompute"), [("ddp", 2, True), ("fsdp2", 1, False)]
+    ("stage", "accumulate", "own_optimizer"), [(1, 2, True), (2, 2, False), (3, 1, False)]
+)
+def test_trainer_on_deepspeed_trains_and_resumes_like_the_reference(
+    dist_pool: PoolFactory, stage: int, accumulate: int, own_optimizer: bool
+) -> None:
+    # The Trainer's optimizer (decay by name) or DeepSpeed's own from its config, with the
+    # Trainer's schedule; bare DeepSpeed steps the skipped parameters with zero gradients
+    # (0.017-0.025 from the reference on these runs).
+    results = dist_pool(2).run(
+        call,
+        WORKERS,
+        "deepspeed_like_the_reference",
+        stage,
+        accumulate,
+        0.05,
+        own_optimizer,
+        timeout=TIMEOUT,
+    )
+    assert results[0]["worst"] <= 1e-5, results[0]["worst"]
+    for result in results:  # resumed from the checkpoint after the first step
+        assert result["resumed_worst"] <= 1e-6, result["resumed_worst"]
+
+
+def test_trainer_on_zero3_names_an_evaluation_before_training(dist_pool: PoolFactory) -> None:
+    for message in dist_pool(2).run(call, WORKERS, "zero3_evaluated_first", timeout=TIMEOUT):
+        assert "did not prepare" in message and "evaluate() or predict() before" in message
+
+
+@pytest.mark.parametrize(
+    ("backend", "accumulate", "recompute"),
+    [("ddp", 2, True), ("fsdp2", 1, False), ("zero3", 2, True)],
 )
 def test_trainer_layerdrop_trains_and_resumes_like_the_reference(
     dist_pool: PoolFactory, backend: str, accumulate: int, recompute: bool
@@ -113,19 +143,26 @@ def test_whisper_layerdrop_through_seq2seq_trainer(dist_pool: PoolFactory) -> No
     assert first["digest"] == second["digest"]
 
 
-def test_lora_trains_as_the_bare_trainer(dist_pool: PoolFactory) -> None:
-    # PEFT freezes the base before the Trainer wraps the model in DDP (flatview's wrap
+@pytest.mark.parametrize(("backend", "bf16"), [("ddp", False), ("zero2", True), ("zero3", False)])
+def test_lora_trains_as_the_bare_trainer(dist_pool: PoolFactory, backend: str, bf16: bool) -> None:
+    # PEFT freezes the base before the Trainer wraps the model (under DDP flatview's wrap
     # raised "cannot register a hook on a tensor that doesn't require gradient"). With
-    # nothing skipped, flatview's buckets sum as DDP's here: the same numbers.
+    # nothing skipped, flatview's reductions sum as DDP's and DeepSpeed's do on 2 ranks
+    # (bf16 included): the same numbers.
     pytest.importorskip("peft")
-    for result in dist_pool(2).run(call, WORKERS, "lora_like_bare", timeout=TIMEOUT):
+    results = dist_pool(2).run(call, WORKERS, "lora_like_bare", backend, bf16, timeout=TIMEOUT)
+    for result in results:
         assert result["count"] > 0 and result["worst"] == 0.0, result
+        assert result["dtypes"] == (["torch.bfloat16"] if bf16 else ["torch.float32"]), result
+        assert result["wrapped"] == (
+            "DistributedDataParallel" if backend == "ddp" else "DeepSpeedEngine"
+        ), result
 
 
 def test_attach_refuses_what_it_does_not_serve(dist_pool: PoolFactory) -> None:
     for refused in dist_pool(2).run(call, WORKERS, "refusals", timeout=TIMEOUT):
-        assert "not its DeepSpeed config yet" in refused["deepspeed"], refused
-        assert "not auto_find_batch_size yet" in refused["auto_find_batch_size"], refused
+        assert "not tensor, context or sequence" in refused["tensor-parallel"], refused
+        assert "not auto_find_batch_size (give" in refused["auto_find_batch_size"], refused
         assert "use_orig_params=False and saves checkpoints" in refused["fsdp1"], refused
         assert refused["fsdp1-no-checkpoints"] == "accepted", refused
         assert "attached to this Trainer already" in refused["twice"], refused

@@ -13,7 +13,9 @@ its class; :meth:`Attached.remove` puts them back):
   ``train()``; the call that prepares the user's model goes through
   :func:`flatview.integrations.accelerate.prepare_by` instead: accelerate prepares it,
   ``flatview.wrap`` wraps what it made, and the optimizer the ``Trainer`` built is
-  prepared with it, as accelerate would (the order for each backend below).
+  prepared with it, as accelerate would (the order for each backend below; under
+  DeepSpeed accelerate builds the engine over the ``Trainer``'s optimizer, and the
+  engine is wrapped).
   ``accelerator.clip_grad_norm_`` (the ``Trainer``'s ``max_grad_norm``) stays exact.
 * **The step.** Each call of ``training_step`` (one micro-batch: its forward and its
   backward) runs inside ``fv.step(skip=skip(model, inputs))``: ``model`` is the model
@@ -43,12 +45,23 @@ are its own (accelerate's FSDP functions), except FSDP1 with ``use_orig_params=F
 there the optimizer holds views, which ``FSDP.optim_state_dict`` cannot save, so saving
 checkpoints is refused (see :func:`attach`).
 
-Refused with :class:`~flatview.errors.WrapError` when :func:`attach` is called, before
-any collective: DeepSpeed (``flatview.integrations.accelerate.prepare`` serves it in a
-loop of one's own), FSDP on XLA, a model ``transformers`` sharded at load time,
-``auto_find_batch_size`` (which prepares the model anew after running out of memory), one
-process without a distributed wrapper, accelerate's FSDP plugin where it runs as DDP
-(on CPU), FSDP1 with ``use_orig_params=False`` and checkpoints, and a second
+DeepSpeed ZeRO 1, 2 and 3 (``TrainingArguments(deepspeed=config)``): the ``Trainer``
+builds its one optimizer before the engine (its AdamW with decay by name, or DeepSpeed's
+from the config's ``"optimizer"``), accelerate builds the engine over it, and
+``flatview.wrap`` points that optimizer's groups at the views, so a skipped parameter
+gets no weight decay and no momentum step (bare DeepSpeed steps it with a zero
+gradient). The engine steps at each accumulation boundary inside the last micro-batch's
+``training_step``, clipping as the config says; the ``Trainer``'s schedule, its
+checkpoints (``engine.save_checkpoint``) and its resume (``load_checkpoint``) are its
+own. An ``evaluate()`` before ``train()`` is what the bare ``Trainer`` cannot do under
+DeepSpeed either (ZeRO 1/2 refuse it; under ZeRO 3 the training then trains the
+evaluation's engine, without an optimizer): it is named at the first training step.
+
+Refused with :class:`~flatview.errors.WrapError` when :func:`attach` is called, before any
+collective: FSDP on XLA, a model ``transformers`` sharded at load time, tensor, context or
+sequence parallelism, ``auto_find_batch_size`` (which prepares the model anew after running
+out of memory), one process without a distributed wrapper, accelerate's FSDP plugin where it
+runs as DDP (on CPU), FSDP1 with ``use_orig_params=False`` and checkpoints, and a second
 :func:`attach` on the same ``Trainer``.
 """
 
@@ -60,6 +73,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import flatview
 from flatview.errors import StateError, WrapError
 from flatview.handle import FlatView
 from flatview.integrations.accelerate import check_distributed, prepare_by
@@ -74,6 +88,13 @@ the ``Trainer`` (names are relative to it), ``inputs`` what its ``training_step`
 
 _PREPARED_MARK = "_is_accelerate_prepared"
 """accelerate's mark on what its ``prepare`` / ``prepare_model`` has seen."""
+_NOT_PREPARED = (
+    "the Trainer trains a model its train() did not prepare, so flatview did not wrap it: "
+    "an evaluate() or predict() before train() under DeepSpeed ZeRO 3 leaves the "
+    "evaluation's engine in place, without an optimizer (the bare Trainer then fails "
+    "with \"'NoneType' object has no attribute 'backward'\"). Call train() first, or "
+    "evaluate with another Trainer"
+)
 _ATTACHED = "_flatview_attached"
 """Where an attached ``Trainer`` keeps its :class:`Attached` (a second one is refused)."""
 
@@ -128,6 +149,8 @@ class Attached:
         training_step = self.trainer.training_step
 
         def step_one_batch(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._fv is None:
+                raise StateError(_NOT_PREPARED)
             if self._layerdrop_seed is not None:
                 # training_step's first act, done before the draw: after an evaluation
                 # the model is still in eval() mode, where nothing would be drawn.
@@ -147,6 +170,13 @@ class Attached:
     ) -> Any:
         """The ``Trainer``'s ``accelerator.prepare(model, optimizer, ...)``: the model
         prepared and wrapped, the optimizers prepared, returned in the order given."""
+        # The Trainer's evaluate() before train() prepares the model for evaluation only
+        # (no DDP), and accelerate marks it prepared: its prepare for training would then
+        # hand it back unwrapped, and each rank would train alone (the bare Trainer does,
+        # transformers 5.24 with accelerate 1.16). Unmarked, it is wrapped for training.
+        vars(self.model).pop(_PREPARED_MARK, None)
+        if check_distributed(self.trainer.accelerator) == "DEEPSPEED":
+            return self._prepare_engine(accelerates, objs, kwargs, wrap_options)
         others = [obj for obj in objs if obj is not self.model]
         unknown = [
             type(obj).__name__ for obj in others if not isinstance(obj, torch.optim.Optimizer)
@@ -161,21 +191,39 @@ class Attached:
         def factory(model: nn.Module) -> list[Any]:
             return others
 
-        # The Trainer's evaluate() before train() prepares the model for evaluation only
-        # (no DDP), and accelerate marks it prepared: its prepare for training would then
-        # hand it back unwrapped, and each rank would train alone (the bare Trainer does,
-        # transformers 5.24 with accelerate 1.16). Unmarked, it is wrapped for training.
-        vars(self.model).pop(_PREPARED_MARK, None)
         prepared = prepare_by(
             accelerates, self.trainer.accelerator, self.model, factory, **wrap_options
         )
-        self._fv = prepared.fv
-        self._scope = scope_of(prepared.fv, self.model)
-        if self._layerdrop_seed is not None:
-            self._layerdrop = LayerDrop(prepared.fv, seed=self._layerdrop_seed)
+        self._wrapped(prepared.fv)
         optimizers = iter(prepared.optimizers)
         out = [prepared.model if obj is self.model else next(optimizers) for obj in objs]
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _prepare_engine(
+        self,
+        accelerates: Callable[..., Any],
+        objs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        wrap_options: dict[str, Any],
+    ) -> Any:
+        """Under DeepSpeed the ``Trainer`` built its one optimizer (and scheduler) over
+        the model's parameters before: accelerate builds the engine over them as always,
+        and ``flatview.wrap`` points that optimizer's groups at the views (the ``Trainer``'s
+        weight decay by name stays as it grouped it). The model prepared alone is the
+        engine of an evaluation before ``train()`` (ZeRO 3 only): not wrapped, the
+        training's prepare builds another."""
+        prepared = accelerates(*objs, **kwargs)
+        if len(objs) == 1:
+            return prepared
+        engine = prepared[objs.index(self.model)] if isinstance(prepared, tuple) else prepared
+        self._wrapped(flatview.wrap(engine, **wrap_options))
+        return prepared
+
+    def _wrapped(self, fv: FlatView) -> None:
+        self._fv = fv
+        self._scope = scope_of(fv, self.model)
+        if self._layerdrop_seed is not None:
+            self._layerdrop = LayerDrop(fv, seed=self._layerdrop_seed)
 
     def _step(self, inputs: Any) -> Any:
         fv = self.fv
@@ -197,7 +245,8 @@ def attach(
 
     Args:
         trainer: a ``transformers.Trainer`` (or a subclass: ``Seq2SeqTrainer``, TRL's),
-            not trained yet, running DDP, FSDP2 or FSDP1 in several processes.
+            not trained yet, running DDP, FSDP2, FSDP1 or DeepSpeed ZeRO in several
+            processes.
         skip: ``(model, inputs) -> skip set`` for each micro-batch (names relative to the
             model given to the ``Trainer``, its modules or parameters); the same on
             every rank. ``None``: nothing skipped but what ``layerdrop`` drops.
@@ -211,10 +260,11 @@ def attach(
         :class:`Attached`: ``.fv`` once ``train()`` has prepared the model.
 
     Raises:
-        flatview.WrapError: the ``Trainer`` runs DeepSpeed, a model sharded at load
-            time, ``auto_find_batch_size``, one process, FSDP1 with
-            ``use_orig_params=False`` while saving checkpoints (``save_strategy`` other
-            than ``"no"``), or is attached already (see the module docstring).
+        flatview.WrapError: the ``Trainer`` runs FSDP on XLA, a model sharded at load time,
+            tensor, context or sequence parallelism, ``auto_find_batch_size``, one
+            process, FSDP1 with ``use_orig_params=False`` while saving checkpoints
+            (``save_strategy`` other than ``"no"``), or is attached already (see the
+            module docstring).
     """
     if getattr(trainer, _ATTACHED, None) is not None:
         raise WrapError("flatview is attached to this Trainer already (remove() it first)")
@@ -226,25 +276,36 @@ def attach(
 
 
 def _refuse_unserved(trainer: Any) -> None:
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        not_yet = "its DeepSpeed config"
-    elif getattr(trainer, "is_fsdp_xla_enabled", False):
+    if getattr(trainer, "is_fsdp_xla_enabled", False):
         not_yet = "FSDP on XLA"
     elif getattr(trainer, "is_distributed_loading_by_transformers", False):
         not_yet = "a model transformers sharded when it was loaded (tp_plan / device_mesh)"
+    elif _model_parallel(trainer):
+        not_yet = "tensor, context or sequence parallelism (parallelism_config, autotp_size)"
     elif getattr(trainer.args, "auto_find_batch_size", False):
         # After an out-of-memory error the Trainer prepares the model anew, in a wrapper
         # flatview has not wrapped.
-        not_yet = "auto_find_batch_size"
+        not_yet = "auto_find_batch_size (give per_device_train_batch_size instead)"
     else:
         check_distributed(trainer.accelerator)
         _refuse_fsdp1_checkpoints(trainer)
         return
     raise WrapError(
-        f"flatview.integrations.hf_trainer serves the Trainer's DDP, FSDP2 and FSDP1, not "
-        f"{not_yet} yet: train in a loop of your own with "
-        "flatview.integrations.accelerate.prepare, which serves accelerate's DeepSpeed too"
+        "flatview.integrations.hf_trainer serves the Trainer's data parallelism (DDP, "
+        f"FSDP2, FSDP1, DeepSpeed ZeRO 1-3), not {not_yet} yet"
     )
+
+
+def _model_parallel(trainer: Any) -> bool:
+    """Whether the model is split across ranks other than by data parallelism: accelerate's
+    ``parallelism_config`` (tensor, context, sequence) or DeepSpeed's automatic tensor
+    parallelism."""
+    parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+    if parallelism is not None and parallelism.non_data_parallel_size > 1:
+        return True
+    deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    config = getattr(getattr(deepspeed, "hf_ds_config", None), "config", {})
+    return int(config.get("tensor_parallel", {}).get("autotp_size", 1)) > 1
 
 
 def _refuse_fsdp1_checkpoints(trainer: Any) -> None:
