@@ -105,8 +105,10 @@ def deepspeed_options(
     CPU the ``Trainer`` fills DeepSpeed's ``"auto"`` ones for one process and DeepSpeed
     refuses them. ``own_optimizer``: DeepSpeed builds the optimizer from its config
     (torch's AdamW, every parameter decayed), the ``Trainer`` its schedule over it."""
+    # ZeRO 3 gathers whole weights for save_model only when told to.
+    zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3}
     config: dict[str, Any] = {
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "train_micro_batch_size_per_gpu": per_rank,
         "gradient_accumulation_steps": accumulate,
         "train_batch_size": per_rank * accumulate * dist.get_world_size(),
@@ -315,9 +317,11 @@ def deepspeed_like_the_reference(
 ) -> dict[str, Any]:
     """Train :data:`EVEN` through an attached ``Trainer`` on DeepSpeed ZeRO ``stage``
     (``own_optimizer``: see :func:`deepspeed_options`), saving a checkpoint after its
-    first step; then a fresh ``Trainer`` resumed from it. On rank 0 the largest
-    difference from :func:`reference`, and on every rank the resumed run's from the
-    uninterrupted one."""
+    first step, and its model at the end (``save_model``, while wrapped); then a fresh
+    ``Trainer`` resumed from the checkpoint. On rank 0 the largest differences from
+    :func:`reference` and of the saved model, and on every rank the resumed run's from
+    the uninterrupted one."""
+    from safetensors.torch import load_file
     from transformers import Trainer
 
     from flatview.integrations.hf_trainer import attach
@@ -329,16 +333,20 @@ def deepspeed_like_the_reference(
         trainer = Trainer(model=TrainerNet(EVEN), args=args, train_dataset=rows(EVEN))
         attached = attach(trainer, skip=skipped)
         trainer.train(resume_from_checkpoint=resume)
+        if resume is None:  # what from_pretrained would load
+            trainer.save_model(f"{out}/final")
         got = finish(trainer, attached)
         fresh_state()
         return got
 
     with trainer_session(deepspeed=True) as out:
         got = trained(None)
+        saved = {n: t.numpy() for n, t in load_file(f"{out}/final/model.safetensors").items()}
         resumed = trained(f"{out}/checkpoint-1")
     result: dict[str, Any] = {"resumed_worst": worst(resumed, got), "worst": None}
     if dist.get_rank() == 0:
         result["worst"] = worst(got, reference(EVEN, accumulate, clip, by_name=not own_optimizer))
+        result["saved_worst"] = worst(saved, got)
     return result
 
 

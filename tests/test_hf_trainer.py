@@ -94,6 +94,7 @@ def test_trainer_on_deepspeed_trains_and_resumes_like_the_reference(
         timeout=TIMEOUT,
     )
     assert results[0]["worst"] <= 1e-5, results[0]["worst"]
+    assert results[0]["saved_worst"] == 0.0, results[0]["saved_worst"]  # save_model
     for result in results:  # resumed from the checkpoint after the first step
         assert result["resumed_worst"] <= 1e-6, result["resumed_worst"]
 
