@@ -49,7 +49,7 @@ def trainer_session(deepspeed: bool = False) -> Iterator[str]:
     FSDP plugin on CPU (see the module docstring) and reset on the way out, so that the
     next task in the same worker starts from a fresh one; with ``deepspeed``, DeepSpeed
     set up on CPU (:func:`flatview.testing.deepspeed_on_cpu`)."""
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
     from flatview.testing import deepspeed_on_cpu
@@ -60,9 +60,15 @@ def trainer_session(deepspeed: bool = False) -> Iterator[str]:
         init(self, *args, **kwargs)
         plugin = kwargs.get("fsdp_plugin")
         if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
+            # accelerate's device is "cpu:0", which FSDP1 refuses. Written into the
+            # process's shared state too: a later AcceleratorState() reads it back from
+            # there (else the Trainer's accelerator turns to DDP half way through).
+            taken = {"distributed_type": DistributedType.FSDP, "device": torch.device("cpu")}
+            self.__dict__.update(taken)
+            PartialState._shared_state.update(taken)
             self.fsdp_plugin = plugin
-            self.device = torch.device("cpu")  # accelerate's is "cpu:0", which FSDP1 refuses
+            if self.mixed_precision != "no":  # as accelerate does for its FSDP plugin
+                plugin.set_mixed_precision(self.mixed_precision)
 
     AcceleratorState.__init__ = fsdp_on_cpu  # type: ignore[method-assign]
     try:
@@ -158,9 +164,10 @@ def evaluated_rows() -> list[dict[str, Any]]:
 
 
 def arguments(out: str, per_rank: int, accumulate: int, clip: float, **more: Any) -> Any:
+    """The tests' ``TrainingArguments``; ``more`` adds to them or overrides them."""
     from transformers import TrainingArguments
 
-    return TrainingArguments(
+    given = dict(
         output_dir=out,
         per_device_train_batch_size=per_rank,
         gradient_accumulation_steps=accumulate,
@@ -174,8 +181,8 @@ def arguments(out: str, per_rank: int, accumulate: int, clip: float, **more: Any
         disable_tqdm=True,
         use_cpu=True,
         dataloader_num_workers=0,
-        **more,
     )
+    return TrainingArguments(**{**given, **more})
 
 
 def linear(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -312,41 +319,53 @@ def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dic
     return {"worst": diff, "seen": seen, "wrapper": wrapper}
 
 
-def deepspeed_like_the_reference(
-    stage: int, accumulate: int, clip: float, own_optimizer: bool
-) -> dict[str, Any]:
-    """Train :data:`EVEN` through an attached ``Trainer`` on DeepSpeed ZeRO ``stage``
-    (``own_optimizer``: see :func:`deepspeed_options`), saving a checkpoint after its
-    first step, and its model at the end (``save_model``, while wrapped); then a fresh
-    ``Trainer`` resumed from the checkpoint. On rank 0 the largest differences from
-    :func:`reference` and of the saved model, and on every rank the resumed run's from
-    the uninterrupted one."""
+def backend_options(backend: str, per_rank: int, accumulate: int, clip: float) -> dict[str, Any]:
+    """``TrainingArguments`` of ``backend``: ``"zero<stage>"`` (DeepSpeed, see
+    :func:`deepspeed_options`; ``"zero<stage>-own"`` with DeepSpeed's own optimizer) or
+    one of :data:`FSDP` (a unit per ``Block``)."""
+    if backend.startswith("zero"):
+        stage, _, own = backend.removeprefix("zero").partition("-")
+        return deepspeed_options(int(stage), per_rank, accumulate, clip, own == "own")
+    return fsdp_options(backend, "Block")
+
+
+def resumes_like_the_reference(backend: str, accumulate: int, clip: float) -> dict[str, Any]:
+    """Train :data:`EVEN` through an attached ``Trainer`` on ``backend`` (see
+    :func:`backend_options`), saving a checkpoint after its first step, and its model at
+    the end (``save_model``, while wrapped; not under FSDP, which saves sharded state
+    dicts only); then a fresh ``Trainer`` resumed from the checkpoint. On rank 0 the
+    largest differences from :func:`reference` and of the saved model, and on every rank
+    the resumed run's from the uninterrupted one."""
     from safetensors.torch import load_file
     from transformers import Trainer
 
     from flatview.integrations.hf_trainer import attach
 
     def trained(resume: str | None) -> dict[str, np.ndarray]:
-        more = deepspeed_options(stage, EVEN.batch_per_rank, accumulate, clip, own_optimizer)
+        more = backend_options(backend, EVEN.batch_per_rank, accumulate, clip)
         saving = {"save_strategy": "no"} if resume else {"save_strategy": "steps", "save_steps": 1}
         args = arguments(out, EVEN.batch_per_rank, accumulate, clip, **saving, **more)
         trainer = Trainer(model=TrainerNet(EVEN), args=args, train_dataset=rows(EVEN))
         attached = attach(trainer, skip=skipped)
         trainer.train(resume_from_checkpoint=resume)
-        if resume is None:  # what from_pretrained would load
+        if resume is None and not fsdp:  # what from_pretrained would load
             trainer.save_model(f"{out}/final")
         got = finish(trainer, attached)
         fresh_state()
         return got
 
-    with trainer_session(deepspeed=True) as out:
+    fsdp = backend.startswith("fsdp")
+    with trainer_session(deepspeed=backend.startswith("zero")) as out:
         got = trained(None)
-        saved = {n: t.numpy() for n, t in load_file(f"{out}/final/model.safetensors").items()}
+        saved = {} if fsdp else load_file(f"{out}/final/model.safetensors")
         resumed = trained(f"{out}/checkpoint-1")
     result: dict[str, Any] = {"resumed_worst": worst(resumed, got), "worst": None}
     if dist.get_rank() == 0:
-        result["worst"] = worst(got, reference(EVEN, accumulate, clip, by_name=not own_optimizer))
-        result["saved_worst"] = worst(saved, got)
+        by_name = not backend.endswith("-own")
+        result["worst"] = worst(got, reference(EVEN, accumulate, clip, by_name=by_name))
+        result["saved_worst"] = (
+            worst({n: t.numpy() for n, t in saved.items()}, got) if saved else None
+        )
     return result
 
 
@@ -540,29 +559,33 @@ def refusals() -> dict[str, str]:
 # ------------------------------------------------------------------------------ PEFT
 
 
-def lora_like_bare(backend: str = "ddp", bf16: bool = False) -> dict[str, Any]:
-    """A LoRA model (PEFT: the base frozen before the ``Trainer`` wraps it) trained by the
-    bare ``Trainer`` and by an attached one, nothing skipped, on ``backend`` (``"ddp"`` or
-    ``"zero<stage>"``; ``bf16``: the ``Trainer``'s ``bf16=True``): the largest difference
-    of the trained parameters, how many there are, the dtypes the model computed in and
-    what flatview wrapped."""
-    from peft import LoraConfig, get_peft_model
+def like_bare(backend: str = "ddp", lora: bool = True, **options: Any) -> dict[str, Any]:
+    """A tiny OPT trained by the bare ``Trainer`` and by an attached one, nothing skipped,
+    on ``backend`` (``"ddp"`` or ``"zero<stage>"``), with ``options`` added to its
+    ``TrainingArguments`` (``bf16=True`` also turns DeepSpeed's bf16 on); with ``lora``
+    a LoRA model of it (PEFT: the base frozen before the ``Trainer`` wraps it). The
+    largest difference of the trained parameters, how many there are, the dtypes the
+    model computed in and what flatview wrapped."""
     from transformers import Trainer
 
     from flatview.integrations.hf_trainer import attach
 
     deepspeed = backend.startswith("zero")
-    more: dict[str, Any] = {"bf16": True} if bf16 else {}
     if deepspeed:
-        more.update(deepspeed_options(int(backend[-1]), 2, 2, 1.0))
-        if bf16:
-            more["deepspeed"]["bf16"] = {"enabled": True}
+        options.update(deepspeed_options(int(backend[-1]), 2, 2, 1.0))
+        if options.get("bf16"):
+            options["deepspeed"]["bf16"] = {"enabled": True}
+    else:
+        options.update(fsdp_options(backend, "OPTDecoderLayer"))
     trained, wrapped = [], ""
     for attached in (False, True):
         with trainer_session(deepspeed=deepspeed) as out:
-            base = lw.tiny_opt(0.0)
-            model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-            args = arguments(out, 2, 2, 1.0, save_strategy="no", adam_epsilon=1e-4, **more)
+            model = lw.tiny_opt(0.0)
+            if lora:
+                from peft import LoraConfig, get_peft_model
+
+                model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+            args = arguments(out, 2, 2, 1.0, save_strategy="no", adam_epsilon=1e-4, **options)
             trainer = Trainer(model=model, args=args, train_dataset=Rows(4))
             handle = attach(trainer) if attached else None
             trainer.train()
@@ -570,23 +593,24 @@ def lora_like_bare(backend: str = "ddp", bf16: bool = False) -> dict[str, Any]:
                 wrapped = type(handle.fv.model).__name__
                 detach(handle)
             dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
-            trained.append(trainable(model, deepspeed))
+            trained.append(trainable(trainer, lora))
     bare, flat = trained
     return {"count": len(bare), "worst": worst(flat, bare), "dtypes": dtypes, "wrapped": wrapped}
 
 
-def trainable(model: nn.Module, deepspeed: bool) -> dict[str, np.ndarray]:
-    """The trained parameters of ``model`` (not wrapped by flatview), whole; under
-    DeepSpeed its fp32 masters."""
-    out = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            if deepspeed:
-                from deepspeed.utils import safe_get_full_fp32_param
+def trainable(trainer: Any, lora: bool) -> dict[str, np.ndarray]:
+    """The trained parameters of ``trainer``'s model (not wrapped by flatview any more),
+    whole by name: under DeepSpeed its fp32 masters; with ``lora`` the adapters only."""
+    from tests.integration_workers import params_of
 
-                param = safe_get_full_fp32_param(param)
-            out[name] = param.detach().float().numpy().copy()
-    return out
+    if trainer.is_deepspeed_enabled:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+        got = {n: safe_get_full_fp32_param(p).detach().numpy().copy() for n, p in named}
+    else:
+        got = params_of(trainer.model)
+    return {n: v for n, v in got.items() if "lora_" in n or not lora}
 
 
 # --------------------------------------------------------------------------- Whisper
