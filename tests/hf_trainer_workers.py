@@ -73,6 +73,13 @@ def trainer_session(deepspeed: bool = False) -> Iterator[str]:
     AcceleratorState.__init__ = fsdp_on_cpu  # type: ignore[method-assign]
     try:
         with framework_env() as out, deepspeed_on_cpu() if deepspeed else contextlib.nullcontext():
+            if deepspeed:
+                # As accelerate does on accelerators (on CPU it leaves DeepSpeed's
+                # communication to the engine, so that what reads DeepSpeed's config
+                # before it, zero.Init and the "auto" batch sizes, counts one process).
+                import deepspeed as ds
+
+                ds.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
             yield out
     finally:
         AcceleratorState.__init__ = init  # type: ignore[method-assign]
@@ -104,21 +111,19 @@ def fsdp_options(backend: str, *layers: str) -> dict[str, Any]:
     return {"fsdp": True, "fsdp_config": config}
 
 
-def deepspeed_options(
-    stage: int, per_rank: int, accumulate: int, clip: float, own_optimizer: bool = False
-) -> dict[str, Any]:
-    """``TrainingArguments`` of DeepSpeed ZeRO ``stage``. The batch sizes are given: on
-    CPU the ``Trainer`` fills DeepSpeed's ``"auto"`` ones for one process and DeepSpeed
-    refuses them. ``own_optimizer``: DeepSpeed builds the optimizer from its config
-    (torch's AdamW, every parameter decayed), the ``Trainer`` its schedule over it."""
+def deepspeed_options(stage: int, own_optimizer: bool = False) -> dict[str, Any]:
+    """``TrainingArguments`` of DeepSpeed ZeRO ``stage``, the batch sizes and clipping
+    ``"auto"`` (the ``Trainer`` fills them). ``own_optimizer``: DeepSpeed builds the
+    optimizer from its config (torch's AdamW, every parameter decayed), the ``Trainer``
+    its schedule over it."""
     # ZeRO 3 gathers whole weights for save_model only when told to.
     zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3}
     config: dict[str, Any] = {
         "zero_optimization": zero,
-        "train_micro_batch_size_per_gpu": per_rank,
-        "gradient_accumulation_steps": accumulate,
-        "train_batch_size": per_rank * accumulate * dist.get_world_size(),
-        "gradient_clipping": clip,
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
     }
     if own_optimizer:
         params = {"lr": LR, "weight_decay": DECAY, "torch_adam": True, "adam_w_mode": True}
@@ -319,13 +324,13 @@ def trains_like_the_reference(backend: str, accumulate: int, clip: float) -> dic
     return {"worst": diff, "seen": seen, "wrapper": wrapper}
 
 
-def backend_options(backend: str, per_rank: int, accumulate: int, clip: float) -> dict[str, Any]:
+def backend_options(backend: str) -> dict[str, Any]:
     """``TrainingArguments`` of ``backend``: ``"zero<stage>"`` (DeepSpeed, see
     :func:`deepspeed_options`; ``"zero<stage>-own"`` with DeepSpeed's own optimizer) or
     one of :data:`FSDP` (a unit per ``Block``)."""
     if backend.startswith("zero"):
         stage, _, own = backend.removeprefix("zero").partition("-")
-        return deepspeed_options(int(stage), per_rank, accumulate, clip, own == "own")
+        return deepspeed_options(int(stage), own == "own")
     return fsdp_options(backend, "Block")
 
 
@@ -342,7 +347,7 @@ def resumes_like_the_reference(backend: str, accumulate: int, clip: float) -> di
     from flatview.integrations.hf_trainer import attach
 
     def trained(resume: str | None) -> dict[str, np.ndarray]:
-        more = backend_options(backend, EVEN.batch_per_rank, accumulate, clip)
+        more = backend_options(backend)
         saving = {"save_strategy": "no"} if resume else {"save_strategy": "steps", "save_steps": 1}
         args = arguments(out, EVEN.batch_per_rank, accumulate, clip, **saving, **more)
         trainer = Trainer(model=TrainerNet(EVEN), args=args, train_dataset=rows(EVEN))
@@ -377,7 +382,7 @@ def zero3_evaluated_first() -> str:
     from flatview.integrations.hf_trainer import attach
 
     with trainer_session(deepspeed=True) as out:
-        more = deepspeed_options(3, EVEN.batch_per_rank, 1, 0.0)
+        more = deepspeed_options(3)
         args = arguments(out, EVEN.batch_per_rank, 1, 0.0, save_strategy="no", **more)
         trainer = Trainer(
             model=TrainerNet(EVEN),
@@ -429,7 +434,7 @@ def bart_trainer(
     from flatview.integrations.hf_trainer import attach
 
     if backend.startswith("zero"):
-        more.update(deepspeed_options(int(backend[-1]), 2, accumulate, 1.0))
+        more.update(deepspeed_options(int(backend[-1])))
     else:
         more.update(fsdp_options(backend, "BartEncoderLayer", "BartDecoderLayer"))
     args = arguments(out, 2, accumulate, 1.0, adam_epsilon=1e-4, eval_steps=1, **more)
@@ -559,12 +564,16 @@ def refusals() -> dict[str, str]:
 # ------------------------------------------------------------------------------ PEFT
 
 
-def like_bare(backend: str = "ddp", lora: bool = True, **options: Any) -> dict[str, Any]:
+def like_bare(
+    backend: str = "ddp", lora: bool = True, zero_init: bool = False, **options: Any
+) -> dict[str, Any]:
     """A tiny OPT trained by the bare ``Trainer`` and by an attached one, nothing skipped,
-    on ``backend`` (``"ddp"`` or ``"zero<stage>"``), with ``options`` added to its
-    ``TrainingArguments`` (``bf16=True`` also turns DeepSpeed's bf16 on); with ``lora``
-    a LoRA model of it (PEFT: the base frozen before the ``Trainer`` wraps it). The
-    largest difference of the trained parameters, how many there are, the dtypes the
+    on ``backend`` (``"ddp"``, ``"zero<stage>"`` or one of :data:`FSDP`), with ``options``
+    added to its ``TrainingArguments`` (``bf16=True`` also turns DeepSpeed's bf16 on);
+    with ``lora`` a LoRA model of it (PEFT: the base frozen before the ``Trainer`` wraps
+    it); with ``zero_init`` made as ``from_pretrained`` makes it under ZeRO 3
+    (``_from_config``: partitioned by ``deepspeed.zero.Init`` as each module is made).
+    The largest difference of the trained parameters, how many there are, the dtypes the
     model computed in and what flatview wrapped."""
     from transformers import Trainer
 
@@ -572,7 +581,7 @@ def like_bare(backend: str = "ddp", lora: bool = True, **options: Any) -> dict[s
 
     deepspeed = backend.startswith("zero")
     if deepspeed:
-        options.update(deepspeed_options(int(backend[-1]), 2, 2, 1.0))
+        options.update(deepspeed_options(int(backend[-1])))
         if options.get("bf16"):
             options["deepspeed"]["bf16"] = {"enabled": True}
     else:
@@ -580,12 +589,18 @@ def like_bare(backend: str = "ddp", lora: bool = True, **options: Any) -> dict[s
     trained, wrapped = [], ""
     for attached in (False, True):
         with trainer_session(deepspeed=deepspeed) as out:
+            # The arguments first: under ZeRO 3 they tell transformers to make models
+            # partitioned.
+            args = arguments(out, 2, 2, 1.0, save_strategy="no", adam_epsilon=1e-4, **options)
             model = lw.tiny_opt(0.0)
+            if zero_init:
+                torch.manual_seed(0)
+                model = type(model)._from_config(model.config)
+                assert all(hasattr(p, "ds_id") for p in model.parameters())
             if lora:
                 from peft import LoraConfig, get_peft_model
 
                 model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-            args = arguments(out, 2, 2, 1.0, save_strategy="no", adam_epsilon=1e-4, **options)
             trainer = Trainer(model=model, args=args, train_dataset=Rows(4))
             handle = attach(trainer) if attached else None
             trainer.train()

@@ -156,7 +156,8 @@ EVERYDAY = {
         ("ddp", True, {}, 0.0),
         ("ddp", False, EVERYDAY, 0.0),
         ("zero2", True, {"bf16": True}, 0.0),
-        ("zero3", True, {}, 0.0),
+        # A full model made partitioned (zero.Init), as from_pretrained does under ZeRO 3.
+        ("zero3", False, {"zero_init": True}, 1e-6),
         ("fsdp2", False, {}, 1e-6),
         # Over FSDP1's flat parameters the bare Trainer decays every bias and norm
         # (7.8e-4 apart here with its default decay); flatview's views decay by name.
