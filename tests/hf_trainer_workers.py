@@ -574,7 +574,8 @@ def like_bare(
     it); with ``zero_init`` made as ``from_pretrained`` makes it under ZeRO 3
     (``_from_config``: partitioned by ``deepspeed.zero.Init`` as each module is made).
     The largest difference of the trained parameters, how many there are, the dtypes the
-    model computed in and what flatview wrapped."""
+    model computed in, what flatview wrapped, and the gradient norms the ``Trainer``
+    logged at each step, bare and attached."""
     from transformers import Trainer
 
     from flatview.integrations.hf_trainer import attach
@@ -586,12 +587,14 @@ def like_bare(
             options["deepspeed"]["bf16"] = {"enabled": True}
     else:
         options.update(fsdp_options(backend, "OPTDecoderLayer"))
-    trained, wrapped = [], ""
+    trained, norms, wrapped = [], [], ""
     for attached in (False, True):
         with trainer_session(deepspeed=deepspeed) as out:
             # The arguments first: under ZeRO 3 they tell transformers to make models
             # partitioned.
-            args = arguments(out, 2, 2, 1.0, save_strategy="no", adam_epsilon=1e-4, **options)
+            args = arguments(
+                out, 2, 2, 1.0, save_strategy="no", adam_epsilon=1e-4, logging_steps=1, **options
+            )
             model = lw.tiny_opt(0.0)
             if zero_init:
                 torch.manual_seed(0)
@@ -609,8 +612,15 @@ def like_bare(
                 detach(handle)
             dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
             trained.append(trainable(trainer, lora))
+            norms.append([e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e])
     bare, flat = trained
-    return {"count": len(bare), "worst": worst(flat, bare), "dtypes": dtypes, "wrapped": wrapped}
+    return {
+        "count": len(bare),
+        "worst": worst(flat, bare),
+        "dtypes": dtypes,
+        "wrapped": wrapped,
+        "norms": norms,
+    }
 
 
 def trainable(trainer: Any, lora: bool) -> dict[str, np.ndarray]:

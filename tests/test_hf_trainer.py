@@ -184,6 +184,9 @@ def test_attach_trains_as_the_bare_trainer(
         assert result["dtypes"] == (["torch.bfloat16"] if bf16 else ["torch.float32"]), result
         wrapper = "FSDPOPTForCausalLM" if backend == "fsdp2" else WRAPPERS[backend]
         assert result["wrapped"] == wrapper, result
+        # The gradient norm the Trainer logs at each step (DeepSpeed: the engine's).
+        bare, flat = result["norms"]
+        assert len(bare) == 2 and flat == pytest.approx(bare, rel=1e-6, abs=0.0), result
 
 
 def test_attach_refuses_what_it_does_not_serve(dist_pool: PoolFactory) -> None:
