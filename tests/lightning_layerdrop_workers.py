@@ -1,12 +1,14 @@
 """Worker tasks of ``test_integrations`` for the layer drop of a Hugging Face model trained
 by the Lightning Trainer with ``FlatViewCallback(layerdrop=seed)``: the tiny BART of
-:mod:`tests.layerdrop_workers` inside a LightningModule, under DDP and FSDP2
-(``ModelParallelStrategy``, a unit per layer), against the unwrapped model in one process
+:mod:`tests.layerdrop_workers` inside a LightningModule, under DDP, FSDP2
+(``ModelParallelStrategy``, a unit per layer) and DeepSpeed (``"deepspeed<stage>"``,
+:class:`tests.lightning_workers.CPUDeepSpeed`), against the unwrapped model in one process
 with the layers each batch dropped passed over by hand. Called through
 :func:`tests.integration_workers.call`, so only the workers import Lightning."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -19,7 +21,7 @@ from torch.utils.data import DataLoader
 from flatview.integrations.lightning import FlatViewCallback
 from tests import layerdrop_workers as lw
 from tests.integration_workers import framework_env, params_of, without_prefix
-from tests.lightning_workers import quiet_trainer
+from tests.lightning_workers import quiet_trainer, strategy_of
 
 PER_EPOCH = 4
 """Batches per epoch; a fit of two epochs is checkpointed between them."""
@@ -64,15 +66,26 @@ class BartLit(pl.LightningModule):
 def _fit(strategy: str, accumulate: int, tmp: str, epochs: int, resume: str | None) -> Any:
     callback = FlatViewCallback(layerdrop=3)
     module = BartLit(strategy == "fsdp2", callback)
-    kind: Any = strategy
-    if strategy == "fsdp2":
-        kind = pl.strategies.ModelParallelStrategy(
-            data_parallel_size=dist.get_world_size(), tensor_parallel_size=1
-        )
-    trainer = quiet_trainer(kind, tmp, [callback], epochs, accumulate)
+    trainer = quiet_trainer(strategy_of(strategy), tmp, [callback], epochs, accumulate)
     loader = DataLoader(list(range(PER_EPOCH)), batch_size=None)
     trainer.fit(module, loader, ckpt_path=resume)
     return trainer, module
+
+
+def _trained(trainer: Any, module: BartLit) -> dict[str, np.ndarray]:
+    """The BART's parameters, whole, by their names in it (under DeepSpeed the module's
+    are views of this rank's partitions: read through flatview)."""
+    model = trainer.strategy.model
+    if not strategy_is_deepspeed(trainer):
+        return without_prefix(params_of(model), "model.")
+    from tests.deepspeed_workers import full_params
+
+    assert module.callback.fv is not None
+    return without_prefix(full_params(module.callback.fv, model), "model.")
+
+
+def strategy_is_deepspeed(trainer: Any) -> bool:
+    return isinstance(trainer.strategy, pl.strategies.DeepSpeedStrategy)
 
 
 def layerdrop(strategy: str, accumulate: int) -> dict[str, Any]:
@@ -80,21 +93,27 @@ def layerdrop(strategy: str, accumulate: int) -> dict[str, Any]:
     resumed by a new Trainer, module and callback: the layers each batch dropped (every
     rank), and on rank 0 the largest differences from the reference and between the
     two fits."""
-    with framework_env() as tmp:
+    from flatview.testing import deepspeed_on_cpu
+
+    deepspeed = strategy.startswith("deepspeed")
+    with framework_env() as tmp, deepspeed_on_cpu() if deepspeed else contextlib.nullcontext():
         whole, module = _fit(strategy, accumulate, tmp, epochs=2, resume=None)
         drops = module.drops
-        got = without_prefix(params_of(whole.strategy.model), "model.")
+        got = _trained(whole, module)
         first, module = _fit(strategy, accumulate, tmp, epochs=1, resume=None)
         path = os.path.join(tmp, "resume.ckpt")
         first.save_checkpoint(path)
         again, resumed = _fit(strategy, accumulate, tmp, epochs=2, resume=path)
         resumed_drops = module.drops + resumed.drops
-        resumed_got = without_prefix(params_of(again.strategy.model), "model.")
+        resumed_got = _trained(again, resumed)
     out: dict[str, Any] = {"drops": drops, "resumed_drops": resumed_drops}
     if dist.get_rank() == 0:
+        # Lightning divides the loss by the accumulation; under DeepSpeed the engine's
+        # backward divides it once more (scale_wrt_gas): the bare fit's gradients.
+        scale = accumulate * (accumulate if deepspeed else 1)
 
         def loss(model: Any, step: int, chunk: bool = False) -> torch.Tensor:
-            return lw.bart_loss(model, step) / accumulate  # Lightning scales it so
+            return lw.bart_loss(model, step) / scale
 
         want = lw.reference(drops, lw.tiny_bart(0.0, 0.0), loss, micros=accumulate)
         out["worst"] = max(float(np.abs(got[n] - want[n]).max()) for n in want)

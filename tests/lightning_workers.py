@@ -158,7 +158,9 @@ class CPUDeepSpeed(pl.strategies.DeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
 
-def _strategy(name: str) -> Any:
+def strategy_of(name: str) -> Any:
+    """The Lightning strategy the tests call ``name`` (on CPU where Lightning would not
+    run it: :class:`CPUDeepSpeed`, ``CPUFlatViewFSDP``)."""
     if name.startswith("deepspeed"):
         return CPUDeepSpeed(stage=int(name.removeprefix("deepspeed")), logging_batch_size_per_gpu=1)
     if name == "fsdp2":
@@ -184,7 +186,7 @@ def _trainer(
 ) -> Any:
     clip = None if run.manual else run.clip
     return quiet_trainer(
-        _strategy(strategy), tmp, callbacks, epochs, run.accumulate, clip, precision
+        strategy_of(strategy), tmp, callbacks, epochs, run.accumulate, clip, precision
     )
 
 

@@ -163,12 +163,13 @@ def test_layerdrop_with_gradient_accumulation(dist_pool: PoolFactory, backend: s
 @pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="lightning is not installed"
 )
-@pytest.mark.parametrize(("strategy", "accumulate"), [("ddp", 2), ("fsdp2", 1)])
+@pytest.mark.parametrize(("strategy", "accumulate"), [("ddp", 2), ("fsdp2", 1), ("deepspeed3", 2)])
 def test_lightning_callback_layerdrop_trains_and_resumes(
     dist_pool: PoolFactory, strategy: str, accumulate: int
 ) -> None:
     # FlatViewCallback(layerdrop=seed) on the Lightning Trainer: a BART inside a
-    # LightningModule (FSDP2: ModelParallelStrategy sharding self.model), two epochs;
+    # LightningModule (FSDP2: ModelParallelStrategy sharding self.model; DeepSpeed ZeRO 3
+    # with Lightning's accumulation and checkpoints), two epochs;
     # then the same fit checkpointed after the first and resumed by a new Trainer.
     from tests.integration_workers import call
 
