@@ -535,6 +535,7 @@ def refusals() -> dict[str, str]:
 
     cases = {
         "tensor-parallel": ("ddp", "no"),
+        "autotp": ("zero2", "no"),
         "auto_find_batch_size": ("ddp", "no"),
         "fsdp1": ("fsdp1", "steps"),
         "fsdp1-no-checkpoints": ("fsdp1", "no"),
@@ -542,8 +543,10 @@ def refusals() -> dict[str, str]:
     }
     out: dict[str, str] = {}
     for case, (backend, saving) in cases.items():
-        with trainer_session() as tmp:
-            more = fsdp_options(backend, "Block")
+        with trainer_session(deepspeed=backend.startswith("zero")) as tmp:
+            more = backend_options(backend)
+            if case == "autotp":  # DeepSpeed's automatic tensor parallelism
+                more["deepspeed"]["tensor_parallel"] = {"autotp_size": 2}
             if case == "auto_find_batch_size":
                 more["auto_find_batch_size"] = True
             args = arguments(tmp, 2, 1, 1.0, save_strategy=saving, **more)

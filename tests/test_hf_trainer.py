@@ -192,6 +192,7 @@ def test_attach_trains_as_the_bare_trainer(
 def test_attach_refuses_what_it_does_not_serve(dist_pool: PoolFactory) -> None:
     for refused in dist_pool(2).run(call, WORKERS, "refusals", timeout=TIMEOUT):
         assert "not tensor, context or sequence" in refused["tensor-parallel"], refused
+        assert "not tensor, context or sequence" in refused["autotp"], refused
         assert "not auto_find_batch_size (give" in refused["auto_find_batch_size"], refused
         assert "use_orig_params=False and saves checkpoints" in refused["fsdp1"], refused
         assert refused["fsdp1-no-checkpoints"] == "accepted", refused
