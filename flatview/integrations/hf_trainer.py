@@ -176,7 +176,16 @@ class Attached:
         # transformers 5.24 with accelerate 1.16). Unmarked, it is wrapped for training.
         vars(self.model).pop(_PREPARED_MARK, None)
         if check_distributed(self.trainer.accelerator) == "DEEPSPEED":
-            return self._prepare_engine(accelerates, objs, kwargs, wrap_options)
+            # The Trainer built its one optimizer (and scheduler) over the model's
+            # parameters before: accelerate builds the engine over them as always, and
+            # flatview.wrap points that optimizer's groups at the views (the Trainer's
+            # weight decay by name stays as it grouped them). The model prepared alone is
+            # the engine of an evaluation before train() (ZeRO 3 only): not wrapped, the
+            # training's prepare builds another.
+            prepared = accelerates(*objs, **kwargs)
+            if len(objs) > 1:
+                self._wrapped(flatview.wrap(prepared[objs.index(self.model)], **wrap_options))
+            return prepared
         others = [obj for obj in objs if obj is not self.model]
         unknown = [
             type(obj).__name__ for obj in others if not isinstance(obj, torch.optim.Optimizer)
@@ -198,26 +207,6 @@ class Attached:
         optimizers = iter(prepared.optimizers)
         out = [prepared.model if obj is self.model else next(optimizers) for obj in objs]
         return out[0] if len(out) == 1 else tuple(out)
-
-    def _prepare_engine(
-        self,
-        accelerates: Callable[..., Any],
-        objs: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        wrap_options: dict[str, Any],
-    ) -> Any:
-        """Under DeepSpeed the ``Trainer`` built its one optimizer (and scheduler) over
-        the model's parameters before: accelerate builds the engine over them as always,
-        and ``flatview.wrap`` points that optimizer's groups at the views (the ``Trainer``'s
-        weight decay by name stays as it grouped it). The model prepared alone is the
-        engine of an evaluation before ``train()`` (ZeRO 3 only): not wrapped, the
-        training's prepare builds another."""
-        prepared = accelerates(*objs, **kwargs)
-        if len(objs) == 1:
-            return prepared
-        engine = prepared[objs.index(self.model)] if isinstance(prepared, tuple) else prepared
-        self._wrapped(flatview.wrap(engine, **wrap_options))
-        return prepared
 
     def _wrapped(self, fv: FlatView) -> None:
         self._fv = fv
