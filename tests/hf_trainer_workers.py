@@ -590,7 +590,7 @@ def like_bare(
             options["deepspeed"]["bf16"] = {"enabled": True}
     else:
         options.update(fsdp_options(backend, "OPTDecoderLayer"))
-    trained, norms, wrapped = [], [], ""
+    trained, norms, wrapped, saved = [], [], "", (0, 0.0)
     for attached in (False, True):
         with trainer_session(deepspeed=deepspeed) as out:
             # The arguments first: under ZeRO 3 they tell transformers to make models
@@ -611,10 +611,14 @@ def like_bare(
             handle = attach(trainer) if attached else None
             trainer.train()
             if handle is not None:
+                if deepspeed:  # saved while wrapped: what from_pretrained would load
+                    trainer.save_model(f"{out}/final")
                 wrapped = type(handle.fv.model).__name__
                 detach(handle)
             dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
             trained.append(trainable(trainer, lora))
+            if handle is not None and deepspeed:
+                saved = saved_against(f"{out}/final", trained[-1], lora)
             norms.append([e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e])
     bare, flat = trained
     return {
@@ -623,7 +627,24 @@ def like_bare(
         "dtypes": dtypes,
         "wrapped": wrapped,
         "norms": norms,
+        "saved": saved,
     }
+
+
+def saved_against(directory: str, trained: dict[str, np.ndarray], lora: bool) -> tuple[int, float]:
+    """How many of the ``trained`` parameters ``save_model`` wrote to ``directory``
+    (PEFT's adapter file with ``lora``), and their largest difference from the trained
+    values in the saved dtype (DeepSpeed's bf16 weights are its fp32 masters rounded)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{directory}/{'adapter_model' if lora else 'model'}.safetensors")
+    diffs = []
+    for name, value in trained.items():
+        key = name.replace(".default", "")  # PEFT's adapter name is not in its file
+        if key in saved:
+            want = torch.from_numpy(value).to(saved[key].dtype).float()
+            diffs.append(float((saved[key].float() - want).abs().max()))
+    return len(diffs), max(diffs, default=0.0)
 
 
 def trainable(trainer: Any, lora: bool) -> dict[str, np.ndarray]:
