@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from flatview import wrapped_models
+from flatview.errors import OptimStateError
+
 PLACEHOLDER = None
 """The value of every key of a placeholder entry."""
 
@@ -87,13 +90,20 @@ def fresh_keys(
         groups.append(scratch_group)
     if not groups:
         return [() for _ in tensors]
-    scratch: Any = object.__new__(type(optimizer))
-    scratch.__dict__.update(vars(optimizer))
+    owner = wrapped_models.owner(optimizer)
+    if wrapped_models.delegates(type(owner)):
+        raise OptimStateError(
+            f"{type(optimizer).__name__} keeps its state or param_groups as properties and "
+            "wraps no torch optimizer in .optimizer: flatview cannot find the optimizer "
+            "that holds them, to find the state a first step would create"
+        )
+    scratch: Any = object.__new__(type(owner))
+    scratch.__dict__.update(vars(owner))
     scratch.state = defaultdict(dict)
     scratch.param_groups = groups
     # Hooks registered on the optimizer itself (an LR scheduler's step counter, say)
     # must not see the scratch step.
     scratch._optimizer_step_pre_hooks = OrderedDict()
     scratch._optimizer_step_post_hooks = OrderedDict()
-    type(optimizer).step(scratch)
+    type(owner).step(scratch)
     return [tuple(scratch.state.get(fakes[id(t)], ())) if id(t) in fakes else () for t in tensors]

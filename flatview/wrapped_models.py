@@ -20,6 +20,7 @@ wrapping and unwrapping bump.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -136,6 +137,7 @@ def bump_generation() -> None:
 def record_history(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer`` was loaded from a checkpoint: what state it has is its history."""
     _histories.add(optimizer)
+    _histories.add(owner(optimizer))
 
 
 def own_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -148,7 +150,31 @@ def has_history(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` has stepped since a model was first wrapped, or was loaded
     by flatview: then parameters it holds without state have never had a gradient
     (skipped, or first used later), rather than the optimizer being new."""
-    return optimizer in _histories
+    return optimizer in _histories or owner(optimizer) in _histories
+
+
+def owner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that keeps ``optimizer``'s state and parameter groups as its own
+    attributes, and whose step torch's step hooks see: ``optimizer`` itself, or behind
+    a wrapper whose class keeps them as properties over the optimizer it wraps in
+    ``.optimizer`` (accelerate's ``AcceleratedOptimizer``), that one. A scratch copy of
+    the wrapper would write through to the real optimizer, and only the wrapped one's
+    steps are recorded (:func:`has_history`)."""
+    found = optimizer
+    while delegates(type(found)):
+        inner = vars(found).get("optimizer")
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        found = inner
+    return found
+
+
+def delegates(cls: type) -> bool:
+    """Whether optimizers of ``cls`` keep ``state`` or ``param_groups`` as properties."""
+    return any(
+        isinstance(inspect.getattr_static(cls, name, None), property)
+        for name in ("state", "param_groups")
+    )
 
 
 def _install_optimizer_hook() -> None:

@@ -430,3 +430,80 @@ def torch_functions_resume(
                 pass
             out[full] = {"loaded": loaded, "params": full_state(model, scenario)}
     return out
+
+
+class Delegating(torch.optim.Optimizer):
+    """An optimizer wrapper as accelerate's ``AcceleratedOptimizer`` is one: ``state``
+    and ``param_groups`` are properties over the optimizer it wraps, setters included."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property
+    def param_groups(self) -> Any:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: Any) -> None:
+        self.optimizer.param_groups = groups
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+def through_a_wrapper(scenario: Scenario, split: int, api: str) -> dict[str, Any]:
+    """Train ``split`` steps (some parameters never stepped: no state), then take the
+    state dicts (sharded and full, through ``api``: :func:`_get`) of the optimizers
+    wrapped in :class:`Delegating`: whether the state dicts equal those of the bare
+    optimizers, and whether the optimizers kept their parameters and state."""
+    out: dict[str, Any] = {}
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for _ in distributed_training(scenario, model, fv, opts, optimizer_steps(scenario)[:split]):
+            pass
+        held = [[list(g["params"]) for g in o.param_groups] for o in opts]
+        before = consolidated(fv, opts)
+        for full in (False, True):
+            _, through = _get(api, fv, model, [Delegating(o) for o in opts], full)
+            _, bare = _get(api, fv, model, opts, full)
+            out[full] = _same(as_numpy(_local(through)), as_numpy(_local(bare)))
+        out["params_kept"] = all(
+            a is b
+            for o, groups in zip(opts, held, strict=True)
+            for g, params in zip(o.param_groups, groups, strict=True)
+            for a, b in zip(g["params"], params, strict=True)
+        )
+        out["state_kept"] = _same(consolidated(fv, opts), before)
+    return out
+
+
+def _local(state: Any) -> Any:
+    """``state`` with each ``ShardedTensor`` as this rank's local shards, concatenated."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(state, dict):
+        return {key: _local(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_local(value) for value in state]
+    if isinstance(state, ShardedTensor):
+        shards = [shard.tensor.reshape(-1) for shard in state.local_shards()]
+        return torch.cat(shards) if shards else torch.zeros(0)
+    return state

@@ -409,3 +409,18 @@ def test_checkpoint_after_blocks_never_used_resumes_exactly(
             pass
         got = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
         compare(got, run_reference(scenario).params)
+
+
+@pytest.mark.parametrize("api", ["flatview", "torch"])
+def test_optimizer_wrappers_are_read_not_rewritten(dist_pool: PoolFactory, api: str) -> None:
+    """An optimizer wrapped as accelerate wraps it (``state`` and ``param_groups``
+    properties over the real one), some of its parameters never stepped: its state dicts
+    are the bare optimizer's, and it keeps its parameters and state. (Finding the keys
+    of the missing state on a scratch copy of the wrapper wrote through its setters:
+    the real optimizer was left over zero tensors, without state.)"""
+    scenario = FULL_SHARD.scenario(LAYERDROP)
+    for out in dist_pool(scenario.world_size).run(
+        cw.through_a_wrapper, scenario, SPLIT, api, timeout=TIMEOUT
+    ):
+        assert out["params_kept"] and out["state_kept"], out
+        assert out[False] and out[True], out
