@@ -1,6 +1,7 @@
-"""torch FSDP1's own optimizer-state functions refused on optimizers over flatview's
-views (installed by :mod:`flatview.checkpoint_routing` with its mark), and what both
-modules read of an optimizer: the views it holds.
+"""torch FSDP1's own optimizer-state functions on optimizers over flatview's views: two
+served by flatview.checkpoint, the others refused (installed by
+:mod:`flatview.checkpoint_routing` with its mark), and what both modules read of an
+optimizer: the views it holds.
 
 torch FSDP1's own optimizer-state functions (``FSDP.optim_state_dict``,
 ``optim_state_dict_to_load``, ``full_optim_state_dict``, ``sharded_optim_state_dict``,
@@ -15,13 +16,21 @@ process (after the same check of their parameters) by wrappers that refuse, with
 :class:`flatview.FlatViewError` naming what to use instead, a call whose model holds a
 marked one and whose optimizer holds flatview's views. The decision is local and the
 same on every rank whose optimizers are counterparts, so every rank raises.
+
+Served instead, where the call's model is the marked one: ``FSDP.optim_state_dict`` and
+``FSDP.optim_state_dict_to_load``, the pair frameworks save and load with (Lightning's
+``FSDPStrategy``, accelerate's FSDP1 plugin and through it the Hugging Face
+``Trainer``), for one optimizer, in the form ``FSDP.state_dict_type`` says
+(:func:`_routed`), so that what they write with torch's DCP resumes exactly. Not a
+full dict loaded from rank 0 alone, an ``optim_input``, another process group or a
+named optimizer: those stay refused.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,20 +92,67 @@ def _refusing(name: str, original: Callable[..., Any], runtime_of: RuntimeOf) ->
     signature = inspect.signature(original)
 
     def impl(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        model = bound.get("model")
+        bound = signature.bind_partial(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        model = given.get("model")
         if isinstance(model, nn.Module):
             held: list[Any] = []
-            optim = bound.get("optim")
+            optim = given.get("optim")
             if isinstance(optim, torch.optim.Optimizer):
                 held.append(optim)
-            optim_input = bound.get("optim_input")
+            optim_input = given.get("optim_input")
             if optim_input is not None:
                 held.append(optim_input)
-            _refuse_call(sys._getframe(1).f_code.co_name, model, held, runtime_of)
+            caller = sys._getframe(1).f_code.co_name
+            runtime = runtime_of(model)
+            served = isinstance(optim, torch.optim.Optimizer) and _routable(caller, given)
+            if runtime is not None and served and views_held(runtime, optim):
+                return _routed(caller, runtime, given)
+            _refuse_call(caller, model, held, runtime_of)
         return original(*args, **kwargs)
 
     return impl
+
+
+_ROUTED_CALLERS = ("optim_state_dict", "optim_state_dict_to_load")
+"""The two FSDP functions served over views (what Lightning's ``FSDPStrategy``,
+accelerate's FSDP1 plugin and the Hugging Face ``Trainer`` call); the others, deprecated
+in torch, stay refused."""
+
+
+def _routable(caller: str, given: Mapping[str, Any]) -> bool:
+    """Whether a call of FSDP's ``caller`` can be served by flatview.checkpoint: one
+    optimizer, no ``optim_input`` or process group of its own, and no full dict loaded
+    from rank 0 alone (flatview loads a dict every rank holds)."""
+    if caller not in _ROUTED_CALLERS or given.get("optim_input") is not None:
+        return False
+    if given.get("group") is not None or given.get("is_named_optimizer"):
+        return False
+    loading = caller == "optim_state_dict_to_load"
+    return not (loading and given.get("full_state_dict") and given.get("rank0_only"))
+
+
+def _routed(caller: str, runtime: Runtime, given: Mapping[str, Any]) -> Any:
+    """FSDP's ``caller`` on an optimizer over views, served by flatview.checkpoint's
+    optimizer half: ``optim_state_dict`` gives the dict of
+    ``flatview.checkpoint.get_optimizer_state_dict`` in the form of the model's
+    ``FSDP.state_dict_type`` (full: whole tensors, on rank 0 only with ``rank0_only``;
+    sharded: a ``ShardedTensor`` per parameter), keyed by original name as FSDP's own;
+    ``optim_state_dict_to_load`` loads such a dict into the optimizer and hands back its
+    ``state_dict()`` for the caller's ``load_state_dict`` (which then changes nothing)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from flatview import checkpoint_optim
+
+    optim = given["optim"]
+    if caller == "optim_state_dict":
+        full = bool(given["full_state_dict"])
+        offload = bool(given["rank0_only"]) if full else bool(given["cpu_offload"])
+        options = StateDictOptions(full_state_dict=full, cpu_offload=offload)
+        return checkpoint_optim.optimizers_state(runtime, [optim], options)
+    checkpoint_optim.load_optimizers_state(runtime, [optim], given["optim_state_dict"])
+    return optim.state_dict()
 
 
 def _refuse_call(caller: str, model: nn.Module, held: list[Any], runtime_of: RuntimeOf) -> None:

@@ -128,26 +128,23 @@ def torch_api_refused(scenario: Scenario) -> dict[str, Any]:
 
 
 FSDP_OPTIM_FUNCTIONS = (
-    "optim_state_dict",
-    "optim_state_dict_to_load",
     "full_optim_state_dict",
     "sharded_optim_state_dict",
     "shard_full_optim_state_dict",
     "flatten_sharded_optim_state_dict",
     "scatter_full_optim_state_dict",
 )
-"""torch FSDP1's own optimizer-state functions (static methods of the wrapper class)."""
+"""torch FSDP1's own optimizer-state functions (static methods of the wrapper class)
+that flatview refuses over views; ``optim_state_dict`` and ``optim_state_dict_to_load``
+it serves."""
 
 
 def _fsdp_calls(model: Any, opt: torch.optim.Optimizer) -> list[Any]:
-    """Each of :data:`FSDP_OPTIM_FUNCTIONS`, called on ``model`` with ``opt`` as
-    Lightning's FSDPStrategy and accelerate's FSDP1 plugin call them (the load side with
-    an empty state: flatview refuses before reading it)."""
+    """Each of :data:`FSDP_OPTIM_FUNCTIONS`, called on ``model`` with ``opt`` (the load
+    side with an empty state: flatview refuses before reading it)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return [
-        lambda: FSDP.optim_state_dict(model, opt),
-        lambda: FSDP.optim_state_dict_to_load(model, opt, {}),
         lambda: FSDP.full_optim_state_dict(model, opt),
         lambda: FSDP.sharded_optim_state_dict(model, opt),
         lambda: FSDP.shard_full_optim_state_dict({}, model, optim=opt),
@@ -158,8 +155,12 @@ def _fsdp_calls(model: Any, opt: torch.optim.Optimizer) -> list[Any]:
 
 def fsdp_optim_api(scenario: Scenario) -> dict[str, Any]:
     """torch FSDP1's own optimizer-state functions on a flatview-wrapped model, after one
-    optimizer step: each called with every optimizer over views (its error message or
-    ``None``, and the collectives it issued), the consolidated state before and after;
+    optimizer step: each refused one called with every optimizer over views (its error
+    message or ``None``, and the collectives it issued), the consolidated state before
+    and after; the two served (``optim_state_dict`` in FSDP's default full form, as
+    Lightning's FSDPStrategy and accelerate's FSDP1 plugin call it): whether it equals
+    ``fv.optim_state_dict``, and whether ``optim_state_dict_to_load`` of it, loaded,
+    leaves the state as it was, and a full dict loaded from rank 0 alone refused;
     then, in the same process, a bare FSDP model of the same scenario (no flatview) with
     an optimizer over its flat parameters: torch's ``optim_state_dict`` and
     ``optim_state_dict_to_load`` there, as without flatview (the keys it gives, and
@@ -183,6 +184,27 @@ def fsdp_optim_api(scenario: Scenario) -> dict[str, Any]:
                     out["messages"].append(None)
                 out["collectives"].append(_sequence() - start)
         out["unchanged"] = _same(consolidated(fv, opts), before)
+        out["served"] = []
+        for opt in opts:
+            served = FSDP.optim_state_dict(model, opt)
+            equal = _same(as_numpy(served), as_numpy(fv.optim_state_dict(opt)))
+            opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, served))
+            out["served"].append(equal)
+        out["served_unchanged"] = _same(consolidated(fv, opts), before)
+        from torch.distributed.fsdp import (
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            StateDictType,
+        )
+
+        rank0 = FullOptimStateDictConfig(rank0_only=True)
+        with FSDP.state_dict_type(
+            model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), rank0
+        ):
+            try:
+                FSDP.optim_state_dict_to_load(model, opts[0], {})
+            except FlatViewError as err:
+                out["rank0_load"] = str(err)
         bare = wrap_fsdp(scenario, make_net(scenario))
         opt = torch.optim.Adam(bare.parameters(), lr=0.01)
         xs, ys = local_batch(scenario, 0)

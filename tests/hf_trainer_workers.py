@@ -537,8 +537,6 @@ def refusals() -> dict[str, str]:
         "tensor-parallel": ("ddp", "no"),
         "autotp": ("zero2", "no"),
         "auto_find_batch_size": ("ddp", "no"),
-        "fsdp1": ("fsdp1", "steps"),
-        "fsdp1-no-checkpoints": ("fsdp1", "no"),
         "twice": ("ddp", "no"),
     }
     out: dict[str, str] = {}

@@ -190,14 +190,17 @@ def test_torch_state_dict_api_refuses_where_it_cannot_route(
 @pytest.mark.parametrize(
     "backend", [backend_param(FULL_SHARD), backend_param(BackendConfig("torch", "NO_SHARD"))]
 )
-def test_fsdp_own_optimizer_state_functions_refuse_views(
+def test_fsdp_own_optimizer_state_functions_serve_or_refuse_views(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
-    """torch FSDP1's own optimizer-state functions (Lightning's FSDPStrategy and
-    accelerate's FSDP1 plugin call them), given an optimizer over flatview's views: a
+    """torch FSDP1's own optimizer-state functions, given an optimizer over flatview's
+    views. The pair Lightning's FSDPStrategy and accelerate's FSDP1 plugin (so the Hugging
+    Face Trainer) call, ``optim_state_dict`` / ``optim_state_dict_to_load``: served by
+    flatview.checkpoint (the dict is ``fv.optim_state_dict``'s, and loads back
+    unchanged; a full dict from rank 0 alone refused). The other five (deprecated): a
     FlatViewError on every rank naming the functions to use instead, before any
     collective (torch failed inside a collective with mismatched sizes on gloo), the
-    optimizers' state untouched; on a bare FSDP model in the same process they are
+    optimizers' state untouched. On a bare FSDP model in the same process they are
     torch's, unchanged."""
     results = dist_pool(2).run(cw.fsdp_optim_api, backend.scenario(BASE), timeout=TIMEOUT)
     count = len(cw.FSDP_OPTIM_FUNCTIONS)
@@ -210,6 +213,9 @@ def test_fsdp_own_optimizer_state_functions_refuse_views(
             assert "views" in message and "torch.distributed.checkpoint" in message, message
             assert "flatview.checkpoint" in message, message
         assert out["unchanged"], rank
+        assert out["served"] and all(out["served"]), rank
+        assert out["served_unchanged"], rank
+        assert "views" in out["rank0_load"], out["rank0_load"]
         assert out["bare_keys"] and out["bare_reloaded"], rank
     assert results[0]["bare_keys"] == results[1]["bare_keys"]
 

@@ -76,19 +76,24 @@ def test_trainer_trains_like_the_reference(
     assert any(views["none"] for result in results for views in result["seen"])
 
 
-@pytest.mark.parametrize(("backend", "accumulate"), [("zero1-own", 2), ("zero2", 1), ("zero3", 2)])
-def test_trainer_on_deepspeed_trains_and_resumes_like_the_reference(
+@pytest.mark.parametrize(
+    ("backend", "accumulate"), [("zero1-own", 2), ("zero2", 1), ("zero3", 2), ("fsdp1", 1)]
+)
+def test_trainer_trains_and_resumes_like_the_reference(
     dist_pool: PoolFactory, backend: str, accumulate: int
 ) -> None:
-    # The Trainer's optimizer (decay by name) or DeepSpeed's own from its config ("-own"),
-    # with the Trainer's schedule; bare DeepSpeed steps the skipped parameters with zero
-    # gradients (0.017-0.025 from the reference on these runs). Without accumulation the
-    # checkpoint comes before some parameters were ever stepped.
+    # DeepSpeed: the Trainer's optimizer (decay by name) or DeepSpeed's own from its
+    # config ("-own"), with the Trainer's schedule; bare DeepSpeed steps the skipped
+    # parameters with zero gradients (0.017-0.025 from the reference on these runs).
+    # Without accumulation the checkpoint comes before some parameters were ever stepped.
+    # FSDP1 with flat views: the Trainer's own checkpoints (accelerate's FSDP functions,
+    # FSDP.optim_state_dict served over views).
     results = dist_pool(2).run(
         call, WORKERS, "resumes_like_the_reference", backend, accumulate, 0.05, timeout=TIMEOUT
     )
     assert results[0]["worst"] <= 1e-5, results[0]["worst"]
-    assert results[0]["saved_worst"] == 0.0, results[0]["saved_worst"]  # save_model
+    if backend.startswith("zero"):  # save_model (FSDP: sharded checkpoints only)
+        assert results[0]["saved_worst"] == 0.0, results[0]["saved_worst"]
     for result in results:  # resumed from the checkpoint after the first step
         assert result["resumed_worst"] <= 1e-6, result["resumed_worst"]
 
@@ -196,6 +201,4 @@ def test_attach_refuses_what_it_does_not_serve(dist_pool: PoolFactory) -> None:
         assert "not tensor, context or sequence" in refused["tensor-parallel"], refused
         assert "not tensor, context or sequence" in refused["autotp"], refused
         assert "not auto_find_batch_size (give" in refused["auto_find_batch_size"], refused
-        assert "use_orig_params=False and saves checkpoints" in refused["fsdp1"], refused
-        assert refused["fsdp1-no-checkpoints"] == "accepted", refused
         assert "attached to this Trainer already" in refused["twice"], refused

@@ -41,9 +41,10 @@ Under FSDP2 the ``Trainer`` builds its optimizer before the wrap (accelerate swa
 sharded parameters), under FSDP1 after it, from the wrapped model: with
 ``use_orig_params=False`` its parameters are flatview's views by then (weight decay
 still decided by their names), with ``True`` torch's own. The ``Trainer``'s checkpoints
-are its own (accelerate's FSDP functions), except FSDP1 with ``use_orig_params=False``:
-there the optimizer holds views, which ``FSDP.optim_state_dict`` cannot save, so saving
-checkpoints is refused (see :func:`attach`).
+are its own (accelerate's FSDP functions); with ``use_orig_params=False`` the two of
+FSDP's optimizer-state functions they call, ``FSDP.optim_state_dict`` and
+``optim_state_dict_to_load``, are served by :mod:`flatview.checkpoint` for optimizers
+over views.
 
 DeepSpeed ZeRO 1, 2 and 3 (``TrainingArguments(deepspeed=config)``): the ``Trainer``
 builds its one optimizer before the engine (its AdamW with decay by name, or DeepSpeed's
@@ -61,8 +62,7 @@ Refused with :class:`~flatview.errors.WrapError` when :func:`attach` is called, 
 collective: FSDP on XLA, a model ``transformers`` sharded at load time, tensor, context or
 sequence parallelism, ``auto_find_batch_size`` (which prepares the model anew after running
 out of memory), one process without a distributed wrapper, accelerate's FSDP plugin where it
-runs as DDP (on CPU), FSDP1 with ``use_orig_params=False`` and checkpoints, and a second
-:func:`attach` on the same ``Trainer``.
+runs as DDP (on CPU), and a second :func:`attach` on the same ``Trainer``.
 """
 
 from __future__ import annotations
@@ -251,9 +251,7 @@ def attach(
     Raises:
         flatview.WrapError: the ``Trainer`` runs FSDP on XLA, a model sharded at load time,
             tensor, context or sequence parallelism, ``auto_find_batch_size``, one
-            process, FSDP1 with ``use_orig_params=False`` while saving checkpoints
-            (``save_strategy`` other than ``"no"``), or is attached already (see the
-            module docstring).
+            process, or is attached already (see the module docstring).
     """
     if getattr(trainer, _ATTACHED, None) is not None:
         raise WrapError("flatview is attached to this Trainer already (remove() it first)")
@@ -277,7 +275,6 @@ def _refuse_unserved(trainer: Any) -> None:
         not_yet = "auto_find_batch_size (give per_device_train_batch_size instead)"
     else:
         check_distributed(trainer.accelerator)
-        _refuse_fsdp1_checkpoints(trainer)
         return
     raise WrapError(
         "flatview.integrations.hf_trainer serves the Trainer's data parallelism (DDP, "
@@ -295,22 +292,3 @@ def _model_parallel(trainer: Any) -> bool:
     deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     config = getattr(getattr(deepspeed, "hf_ds_config", None), "config", {})
     return int(config.get("tensor_parallel", {}).get("autotp_size", 1)) > 1
-
-
-def _refuse_fsdp1_checkpoints(trainer: Any) -> None:
-    """FSDP1 with flat parameters: the optimizer holds flatview's views, and the
-    ``Trainer`` saves optimizers with ``FSDP.optim_state_dict``, which knows flat
-    parameters only (it raises at the first checkpoint: refused here, before training)."""
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    if plugin is None or getattr(plugin, "fsdp_version", 1) != 1 or plugin.use_orig_params:
-        return
-    saving = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
-    if saving != "no":
-        raise WrapError(
-            "the Trainer runs FSDP1 with use_orig_params=False and saves checkpoints "
-            f"(save_strategy={saving!r}): its optimizer then holds flatview's views, which "
-            "the Trainer saves with FSDP.optim_state_dict, made for flat parameters only. "
-            "Use fsdp_config use_orig_params=True (the default) or FSDP2 (version 2, "
-            "transformers' default), or save_strategy='no' and save with "
-            "flatview.checkpoint"
-        )
