@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from flatview.comm.refusals import raise_everywhere
 from flatview.errors import FlatViewError
 
 if TYPE_CHECKING:
@@ -151,7 +152,15 @@ def _routed(caller: str, runtime: Runtime, given: Mapping[str, Any]) -> Any:
         offload = bool(given["rank0_only"]) if full else bool(given["cpu_offload"])
         options = StateDictOptions(full_state_dict=full, cpu_offload=offload)
         return checkpoint_optim.optimizers_state(runtime, [optim], options)
-    checkpoint_optim.load_optimizers_state(runtime, [optim], given["optim_state_dict"])
+    failure: BaseException | None = None
+    try:
+        checkpoint_optim.load_optimizers_state(runtime, [optim], given["optim_state_dict"])
+    except Exception as err:
+        failure = err
+    # The load is local: a rank refusing its dict alone raises on every rank (the others
+    # would go on to the framework's next collective and wait there).
+    call = f"FullyShardedDataParallel.{caller} (served by flatview.checkpoint)"
+    raise_everywhere(failure, (), runtime.adapter.agreement_group, call)
     return optim.state_dict()
 
 

@@ -160,7 +160,8 @@ def fsdp_optim_api(scenario: Scenario) -> dict[str, Any]:
     and after; the two served (``optim_state_dict`` in FSDP's default full form, as
     Lightning's FSDPStrategy and accelerate's FSDP1 plugin call it): whether it equals
     ``fv.optim_state_dict``, and whether ``optim_state_dict_to_load`` of it, loaded,
-    leaves the state as it was, and a full dict loaded from rank 0 alone refused;
+    leaves the state as it was, a dict one rank alone refuses refused on every rank, and
+    a full dict loaded from rank 0 alone refused;
     then, in the same process, a bare FSDP model of the same scenario (no flatview) with
     an optimizer over its flat parameters: torch's ``optim_state_dict`` and
     ``optim_state_dict_to_load`` there, as without flatview (the keys it gives, and
@@ -191,6 +192,13 @@ def fsdp_optim_api(scenario: Scenario) -> dict[str, Any]:
             opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, served))
             out["served"].append(equal)
         out["served_unchanged"] = _same(consolidated(fv, opts), before)
+        # A dict only rank 0 refuses: every rank raises, none goes on alone.
+        good = FSDP.optim_state_dict(model, opts[0])
+        mine = {"state": {}, "param_groups": None} if dist.get_rank() == 0 else good
+        try:
+            opts[0].load_state_dict(FSDP.optim_state_dict_to_load(model, opts[0], mine))
+        except FlatViewError as err:
+            out["one_rank_refuses"] = str(err)
         from torch.distributed.fsdp import (
             FullOptimStateDictConfig,
             FullStateDictConfig,

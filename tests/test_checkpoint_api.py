@@ -197,7 +197,8 @@ def test_fsdp_own_optimizer_state_functions_serve_or_refuse_views(
     views. The pair Lightning's FSDPStrategy and accelerate's FSDP1 plugin (so the Hugging
     Face Trainer) call, ``optim_state_dict`` / ``optim_state_dict_to_load``: served by
     flatview.checkpoint (the dict is ``fv.optim_state_dict``'s, and loads back
-    unchanged; a full dict from rank 0 alone refused). The other five (deprecated): a
+    unchanged; a dict one rank alone refuses raises on every rank; a full dict from rank
+    0 alone refused). The other five (deprecated): a
     FlatViewError on every rank naming the functions to use instead, before any
     collective (torch failed inside a collective with mismatched sizes on gloo), the
     optimizers' state untouched. On a bare FSDP model in the same process they are
@@ -216,6 +217,7 @@ def test_fsdp_own_optimizer_state_functions_serve_or_refuse_views(
         assert out["served"] and all(out["served"]), rank
         assert out["served_unchanged"], rank
         assert "views" in out["rank0_load"], out["rank0_load"]
+        assert "'state'" in out.get("one_rank_refuses", ""), (rank, out)
         assert out["bare_keys"] and out["bare_reloaded"], rank
     assert results[0]["bare_keys"] == results[1]["bare_keys"]
 
