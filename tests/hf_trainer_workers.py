@@ -211,16 +211,10 @@ def trainer_adamw(model: nn.Module, eps: float = 1e-8, by_name: bool = True) -> 
 
 
 def finish(trainer: Any, attached: Any) -> dict[str, np.ndarray]:
-    """The trained parameters, whole; flatview taken off the ``Trainer`` and the model."""
-    from tests.deepspeed_workers import full_params
-    from tests.integration_workers import params_of
-
-    if trainer.is_deepspeed_enabled:  # the module's parameters are views of partitions
-        got = full_params(attached.fv, trainer.model_wrapped)
-    else:
-        got = params_of(trainer.model)
+    """The trained parameters, whole (:func:`trainable`), once flatview is taken off the
+    ``Trainer`` and the model."""
     detach(attached)
-    return got
+    return trainable(trainer, lora=False)
 
 
 def detach(attached: Any) -> None:

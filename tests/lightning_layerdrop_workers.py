@@ -76,16 +76,12 @@ def _trained(trainer: Any, module: BartLit) -> dict[str, np.ndarray]:
     """The BART's parameters, whole, by their names in it (under DeepSpeed the module's
     are views of this rank's partitions: read through flatview)."""
     model = trainer.strategy.model
-    if not strategy_is_deepspeed(trainer):
+    if not isinstance(trainer.strategy, pl.strategies.DeepSpeedStrategy):
         return without_prefix(params_of(model), "model.")
     from tests.deepspeed_workers import full_params
 
     assert module.callback.fv is not None
     return without_prefix(full_params(module.callback.fv, model), "model.")
-
-
-def strategy_is_deepspeed(trainer: Any) -> bool:
-    return isinstance(trainer.strategy, pl.strategies.DeepSpeedStrategy)
 
 
 def layerdrop(strategy: str, accumulate: int) -> dict[str, Any]:
