@@ -144,7 +144,7 @@ def _routed(caller: str, runtime: Runtime, given: Mapping[str, Any]) -> Any:
     ``state_dict()`` for the caller's ``load_state_dict`` (which then changes nothing)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from flatview import checkpoint_optim
+    from flatview import checkpoint_optim, reshard
 
     optim = given["optim"]
     if caller == "optim_state_dict":
@@ -152,9 +152,22 @@ def _routed(caller: str, runtime: Runtime, given: Mapping[str, Any]) -> Any:
         offload = bool(given["rank0_only"]) if full else bool(given["cpu_offload"])
         options = StateDictOptions(full_state_dict=full, cpu_offload=offload)
         return checkpoint_optim.optimizers_state(runtime, [optim], options)
+    state_dict = given["optim_state_dict"]
+    if (
+        isinstance(state_dict, Mapping)
+        and "state" not in state_dict
+        and "param_groups" in state_dict
+    ):
+        # DCP saves no empty dict: an optimizer without state (its parameters never
+        # used yet) comes back from torch's sharded recipe without "state".
+        state_dict = {**state_dict, "state": {}}
+    if not given["full_state_dict"]:
+        # torch's recipe cuts the template of a sharded load from the model's state
+        # dict, FSDP's way: the elements move to the views' pieces first (collective).
+        state_dict = reshard.to_pieces(runtime, state_dict)
     failure: BaseException | None = None
     try:
-        checkpoint_optim.load_optimizers_state(runtime, [optim], given["optim_state_dict"])
+        checkpoint_optim.load_optimizers_state(runtime, [optim], state_dict)
     except Exception as err:
         failure = err
     # The load is local: a rank refusing its dict alone raises on every rank (the others

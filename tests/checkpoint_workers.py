@@ -462,6 +462,123 @@ def torch_functions_resume(
     return out
 
 
+def fsdp1_recipe(scenario: Scenario, path: str, split: int, save: bool) -> dict[str, Any]:
+    """torch's recipe for FSDP1's sharded checkpoints (what Lightning's ``FSDPStrategy``
+    runs), on a flatview-wrapped model with optimizers over views. With ``save``: train
+    ``split`` steps, save under ``SHARDED_STATE_DICT`` the model's ``state_dict`` and
+    each optimizer's ``FSDP.optim_state_dict`` with DCP, train on (the uninterrupted
+    run). Then a fresh model loads the model state with DCP, each optimizer's through
+    ``load_sharded_optimizer_state_dict`` (a template cut from the model's sharded
+    state dict, FSDP's way) and ``FSDP.optim_state_dict_to_load``, and trains the
+    remaining steps. ``moved``: the entries the load moved to the views' pieces."""
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    from flatview import reshard
+
+    steps = optimizer_steps(scenario)
+    out: dict[str, Any] = {"moved": 0}
+    with backend_context(scenario.backend):
+        if save:
+            model, fv, opts = distributed_model(scenario)
+            for _ in distributed_training(scenario, model, fv, opts, steps[:split]):
+                pass
+            out["saved"] = consolidated(fv, opts)
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                saved = {"model": model.state_dict()}
+                for i, opt in enumerate(opts):
+                    saved[f"optim_{i}"] = FSDP.optim_state_dict(model, opt)
+                dcp.save(saved, checkpoint_id=path)
+            for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+                pass
+            out["uninterrupted"] = full_state(model, scenario)
+        model, fv, opts = distributed_model(scenario)
+        plan = reshard.plan
+
+        def counted(*args: Any) -> reshard.Plan:
+            decided = plan(*args)
+            out["moved"] += len(decided.moving)
+            return decided
+
+        reshard.plan = counted  # type: ignore[assignment]
+        try:
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                model_sd = {"model": model.state_dict()}
+                dcp.load(model_sd, checkpoint_id=path)
+                model.load_state_dict(model_sd["model"])
+                reader = dcp.FileSystemReader(path)
+                for i, opt in enumerate(opts):
+                    key = f"optim_{i}"
+                    loaded = load_sharded_optimizer_state_dict(
+                        model_state_dict=model_sd["model"], optimizer_key=key, storage_reader=reader
+                    )
+                    opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, loaded[key]))
+        finally:
+            reshard.plan = plan  # type: ignore[assignment]
+        out["loaded"] = consolidated(fv, opts)
+        for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+            pass
+        out["params"] = full_state(model, scenario)
+    return out
+
+
+def bare_fsdp1_resumed(scenario: Scenario, path: str, split: int) -> dict[str, Any]:
+    """A run bare torch FSDP1 started (flat parameters, one AdamW over them), saved after
+    ``split`` steps through FSDP's own pair in both forms (sharded with DCP to ``path``;
+    full, kept), trained on (the uninterrupted run); then resumed under flatview, one
+    AdamW over the views, from each form through torch's recipe (sharded:
+    ``load_sharded_optimizer_state_dict`` + ``FSDP.optim_state_dict_to_load``) and
+    trained to the end. Nothing is skipped (bare FSDP cannot): the runs should agree."""
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    import flatview
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, eps=1e-4)
+
+    steps = optimizer_steps(scenario)
+    kinds = {"sharded": StateDictType.SHARDED_STATE_DICT, "full": StateDictType.FULL_STATE_DICT}
+    out: dict[str, Any] = {}
+    with backend_context(scenario.backend):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        opt = adamw(model.parameters())
+        for _ in distributed_training(scenario, model, None, [opt], steps[:split]):
+            pass
+        with FSDP.state_dict_type(model, kinds["sharded"]):
+            saved = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+            dcp.save(saved, checkpoint_id=path)
+        with FSDP.state_dict_type(model, kinds["full"]):
+            full = (model.state_dict(), FSDP.optim_state_dict(model, opt))
+        for _ in distributed_training(scenario, model, None, [opt], steps[split:]):
+            pass
+        out["uninterrupted"] = full_state(model, scenario)
+        for form, kind in kinds.items():
+            model = wrap_fsdp(scenario, make_net(scenario))
+            fv = flatview.wrap(model)
+            opt = adamw(fv.parameters())
+            with FSDP.state_dict_type(model, kind):
+                if form == "full":
+                    model.load_state_dict(full[0])
+                    osd = full[1]
+                else:
+                    model_sd = {"model": model.state_dict()}
+                    dcp.load(model_sd, checkpoint_id=path)
+                    model.load_state_dict(model_sd["model"])
+                    osd = load_sharded_optimizer_state_dict(
+                        model_state_dict=model_sd["model"],
+                        optimizer_key="optim",
+                        storage_reader=dcp.FileSystemReader(path),
+                    )["optim"]
+                opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, osd))
+            for _ in distributed_training(scenario, model, fv, [opt], steps[split:]):
+                pass
+            out[form] = full_state(model, scenario)
+    return out
+
+
 class Delegating(torch.optim.Optimizer):
     """An optimizer wrapper as accelerate's ``AcceleratedOptimizer`` is one: ``state``
     and ``param_groups`` are properties over the optimizer it wraps, setters included."""

@@ -1108,14 +1108,14 @@ def synced_backward(
 def distributed_training(
     scenario: Scenario,
     model: nn.Module,
-    fv: FlatView,
+    fv: FlatView | None,
     opts: Sequence[torch.optim.Optimizer],
     steps: Sequence[range] | None = None,
 ) -> Iterator[bool]:
     """The training loop of :func:`run_distributed`, for ``steps`` (by default every
     optimizer step of the scenario). Pauses twice per optimizer step: after its
     backward passes, before ``opts`` step (yields False), and right after they stepped
-    (yields True), before the evaluate passes and ``zero_grad``."""
+    (yields True), before the evaluate passes and ``zero_grad``. ``fv`` ``None``: bare FSDP."""
     opts = list(opts)
     at = scenario.zero_grad_at
     wrapped: FlatView | None = fv

@@ -28,6 +28,7 @@ from tests.scenarios import (
     BACKENDS,
     FAIRSCALE,
     FSDP2,
+    HYBRID_CONFIGS,
     BackendConfig,
     Scenario,
     backend_param,
@@ -417,6 +418,55 @@ def test_checkpoint_after_blocks_never_used_resumes_exactly(
             pass
         got = {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
         compare(got, run_reference(scenario).params)
+
+
+@pytest.mark.parametrize("backend", [backend_param(FULL_SHARD), backend_param(HYBRID_CONFIGS[0])])
+def test_fsdp1_sharded_recipe_resumes_exactly(
+    dist_pool: PoolFactory, backend: BackendConfig, tmp_path: Path
+) -> None:
+    """torch's own recipe for FSDP1's sharded optimizer checkpoints, as Lightning's
+    ``FSDPStrategy`` runs it, over views: ``FSDP.optim_state_dict`` saved with DCP,
+    loaded through ``load_sharded_optimizer_state_dict``, whose template is cut from the
+    model's sharded state dict (dim 0 in even chunks, not the views' pieces), and
+    ``FSDP.optim_state_dict_to_load``. The elements move to the views' pieces (it used
+    to refuse: "holds 20 of this rank's 33 elements"). Saved at 2 ranks after steps that
+    never used blocks 0 and 1 (no state for them), resumed at 2 and at 3 (hybrid: on its
+    2 x 2 grid, and FULL_SHARD on 2): the loaded state is the saved one and training ends
+    where the uninterrupted run does."""
+    scenario = backend.scenario(LAYERDROP)
+    path = str(tmp_path / "fsdp1")
+    out = dist_pool(scenario.world_size).run(
+        cw.fsdp1_recipe, scenario, path, SPLIT, True, timeout=TIMEOUT
+    )[0]
+    assert out["moved"] > 0
+    assert not any(n.startswith(("body.0.", "body.1.")) for n in out["saved"]["state"])
+    reference = run_reference(scenario).params
+    compare(out["uninterrupted"], reference)
+    assert_same_state(out["loaded"], out["saved"])
+    compare(out["params"], reference)
+    if backend.hybrid:
+        other = replace(scenario, world_size=2, strategy="FULL_SHARD")
+    else:
+        other = replace(scenario, world_size=3)
+    elsewhere = dist_pool(other.world_size).run(
+        cw.fsdp1_recipe, other, path, SPLIT, False, timeout=TIMEOUT
+    )[0]
+    assert elsewhere["moved"] > 0
+    assert_same_state(elsewhere["loaded"], out["saved"])
+    compare(elsewhere["params"], reference_resumed(scenario, other, SPLIT))
+
+
+def test_a_bare_fsdp1_run_resumes_under_flatview(dist_pool: PoolFactory, tmp_path: Path) -> None:
+    """A user adds flatview to a torch FSDP1 run and resumes from the checkpoint the
+    bare run saved with FSDP's own pair (one AdamW over the flat parameters, sharded
+    with DCP and full), loading it into one AdamW over the views through the same
+    pair: training ends where the bare run does (nothing skipped)."""
+    scenario = FULL_SHARD.scenario(Scenario(skips=((), (), (), ())))
+    out = dist_pool(2).run(
+        cw.bare_fsdp1_resumed, scenario, str(tmp_path / "bare"), SPLIT, timeout=TIMEOUT
+    )[0]
+    for form in ("sharded", "full"):
+        compare(out[form], out["uninterrupted"])
 
 
 @pytest.mark.parametrize("api", ["flatview", "torch"])

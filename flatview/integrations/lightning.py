@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import flatview
-from flatview.errors import OptimStateError, WrapError
+from flatview.errors import WrapError
 from flatview.handle import FlatView
 from flatview.integrations.batch_steps import BatchSteps, scope_of
 from flatview.integrations.frameworks import find_wrapper
@@ -288,8 +288,9 @@ class FlatViewFSDPStrategy(_FSDPStrategy):
 
     Needs a GPU: on CPU Lightning gives torch FSDP no device, which torch refuses; the
     strategy says so before wrapping (use ``ModelParallelStrategy`` or DDP there).
-    With ``use_orig_params=False`` Lightning's checkpoints cannot hold the optimizers
-    (:meth:`optimizer_state` refuses, naming what to use instead).
+    Lightning's checkpoints hold the optimizers over views in either form (its
+    ``state_dict_type``): torch FSDP1's ``optim_state_dict`` pair, which Lightning saves
+    and loads them with, is served by :mod:`flatview.checkpoint` for them.
     """
 
     def __init__(
@@ -308,21 +309,6 @@ class FlatViewFSDPStrategy(_FSDPStrategy):
             )
         wrapped: nn.Module = super()._setup_model(model)
         return wrapped
-
-    def optimizer_state(self, optimizer: Any) -> Any:
-        """Lightning saves an FSDP model's optimizers with ``FSDP.optim_state_dict``,
-        which knows torch's parameters, not flatview's views (with flat parameters it
-        fails in a collective, or pairs different sizes across ranks): refused on every
-        rank before it runs. ``use_orig_params=True`` keeps torch's parameters and
-        Lightning's checkpointing."""
-        if not self.kwargs.get("use_orig_params", True):
-            raise OptimStateError(
-                "FlatViewFSDPStrategy(use_orig_params=False) cannot save optimizers through "
-                "Lightning's checkpoint: FSDP.optim_state_dict does not know flatview's views. "
-                "Save them with fv.optim_state_dict(optimizer) or flatview.checkpoint, or "
-                "train with use_orig_params=True, ModelParallelStrategy or DDP"
-            )
-        return super().optimizer_state(optimizer)
 
     def setup_optimizers(self, trainer: Any) -> None:
         """Wrap the FSDP model, then let ``configure_optimizers`` build optimizers over
