@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -136,6 +137,53 @@ class CPUFlatViewFSDP(FlatViewFSDPStrategy):
         return model
 
 
+class CPUFlatViewFSDPFull(CPUFlatViewFSDP):
+    """:class:`CPUFlatViewFSDP` with ``state_dict_type="full"``: Lightning's full state
+    dict context offloads to CPU, which torch FSDP1 cannot do for a model on CPU (it
+    fails in torch, with or without flatview), so the test's context does not offload;
+    the rest is Lightning's full-form checkpointing as it runs on GPUs (the model on
+    rank 0 alone, the optimizers through ``FSDP.optim_state_dict`` with ``rank0_only``,
+    every rank loading the full dicts)."""
+
+    def __init__(self) -> None:
+        super().__init__(use_orig_params=False, state_dict_type="full")
+
+    def lightning_module_state_dict(self) -> Any:
+        with _not_offloading():
+            return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> Any:
+        with _not_offloading():
+            return super().optimizer_state(optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        with _not_offloading():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+
+@contextlib.contextmanager
+def _not_offloading() -> Iterator[None]:
+    from lightning.pytorch.strategies import fsdp as module
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def context(model: nn.Module, world_size: int, rank0_only: bool = True) -> Any:
+        del world_size
+        return FSDP.state_dict_type(
+            module=model,
+            state_dict_type=StateDictType.FULL_STATE_DICT,
+            state_dict_config=FullStateDictConfig(rank0_only=rank0_only),
+            optim_state_dict_config=FullOptimStateDictConfig(rank0_only=rank0_only),
+        )
+
+    original = module._get_full_state_dict_context
+    module._get_full_state_dict_context = context  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module._get_full_state_dict_context = original
+
+
 class CPUDeepSpeed(pl.strategies.DeepSpeedStrategy):
     """Lightning's DeepSpeedStrategy on CPU for tests, under
     :func:`flatview.testing.deepspeed_on_cpu` (Lightning refuses every accelerator but
@@ -176,6 +224,8 @@ def strategy_of(name: str) -> Any:
     if name == "fsdp1_cpu_checkpoint":
         # Lightning's full state dict offloads to CPU, which torch cannot do from CPU.
         return CPUFlatViewFSDP(use_orig_params=False, state_dict_type="sharded")
+    if name == "fsdp1_cpu_checkpoint_full":
+        return CPUFlatViewFSDPFull()
     if name == "fsdp1":
         return FlatViewFSDPStrategy(use_orig_params=False)
     return name

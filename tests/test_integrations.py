@@ -235,15 +235,19 @@ def test_trainer_automatic_optimization_with_whole_muon(
 
 
 @needs_lightning
-def test_flatview_fsdp_strategy_checkpoints_optimizers_over_views(dist_pool: PoolFactory) -> None:
-    # FlatViewFSDPStrategy(use_orig_params=False, state_dict_type="sharded"), two
-    # optimizers over views: Lightning saves them with FSDP.optim_state_dict and loads
-    # them through torch's recipe (a template cut FSDP's way, filled by DCP, then
-    # FSDP.optim_state_dict_to_load), both served over views; the resumed fit ends
-    # where the reference does. (The full form offloads to CPU, which torch FSDP1
-    # cannot do from CPU.)
+@pytest.mark.parametrize("form", ["sharded", "full"])
+def test_flatview_fsdp_strategy_checkpoints_optimizers_over_views(
+    dist_pool: PoolFactory, form: str
+) -> None:
+    # FlatViewFSDPStrategy(use_orig_params=False), two optimizers over views, in either
+    # of Lightning's checkpoint forms: Lightning saves them with FSDP.optim_state_dict
+    # and loads them with FSDP.optim_state_dict_to_load (sharded: through torch's recipe,
+    # a template cut FSDP's way filled by DCP), both served over views; the resumed fit
+    # ends where the reference does. (The full form's context does not offload to CPU
+    # here: torch FSDP1 cannot, for a model on CPU.)
     run = iw.Run(iw.EVEN, manual=True, epochs=2)
-    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy="fsdp1_cpu_checkpoint"), run)
+    strategy = "fsdp1_cpu_checkpoint" + ("_full" if form == "full" else "")
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=strategy), run)
 
 
 # ------------------------------------------------------------------------- Fabric
