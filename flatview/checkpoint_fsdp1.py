@@ -21,9 +21,11 @@ Served instead, where the call's model is the marked one: ``FSDP.optim_state_dic
 ``FSDP.optim_state_dict_to_load``, the pair frameworks save and load with (Lightning's
 ``FSDPStrategy``, accelerate's FSDP1 plugin and through it the Hugging Face
 ``Trainer``), for one optimizer, in the form ``FSDP.state_dict_type`` says
-(:func:`_routed`), so that what they write with torch's DCP resumes exactly. Not a
-full dict loaded from rank 0 alone, an ``optim_input``, another process group or a
-named optimizer: those stay refused.
+(:func:`_routed`), so that what they write with torch's DCP resumes exactly: a sharded
+dict cut FSDP's way (torch's recipe) is moved to the views' pieces first
+(:mod:`flatview.reshard`), a full dict on rank 0 alone (``rank0_only``, accelerate's
+way) handed to every rank (:mod:`flatview.rank0_state`). Not an ``optim_input``,
+another process group or a named optimizer: those stay refused.
 """
 
 from __future__ import annotations
@@ -124,14 +126,10 @@ in torch, stay refused."""
 
 def _routable(caller: str, given: Mapping[str, Any]) -> bool:
     """Whether a call of FSDP's ``caller`` can be served by flatview.checkpoint: one
-    optimizer, no ``optim_input`` or process group of its own, and no full dict loaded
-    from rank 0 alone (flatview loads a dict every rank holds)."""
+    optimizer, no ``optim_input`` or process group of its own."""
     if caller not in _ROUTED_CALLERS or given.get("optim_input") is not None:
         return False
-    if given.get("group") is not None or given.get("is_named_optimizer"):
-        return False
-    loading = caller == "optim_state_dict_to_load"
-    return not (loading and given.get("full_state_dict") and given.get("rank0_only"))
+    return given.get("group") is None and not given.get("is_named_optimizer")
 
 
 def _routed(caller: str, runtime: Runtime, given: Mapping[str, Any]) -> Any:
@@ -140,11 +138,12 @@ def _routed(caller: str, runtime: Runtime, given: Mapping[str, Any]) -> Any:
     ``flatview.checkpoint.get_optimizer_state_dict`` in the form of the model's
     ``FSDP.state_dict_type`` (full: whole tensors, on rank 0 only with ``rank0_only``;
     sharded: a ``ShardedTensor`` per parameter), keyed by original name as FSDP's own;
-    ``optim_state_dict_to_load`` loads such a dict into the optimizer and hands back its
-    ``state_dict()`` for the caller's ``load_state_dict`` (which then changes nothing)."""
+    ``optim_state_dict_to_load`` loads such a dict (or one cut FSDP's way, or a full one
+    on rank 0 alone) into the optimizer and hands back its ``state_dict()`` for the
+    caller's ``load_state_dict`` (which then changes nothing)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from flatview import checkpoint_optim, reshard
+    from flatview import checkpoint_optim, expert_state, rank0_state, reshard
 
     optim = given["optim"]
     if caller == "optim_state_dict":
@@ -161,7 +160,11 @@ def _routed(caller: str, runtime: Runtime, given: Mapping[str, Any]) -> Any:
         # DCP saves no empty dict: an optimizer without state (its parameters never
         # used yet) comes back from torch's sharded recipe without "state".
         state_dict = {**state_dict, "state": {}}
-    if not given["full_state_dict"]:
+    if given["full_state_dict"] and given["rank0_only"]:
+        # accelerate's FSDP1 plugin loads a full dict on rank 0 alone (others: None).
+        expert_state.refuse_rank0_only(runtime.table, f"FullyShardedDataParallel.{caller}")
+        state_dict = rank0_state.from_rank0(runtime, state_dict)
+    elif not given["full_state_dict"]:
         # torch's recipe cuts the template of a sharded load from the model's state
         # dict, FSDP's way: the elements move to the views' pieces first (collective).
         state_dict = reshard.to_pieces(runtime, state_dict)

@@ -210,3 +210,64 @@ def muon(accumulate: int) -> float:
                 opt.zero_grad()
         mine = {n: p.detach().clone() for n, p in net.named_parameters()}
         return worst_difference(mine, muon_reference(micros, accumulate))
+
+
+def fsdp1_optimizers_full_on_rank0(scenario: Any, split: int, out_dir: str) -> dict[str, Any]:
+    """accelerate's own ``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` (what
+    ``accelerator.save_state`` / ``load_state`` and the Hugging Face ``Trainer`` call
+    under the FSDP1 plugin) with ``FULL_STATE_DICT`` and the configs accelerate gives it
+    (offloaded to CPU, on rank 0 alone: ``torch.save`` there, ``torch.load`` there and
+    ``None`` elsewhere), on a flatview-wrapped torch FSDP1 model whose optimizers hold
+    views: after ``split`` steps each optimizer is saved, training goes on (the
+    uninterrupted run); a fresh model gets the weights of the save and each optimizer
+    is loaded, then trains the remaining steps. The states saved and loaded (as
+    ``fv.optim_state_dict`` gives them) and both runs' final parameters."""
+    import types
+
+    import torch
+    from accelerate.utils.fsdp_utils import load_fsdp_optimizer, save_fsdp_optimizer
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        StateDictType,
+    )
+
+    from tests.checkpoint_workers import consolidated
+    from tests.scenarios import (
+        backend_context,
+        distributed_model,
+        distributed_training,
+        full_state,
+        optimizer_steps,
+    )
+
+    plugin = types.SimpleNamespace(
+        fsdp_version=1,
+        state_dict_type=StateDictType.FULL_STATE_DICT,
+        state_dict_config=FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True),
+    )
+    steps = optimizer_steps(scenario)
+    out: dict[str, Any] = {}
+    with _accelerator() as accelerator, backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        for _ in distributed_training(scenario, model, fv, opts, steps[:split]):
+            pass
+        out["saved"] = consolidated(fv, opts)
+        weights = [p.detach().clone() for p in fv.parameters()]
+        for i, opt in enumerate(opts):
+            save_fsdp_optimizer(plugin, accelerator, opt, model, out_dir, optimizer_index=i)
+        for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+            pass
+        out["uninterrupted"] = full_state(model, scenario)
+        model, fv, opts = distributed_model(scenario)
+        with torch.no_grad():
+            for view, value in zip(fv.parameters(), weights, strict=True):
+                view.copy_(value)
+        for i, opt in enumerate(opts):
+            load_fsdp_optimizer(plugin, accelerator, opt, model, out_dir, optimizer_index=i)
+        out["loaded"] = consolidated(fv, opts)
+        for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
+            pass
+        out["resumed"] = full_state(model, scenario)
+    return out

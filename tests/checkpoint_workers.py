@@ -161,12 +161,15 @@ def fsdp_optim_api(scenario: Scenario) -> dict[str, Any]:
     Lightning's FSDPStrategy and accelerate's FSDP1 plugin call it): whether it equals
     ``fv.optim_state_dict``, and whether ``optim_state_dict_to_load`` of it, loaded,
     leaves the state as it was, a dict one rank alone refuses refused on every rank, and
-    a full dict loaded from rank 0 alone refused;
+    a full dict on rank 0 alone (``rank0_only``: ``None`` elsewhere) loaded unchanged on
+    every rank, or refused on every rank where rank 0 cannot load it;
     then, in the same process, a bare FSDP model of the same scenario (no flatview) with
     an optimizer over its flat parameters: torch's ``optim_state_dict`` and
     ``optim_state_dict_to_load`` there, as without flatview (the keys it gives, and
     whether the state loads back unchanged)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from flatview import rank0_state
 
     out: dict[str, Any] = {"messages": [], "collectives": []}
     with backend_context(scenario.backend):
@@ -205,14 +208,31 @@ def fsdp_optim_api(scenario: Scenario) -> dict[str, Any]:
             StateDictType,
         )
 
+        # The full form on rank 0 alone, loaded as accelerate's FSDP1 plugin loads it
+        # (every other rank passes None): every rank gets its pieces, for every optimizer.
         rank0 = FullOptimStateDictConfig(rank0_only=True)
         with FSDP.state_dict_type(
             model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), rank0
         ):
+            kept = [FSDP.optim_state_dict(model, opt) for opt in opts]
+            out["rank0_saved"] = [bool(k.get("state")) for k in kept]
+            bucket = rank0_state.BUCKET_NUMEL
+            rank0_state.BUCKET_NUMEL = 7  # many broadcasts, some tensors larger than one
             try:
-                FSDP.optim_state_dict_to_load(model, opts[0], {})
+                for opt, full in zip(opts, kept, strict=True):
+                    opt.load_state_dict(
+                        FSDP.optim_state_dict_to_load(
+                            model, opt, full if dist.get_rank() == 0 else None
+                        )
+                    )
+            finally:
+                rank0_state.BUCKET_NUMEL = bucket
+            out["rank0_loaded"] = _same(consolidated(fv, opts), before)
+            # What rank 0 alone cannot load raises on every rank, none waits for it.
+            try:
+                opts[0].load_state_dict(FSDP.optim_state_dict_to_load(model, opts[0], {}))
             except FlatViewError as err:
-                out["rank0_load"] = str(err)
+                out["rank0_refused"] = str(err)
         bare = wrap_fsdp(scenario, make_net(scenario))
         opt = torch.optim.Adam(bare.parameters(), lr=0.01)
         xs, ys = local_batch(scenario, 0)

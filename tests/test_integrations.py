@@ -292,6 +292,36 @@ def test_fabric_deepspeed_trains_and_resumes_like_the_reference(
 
 
 @needs_accelerate
+def test_accelerate_fsdp1_optimizers_resume_from_full_state_on_rank0(
+    dist_pool: PoolFactory, tmp_path: Path
+) -> None:
+    # accelerate's save_fsdp_optimizer / load_fsdp_optimizer with FULL_STATE_DICT as its
+    # FSDP1 plugin configures it (offloaded, rank 0 alone), over views: every rank gets
+    # its pieces of rank 0's dict (FSDP.optim_state_dict_to_load with rank0_only, which
+    # flatview used to refuse), the loaded state is the saved one, and the resumed run
+    # ends where the uninterrupted one does. Blocks 0 and 1 are never used before the
+    # save (no state for them; one optimizer has none at all).
+    from tests.scenarios import BackendConfig, Scenario
+    from tests.test_checkpoint_api import assert_same_state
+
+    layerdrop = Scenario(
+        inner=(5, 3, 4), norms=(True, False, True), skips=((0, 1), (0, 1), (), (2,))
+    )
+    scenario = BackendConfig("torch", "FULL_SHARD").scenario(layerdrop)
+    out = dist_pool(2).run(
+        iw.call,
+        ACCELERATE,
+        "fsdp1_optimizers_full_on_rank0",
+        scenario,
+        2,
+        str(tmp_path),
+        timeout=TIMEOUT,
+    )[0]
+    assert_same_state(out["loaded"], out["saved"])
+    compare(out["resumed"], out["uninterrupted"])
+
+
+@needs_accelerate
 @pytest.mark.parametrize(
     "run",
     [
