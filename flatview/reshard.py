@@ -16,7 +16,8 @@ an entry (the local shards of the ``ShardedTensor`` it was given) and *needs* on
 descriptions are all-gathered, and every rank derives the same :func:`plan` from them:
 which rank sends which run to which, and which entries move at all (those where some
 rank needs what it does not hold). Entries already cut flatview's way are left as they
-are, so a dict of flatview's own sharded form costs one exchange of descriptions.
+are; where every rank holds exactly what it needs (flatview's own sharded form) one
+flag per rank is all that is exchanged.
 """
 
 from __future__ import annotations
@@ -209,13 +210,19 @@ def to_pieces(runtime: Runtime, state_dict: Any) -> Any:
                 given[(name, repr(key), tag)] = (name, key, held)
     except Exception as err:  # raised on every rank below, not on this one alone
         failure = f"{type(err).__name__}: {err}"
-    everyone = gather_objects({"failure": failure, "entries": mine}, group)
-    failed = [(r, told["failure"]) for r, told in enumerate(everyone) if told["failure"]]
+    # First one flag per rank: a dict cut flatview's way (its own sharded form, as
+    # accelerate loads it) costs no exchange of descriptions, which grow with ranks.
+    cut = all(_covers(runs, need) for _, runs, need in mine.values())
+    flags = gather_objects((failure, cut), group)
+    failed = [(r, why) for r, (why, _) in enumerate(flags) if why]
     if failed:
         raise OptimStateError(
             "cannot load the sharded optimizer state: "
             + "; ".join(f"rank {r}: {why}" for r, why in failed)
         )
+    if all(cut for _, cut in flags):
+        return state_dict
+    everyone = gather_objects({"entries": mine}, group)
     order = sorted({e for told in everyone for e in told["entries"]})
     dtypes: dict[Entry, str] = {}
     for rank, told in enumerate(everyone):
