@@ -189,7 +189,12 @@ def test_torch_state_dict_api_refuses_where_it_cannot_route(
 
 
 @pytest.mark.parametrize(
-    "backend", [backend_param(FULL_SHARD), backend_param(BackendConfig("torch", "NO_SHARD"))]
+    "backend",
+    [
+        backend_param(FULL_SHARD),
+        backend_param(BackendConfig("torch", "NO_SHARD")),
+        backend_param(HYBRID_CONFIGS[0]),
+    ],
 )
 def test_fsdp_own_optimizer_state_functions_serve_or_refuse_views(
     dist_pool: PoolFactory, backend: BackendConfig
@@ -205,7 +210,8 @@ def test_fsdp_own_optimizer_state_functions_serve_or_refuse_views(
     collective (torch failed inside a collective with mismatched sizes on gloo), the
     optimizers' state untouched. On a bare FSDP model in the same process they are
     torch's, unchanged."""
-    results = dist_pool(2).run(cw.fsdp_optim_api, backend.scenario(BASE), timeout=TIMEOUT)
+    scenario = backend.scenario(BASE)
+    results = dist_pool(scenario.world_size).run(cw.fsdp_optim_api, scenario, timeout=TIMEOUT)
     count = len(cw.FSDP_OPTIM_FUNCTIONS)
     for rank, out in enumerate(results):
         assert out["messages"] and len(out["messages"]) % count == 0, rank  # per optimizer
