@@ -110,7 +110,7 @@ def _refusing(name: str, original: Callable[..., Any], runtime_of: RuntimeOf) ->
             caller = sys._getframe(1).f_code.co_name
             runtime = runtime_of(model)
             served = isinstance(optim, torch.optim.Optimizer) and _routable(caller, given)
-            if runtime is not None and served and views_held(runtime, optim):
+            if runtime is not None and served and params_held(runtime, optim):
                 return _routed(caller, runtime, given)
             _refuse_call(caller, model, held, runtime_of)
         return original(*args, **kwargs)
@@ -212,6 +212,16 @@ def params_of(optimizer: Any) -> Iterable[Any]:
             yield from entry.get("params", ())
         else:
             yield entry
+
+
+def params_held(runtime: Runtime, optimizer: Any) -> bool:
+    """Whether ``optimizer`` holds original parameters of the model: flatview's views, or
+    torch's own (``use_orig_params=True``), whose optimizer state torch's functions
+    cannot save or load where some have none yet (parameters skipped so far)."""
+    return any(
+        isinstance(tensor, torch.Tensor) and runtime.index_of(tensor) is not None
+        for tensor in params_of(optimizer)
+    )
 
 
 def views_held(runtime: Runtime, optimizer: Any) -> list[str]:

@@ -7,9 +7,8 @@ optimizer-state functions refused.
 model-only pair) is what frameworks checkpoint with: Lightning's and Fabric's
 ``ModelParallelStrategy``, accelerate's FSDP2 plugin, torchtitan. Left alone, torch would
 take each view's optimizer state for the state of a whole flat parameter (or of a whole
-parameter). So every call of one of them on a model whose handle installed
-:func:`route_torch_checkpoint` (fairscale, torch FSDP1, DeepSpeed ZeRO: the wrappers that
-flatten; a model with experts on any backend) gives what the :mod:`flatview.checkpoint`
+parameter). So every call of one of them on a model flatview wraps (the handle installs
+:func:`route_torch_checkpoint` on every backend) gives what the :mod:`flatview.checkpoint`
 function of the same name gives (model and optimizer state by original name,
 DCP-savable, loadable at another world size or backend, or into the unwrapped model;
 :mod:`flatview.checkpoint_model`, :mod:`flatview.checkpoint_optim`), and loads what it
@@ -28,11 +27,17 @@ loads:
   own fails for optimizers that hold part of a flat parameter); torch's otherwise
   (optimizers over flat parameters, which flatview refuses at their first step).
 
-On DDP and FSDP2 flatview adds no views, and torch's functions are torch's, except on a
-model with experts (units on process groups of their own): ranks of different expert
-groups hold different experts under the same names, which torch's functions would key
-alike (DCP keeps one group's, silently), so the handle routes them there too, to
-:mod:`flatview.checkpoint_experts`'s keys.
+On DDP and FSDP2 flatview adds no views, and the model state is torch's own; the
+optimizer state is flatview's there too, for two reasons. torch's ``get_state_dict``
+first primes an optimizer that has no state yet (every parameter skipped so far) with
+a zero step at learning rate 0: an Adam then counts a step it never took, in the
+training that goes on (0.05 off after three more steps, measured) and in the
+checkpoint; and a checkpoint without state for some parameters does not load into
+torch's template (DCP: ``Missing key``). flatview's never steps the optimizer and saves
+such parameters as placeholders (:mod:`flatview.fresh_state`). With experts (units on
+process groups of their own) ranks of different expert groups hold different experts
+under the same names, which torch's functions would key alike (DCP keeps one group's,
+silently): their keys are :mod:`flatview.checkpoint_experts`'s.
 
 A call on a module that holds the marked model (a framework's module around it:
 Lightning's ``ModelParallelStrategy`` checkpoints the LightningModule) is routed alike,
@@ -312,7 +317,7 @@ def _get_model_state_dict(model: nn.Module, info: Any) -> Any:
         return _originals["_get_model_state_dict"](model, info)
     if not site.runtime.adapter.flattens:
         # DDP and FSDP2 keep their parameters: torch's own state of the model of the
-        # call, experts keyed by group (models without experts are not routed).
+        # call, experts keyed by group.
         state = _originals["_get_model_state_dict"](model, info)
         return checkpoint_experts.expert_keys(site.runtime).model_out(state, getattr(info, _PATH))
     with bypassed():

@@ -12,7 +12,7 @@ pieces that do the work:
 * the optimizer checks (:class:`flatview.optimizer_checks.OptimizerChecks`), registered
   with :mod:`flatview.wrapped_models`;
 * the routing of torch's own checkpoint functions (:mod:`flatview.checkpoint_routing`),
-  and of fairscale's optimizer-state methods (:mod:`flatview.checkpoint_fairscale`),
+  and of fairscale's optimizer-state methods (:mod:`flatview.checkpoint_fairscale`)
   where the wrapper flattens: installed here, as adapters import no feature module.
 
 Norms (:mod:`flatview.norms`) and optimizer state (:mod:`flatview.optim_state`) are
@@ -90,12 +90,10 @@ class FlatView:
         wrapped_models.register(self, self._modules, self._checks)
         adapter.install(self.runtime)
         self._patches = Patches()  # the handle's own, beside the adapter's
-        if adapter.flattens or self.table.expert_group is not None:
-            # With experts, torch's own functions would key every group's experts alike
-            # (DCP keeps one group's, silently): routed on every backend.
-            route_torch_checkpoint(
-                RoutingSite(self.runtime, self._patches.patch, self._patches.hook)
-            )
+        # On every backend: torch's own functions would take a view's state for a flat
+        # parameter's, key every expert group's experts alike, and prime an optimizer
+        # that has no state yet with a zero step (see checkpoint_routing).
+        route_torch_checkpoint(RoutingSite(self.runtime, self._patches.patch, self._patches.hook))
         if adapter.flattens:
             route_fairscale_optim_state(self.runtime, self._modules, self._patches.patch)
 

@@ -382,8 +382,12 @@ def resume_elsewhere(
 
 def read_states_midway(scenario: Scenario, split: int) -> dict[str, np.ndarray] | None:
     """Train, read every form of the state after ``split`` steps (``fv.optim_state_dict``,
-    flatview.checkpoint's sharded and full dicts), train on: rank 0's final parameters.
-    Reading must leave the optimizers and the model as they were."""
+    flatview.checkpoint's sharded and full dicts, torch's ``get_state_dict`` and
+    ``get_optimizer_state_dict`` as frameworks call them, and on torch FSDP1 its own
+    ``FSDP.optim_state_dict``), train on: rank 0's final parameters. Reading must leave
+    the optimizers and the model as they were."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
     steps = optimizer_steps(scenario)
     with backend_context(scenario.backend):
         model, fv, opts = distributed_model(scenario)
@@ -393,6 +397,14 @@ def read_states_midway(scenario: Scenario, split: int) -> dict[str, np.ndarray] 
             fv.optim_state_dict(opt)
         for full in (False, True):
             fcp.get_state_dict(fv, model, opts, options=_options(full))
+            dsd.get_state_dict(model, opts, options=_options(full))
+            for opt in opts:
+                dsd.get_optimizer_state_dict(model, opt, options=_options(full))
+        if scenario.backend == "torch":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            for opt in opts:
+                FSDP.optim_state_dict(model, opt)
         for _ in distributed_training(scenario, model, fv, opts, steps[split:]):
             pass
         return full_state(model, scenario)

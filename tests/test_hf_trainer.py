@@ -77,7 +77,8 @@ def test_trainer_trains_like_the_reference(
 
 
 @pytest.mark.parametrize(
-    ("backend", "accumulate"), [("zero1-own", 2), ("zero2", 1), ("zero3", 2), ("fsdp1", 1)]
+    ("backend", "accumulate"),
+    [("zero1-own", 2), ("zero2", 1), ("zero3", 2), ("fsdp1", 1), ("fsdp2", 1), ("fsdp1-orig", 1)],
 )
 def test_trainer_trains_and_resumes_like_the_reference(
     dist_pool: PoolFactory, backend: str, accumulate: int
