@@ -611,6 +611,51 @@ def bare_fsdp1_resumed(scenario: Scenario, path: str, split: int) -> dict[str, A
     return out
 
 
+def bare_fsdp2_both_ways(scenario: Scenario, path: str, split: int) -> dict[str, Any]:
+    """FSDP2 checkpoints through torch's own functions across adding and removing
+    flatview (one AdamW over all parameters, nothing skipped): a bare run saves after
+    ``split`` steps (``DTensor`` s) and trains on (the uninterrupted run); a run under
+    flatview resumes from it (torch's functions routed: ``ShardedTensor`` s), saves
+    after the same steps and trains on; a bare run resumes from that one. Every run's
+    final parameters."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    import flatview
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, eps=1e-4)
+
+    def resumed(saved: str, wrap: bool, then_save: str | None) -> Any:
+        model = wrap_fsdp(scenario, make_net(scenario))
+        fv = flatview.wrap(model) if wrap else None
+        opt = adamw(model.parameters())
+        model_sd, optim_sd = dsd.get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=saved)
+        dsd.set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        if then_save is not None:
+            model_sd, optim_sd = dsd.get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=then_save)
+        for _ in distributed_training(scenario, model, fv, [opt], steps[split:]):
+            pass
+        return full_state(model, scenario)
+
+    steps = optimizer_steps(scenario)
+    out: dict[str, Any] = {}
+    with backend_context(scenario.backend):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        opt = adamw(model.parameters())
+        for _ in distributed_training(scenario, model, None, [opt], steps[:split]):
+            pass
+        model_sd, optim_sd = dsd.get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/bare")
+        for _ in distributed_training(scenario, model, None, [opt], steps[split:]):
+            pass
+        out["uninterrupted"] = full_state(model, scenario)
+        out["flatview"] = resumed(f"{path}/bare", True, f"{path}/flatview")
+        out["bare_again"] = resumed(f"{path}/flatview", False, None)
+    return out
+
+
 class Delegating(torch.optim.Optimizer):
     """An optimizer wrapper as accelerate's ``AcceleratedOptimizer`` is one: ``state``
     and ``param_groups`` are properties over the optimizer it wraps, setters included."""

@@ -483,6 +483,22 @@ def test_a_bare_fsdp1_run_resumes_under_flatview(dist_pool: PoolFactory, tmp_pat
         compare(out[form], out["uninterrupted"])
 
 
+@pytest.mark.parametrize("backend", [backend_param(FSDP2, ci=True)])
+def test_fsdp2_checkpoints_pass_between_bare_and_flatview(
+    dist_pool: PoolFactory, backend: BackendConfig, tmp_path: Path
+) -> None:
+    """torch's own functions on FSDP2, which flatview routes on a wrapped model (its
+    optimizer state then comes as ``ShardedTensor`` s, torch's as ``DTensor`` s): a
+    bare run's checkpoint resumes under flatview, and that run's checkpoint resumes
+    bare again, each ending where the uninterrupted bare run does."""
+    scenario = backend.scenario(Scenario(skips=((), (), (), ())))
+    out = dist_pool(scenario.world_size).run(
+        cw.bare_fsdp2_both_ways, scenario, str(tmp_path), SPLIT, timeout=TIMEOUT
+    )[0]
+    compare(out["flatview"], out["uninterrupted"])
+    compare(out["bare_again"], out["uninterrupted"])
+
+
 @pytest.mark.parametrize("api", ["flatview", "torch"])
 def test_optimizer_wrappers_are_read_not_rewritten(dist_pool: PoolFactory, api: str) -> None:
     """An optimizer wrapped as accelerate wraps it (``state`` and ``param_groups``
