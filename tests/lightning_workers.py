@@ -224,6 +224,8 @@ def strategy_of(name: str) -> Any:
     if name == "fsdp1_cpu_checkpoint":
         # Lightning's full state dict offloads to CPU, which torch cannot do from CPU.
         return CPUFlatViewFSDP(use_orig_params=False, state_dict_type="sharded")
+    if name == "fsdp1_cpu_checkpoint_orig":
+        return CPUFlatViewFSDP(use_orig_params=True, state_dict_type="sharded")
     if name == "fsdp1_cpu_checkpoint_full":
         return CPUFlatViewFSDPFull()
     if name == "fsdp1":

@@ -235,7 +235,7 @@ def test_trainer_automatic_optimization_with_whole_muon(
 
 
 @needs_lightning
-@pytest.mark.parametrize("form", ["sharded", "full"])
+@pytest.mark.parametrize("form", ["sharded", "full", "orig"])
 def test_flatview_fsdp_strategy_checkpoints_optimizers_over_views(
     dist_pool: PoolFactory, form: str
 ) -> None:
@@ -244,9 +244,10 @@ def test_flatview_fsdp_strategy_checkpoints_optimizers_over_views(
     # and loads them with FSDP.optim_state_dict_to_load (sharded: through torch's recipe,
     # a template cut FSDP's way filled by DCP), both served over views; the resumed fit
     # ends where the reference does. (The full form's context does not offload to CPU
-    # here: torch FSDP1 cannot, for a model on CPU.)
+    # here: torch FSDP1 cannot, for a model on CPU.) "orig": Lightning's default
+    # use_orig_params=True, optimizers over torch's own parameters, sharded.
     run = iw.Run(iw.EVEN, manual=True, epochs=2)
-    strategy = "fsdp1_cpu_checkpoint" + ("_full" if form == "full" else "")
+    strategy = "fsdp1_cpu_checkpoint" + ("" if form == "sharded" else f"_{form}")
     _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=strategy), run)
 
 
