@@ -555,6 +555,21 @@ def fsdp1_recipe(scenario: Scenario, path: str, split: int, save: bool) -> dict[
     return out
 
 
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    """The one optimizer of the bare-run checkpoints: AdamW over every parameter."""
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, eps=1e-4)
+
+
+def _bare_run(scenario: Scenario, steps: Any) -> tuple[Any, torch.optim.Optimizer]:
+    """A bare FSDP model of ``scenario`` (no flatview) and its :func:`_adamw`, trained
+    ``steps`` (nothing may be skipped: bare FSDP cannot)."""
+    model = wrap_fsdp(scenario, make_net(scenario))
+    opt = _adamw(model.parameters())
+    for _ in distributed_training(scenario, model, None, [opt], steps):
+        pass
+    return model, opt
+
+
 def bare_fsdp1_resumed(scenario: Scenario, path: str, split: int) -> dict[str, Any]:
     """A run bare torch FSDP1 started (flat parameters, one AdamW over them), saved after
     ``split`` steps through FSDP's own pair in both forms (sharded with DCP to ``path``;
@@ -568,17 +583,11 @@ def bare_fsdp1_resumed(scenario: Scenario, path: str, split: int) -> dict[str, A
 
     import flatview
 
-    def adamw(params: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, eps=1e-4)
-
     steps = optimizer_steps(scenario)
     kinds = {"sharded": StateDictType.SHARDED_STATE_DICT, "full": StateDictType.FULL_STATE_DICT}
     out: dict[str, Any] = {}
     with backend_context(scenario.backend):
-        model = wrap_fsdp(scenario, make_net(scenario))
-        opt = adamw(model.parameters())
-        for _ in distributed_training(scenario, model, None, [opt], steps[:split]):
-            pass
+        model, opt = _bare_run(scenario, steps[:split])
         with FSDP.state_dict_type(model, kinds["sharded"]):
             saved = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
             dcp.save(saved, checkpoint_id=path)
@@ -590,7 +599,7 @@ def bare_fsdp1_resumed(scenario: Scenario, path: str, split: int) -> dict[str, A
         for form, kind in kinds.items():
             model = wrap_fsdp(scenario, make_net(scenario))
             fv = flatview.wrap(model)
-            opt = adamw(fv.parameters())
+            opt = _adamw(fv.parameters())
             with FSDP.state_dict_type(model, kind):
                 if form == "full":
                     model.load_state_dict(full[0])
@@ -622,13 +631,10 @@ def bare_fsdp2_both_ways(scenario: Scenario, path: str, split: int) -> dict[str,
 
     import flatview
 
-    def adamw(params: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, eps=1e-4)
-
     def resumed(saved: str, wrap: bool, then_save: str | None) -> Any:
         model = wrap_fsdp(scenario, make_net(scenario))
         fv = flatview.wrap(model) if wrap else None
-        opt = adamw(model.parameters())
+        opt = _adamw(model.parameters())
         model_sd, optim_sd = dsd.get_state_dict(model, opt)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=saved)
         dsd.set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
@@ -642,10 +648,7 @@ def bare_fsdp2_both_ways(scenario: Scenario, path: str, split: int) -> dict[str,
     steps = optimizer_steps(scenario)
     out: dict[str, Any] = {}
     with backend_context(scenario.backend):
-        model = wrap_fsdp(scenario, make_net(scenario))
-        opt = adamw(model.parameters())
-        for _ in distributed_training(scenario, model, None, [opt], steps[:split]):
-            pass
+        model, opt = _bare_run(scenario, steps[:split])
         model_sd, optim_sd = dsd.get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/bare")
         for _ in distributed_training(scenario, model, None, [opt], steps[split:]):
