@@ -235,7 +235,7 @@ def test_trainer_automatic_optimization_with_whole_muon(
 
 
 @needs_lightning
-@pytest.mark.parametrize("form", ["sharded", "full", "orig"])
+@pytest.mark.parametrize("form", ["sharded", "full", pytest.param("orig", marks=pytest.mark.slow)])
 def test_flatview_fsdp_strategy_checkpoints_optimizers_over_views(
     dist_pool: PoolFactory, form: str
 ) -> None:
