@@ -1,5 +1,6 @@
-"""torch FSDP1's own optimizer-state functions on optimizers over flatview's views: two
-served by flatview.checkpoint, the others refused (installed by
+"""torch FSDP1's own optimizer-state functions on optimizers over the original parameters
+of a model flatview wraps: two served by flatview.checkpoint, the others refused over
+flatview's views (installed by
 :mod:`flatview.checkpoint_routing` with its mark), and what both modules read of an
 optimizer: the views it holds.
 
@@ -133,7 +134,8 @@ def _routable(caller: str, given: Mapping[str, Any]) -> bool:
 
 
 def _routed(caller: str, runtime: Runtime, given: Mapping[str, Any]) -> Any:
-    """FSDP's ``caller`` on an optimizer over views, served by flatview.checkpoint's
+    """FSDP's ``caller`` on an optimizer over the model's original parameters (flatview's
+    views, or torch's own with ``use_orig_params=True``), served by flatview.checkpoint's
     optimizer half: ``optim_state_dict`` gives the dict of
     ``flatview.checkpoint.get_optimizer_state_dict`` in the form of the model's
     ``FSDP.state_dict_type`` (full: whole tensors, on rank 0 only with ``rank0_only``;

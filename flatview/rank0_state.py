@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flatview.checkpoint_experts import group_view
 from flatview.comm.collectives import broadcast_object, broadcast_tensor
 from flatview.errors import OptimStateError
-from flatview.sharded_tensors import global_rank, sharded_value
+from flatview.reshard import loadable
+from flatview.sharded_tensors import global_rank
 from flatview.state_gather import BUCKET_NUMEL
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def _skeleton(runtime: Runtime, state_dict: Any) -> tuple[dict[str, Any], list[t
     :class:`_Tensor`, and those tensors in order."""
     if not (
         isinstance(state_dict, Mapping)
-        and isinstance(state_dict.get("state", {}), Mapping)
+        and isinstance(state_dict.get("state"), Mapping)
         and "param_groups" in state_dict
     ):
         raise OptimStateError(
@@ -59,7 +59,7 @@ def _skeleton(runtime: Runtime, state_dict: Any) -> tuple[dict[str, Any], list[t
     table = runtime.table
     tensors: list[torch.Tensor] = []
     state: dict[Any, Any] = {}
-    for name, entry in state_dict.get("state", {}).items():
+    for name, entry in state_dict["state"].items():
         index = table.index_of_name(name) if isinstance(name, str) else None
         if index is None or not isinstance(entry, Mapping):
             state[name] = entry  # for the load to name
@@ -123,9 +123,10 @@ def _receive(
     group = adapter.agreement_group
     source = global_rank(group, 0)
     device = adapter.device
-    indices = [table.index_of_name(name) for name, _, _ in slots]
-    homes = [table.params[index].placement for index in indices if index is not None]
-    assert len(homes) == len(slots)  # the skeleton names known parameters only
+    found = [table.index_of_name(name) for name, _, _ in slots]
+    indices = [index for index in found if index is not None]
+    assert len(indices) == len(slots)  # the skeleton names known parameters only
+    homes = [table.params[index].placement for index in indices]
     out: list[Any] = [None] * len(slots)
     order = sorted(range(len(slots)), key=lambda i: str(slots[i][2]))
     start = 0
@@ -149,23 +150,10 @@ def _receive(
             home = homes[i]
             whole = bucket[cursor : cursor + home.numel]
             cursor += home.numel
-            out[i] = _pieces_of(runtime, home, slots[i][0], whole)
+            # All of a parameter no rank shards, or of one element (a copy: the bucket
+            # goes); else this rank's piece (loadable copies it).
+            whole_needed = home.layout is None or not home.shape
+            mine = whole.clone() if whole_needed else whole[slice(*home.param_interval)]
+            out[i] = loadable(runtime, indices[i], mine)
         start = end
     return out
-
-
-def _pieces_of(runtime: Runtime, home: Any, name: str, whole: torch.Tensor) -> Any:
-    """This rank's form of one whole per-element tensor: its pieces as a
-    ``ShardedTensor`` (whole where the parameter is not sharded). A copy."""
-    if home.layout is None or not home.shape:
-        # Whole: one element, or a parameter every rank holds all of.
-        return whole.clone().view(home.shape)
-    table = runtime.table
-    index = table.index_of_name(name)
-    assert index is not None
-    start, end = home.param_interval
-    local = torch.zeros(home.local_numel, dtype=whole.dtype, device=whole.device)
-    lo, hi = home.local_interval
-    local[lo:hi] = whole[start:end]
-    over = group_view(table, index, whole.device) or runtime.adapter
-    return sharded_value(home, local, whole.dtype, over, False)

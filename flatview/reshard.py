@@ -257,16 +257,24 @@ def to_pieces(runtime: Runtime, state_dict: Any) -> Any:
         index = table.index_of_name(name)
         assert index is not None
         home = table.params[index].placement
-        pieces = received[e]
-        if home.layout is None:
-            out_state[name][key] = pieces.view(home.shape)
-            continue
-        local = torch.zeros(home.local_numel, dtype=pieces.dtype, device=pieces.device)
-        lo, hi = home.local_interval
-        local[lo:hi] = pieces
-        over = group_view(table, index, device) or adapter
-        out_state[name][key] = sharded_value(home, local, pieces.dtype, over, False)
+        out_state[name][key] = loadable(runtime, index, received[e])
     return {**state_dict, "state": out_state}
+
+
+def loadable(runtime: Runtime, index: int, mine: torch.Tensor) -> Any:
+    """The elements ``mine`` of parameter ``index``'s per-element state that this rank
+    needs (its piece; all of them where the parameter is not sharded, or has no
+    dimension) in the form flatview's load reads: a ``ShardedTensor`` whose local
+    shards are this rank's pieces, the whole tensor where it is not sharded."""
+    table = runtime.table
+    home = table.params[index].placement
+    if home.layout is None or not home.shape:
+        return mine.view(home.shape)
+    local = torch.zeros(home.local_numel, dtype=mine.dtype, device=mine.device)
+    lo, hi = home.local_interval
+    local[lo:hi] = mine
+    over = group_view(table, index, mine.device) or runtime.adapter
+    return sharded_value(home, local, mine.dtype, over, False)
 
 
 def _exchange(
