@@ -123,7 +123,10 @@ def wrap(
     Returns:
         The :class:`FlatView` handle. From now on every submodule's ``parameters()``
         returns views (``nn.Parameter`` leaves aliasing this rank's shard), so
-        optimizers and parameter groups can be built per submodule.
+        optimizers and parameter groups can be built per submodule. The model keeps its
+        handle (in its instance dictionary): keeping what ``wrap`` returns is optional,
+        and a model dropped without :meth:`FlatView.unwrap` is freed with its views and
+        everything flatview put on it, as the bare wrapper's model is.
 
     Raises:
         WrapError: ``model`` is not an outermost FSDP model, a DDP model or a DeepSpeed

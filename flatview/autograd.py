@@ -10,6 +10,7 @@ The first two are torch internals the adapters check at wrap time
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -72,3 +73,22 @@ def unhook_gradient(hooked: Hooked) -> None:
         hooked.pop(_KEY, None)
     else:
         hooked.remove()
+
+
+def weakly(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``functools.partial(method, *args)`` holding ``method``'s object weakly: once it
+    is gone the call does nothing (returns ``None``, which leaves a gradient as it is).
+
+    For hooks that torch keeps in C++, on a parameter or a flat parameter: Python's
+    collector cannot see through them, so a hook holding flatview's objects, which hold
+    the model, which holds the tensor, is a cycle it never frees, and a wrapped model
+    dropped without ``unwrap()`` would keep its parameters and gradients for the
+    process's life. The model holds its handle (:func:`flatview.wrapped_models.register`),
+    and through it what the hooks call, for as long as it lives."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*more: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args, *more)
+
+    return call

@@ -87,7 +87,7 @@ class FlatView:
         # With the views shown, a walk of the module tree meets the parameters in the
         # unwrapped model's order.
         self.table.settle_order(model)
-        wrapped_models.register(self, self._modules, self._checks)
+        wrapped_models.register(self, model, self._modules, self._checks)
         adapter.install(self.runtime)
         self._patches = Patches()  # the handle's own, beside the adapter's
         # On every backend: torch's own functions would take a view's state for a flat
@@ -438,7 +438,7 @@ class FlatView:
         """
         self.runtime.detach()
         self._patches.remove()
-        wrapped_models.unregister(self._modules, self._checks)
+        wrapped_models.unregister(self.model, self._modules, self._checks)
         # Views the model no longer holds are stale handles: an optimizer over them
         # would step tensors nothing reads.
         # torch's use_orig_params parameters are the wrapper's, never stale: a

@@ -47,8 +47,14 @@ class Watcher(Protocol):
         to a wrapper operation, where the wrapper's own tensors are the model's)."""
 
 
+_OWNER = "_flatview_handle"
+"""Where a wrapped model keeps its handle (see :func:`register`)."""
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
-_wrapped: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
+# Unit -> its handle, held weakly both ways: the handle holds its units, so a strong value
+# would keep every key alive and no wrapped model would ever be freed (a model dropped
+# without unwrap() kept its parameters, gradients and optimizer checks for the process's
+# life).
+_wrapped: weakref.WeakKeyDictionary[nn.Module, weakref.ref[object]] = weakref.WeakKeyDictionary()
 _optimizer_hook: Any = None
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[object, ...]] = (
     weakref.WeakKeyDictionary()
@@ -67,30 +73,42 @@ _own: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 def check_not_wrapped(modules: Sequence[nn.Module]) -> None:
     """Refuse modules that belong to a model flatview already wraps."""
     for module in modules:
-        if module in _wrapped:
+        owner = wrapping(module)
+        if owner is not None:
             raise WrapError(
-                f"{type(module).__name__} is already wrapped by {_wrapped[module]!r}; "
-                "wrap each model once"
+                f"{type(module).__name__} is already wrapped by {owner!r}; wrap each model once"
             )
 
 
 def wrapping(module: nn.Module) -> object | None:
     """What wraps ``module`` (one of a wrapped model's units), if anything."""
-    return _wrapped.get(module)
+    ref = _wrapped.get(module)
+    return None if ref is None else ref()
 
 
-def register(owner: object, modules: Sequence[nn.Module], watcher: Watcher) -> None:
-    """``owner`` wraps the units ``modules``; ``watcher`` checks optimizers for it (held
-    weakly: the owner keeps it alive)."""
+def register(
+    owner: object, model: nn.Module, modules: Sequence[nn.Module], watcher: Watcher
+) -> None:
+    """``owner`` wraps ``model``, whose units are ``modules``; ``watcher`` checks
+    optimizers for it (held weakly: the owner keeps it alive).
+
+    The model holds its owner (an entry in its instance dictionary) and nothing global
+    holds either: the owner, and through it everything flatview installed, lives exactly
+    as long as the model, whether or not the user keeps the handle :func:`flatview.wrap`
+    returned, and a model dropped without ``unwrap()`` is freed with all of it (the
+    hooks torch keeps in C++ hold what they call weakly: :func:`flatview.autograd.weakly`)."""
+    vars(model)[_OWNER] = owner
+    ref = weakref.ref(owner)
     for module in modules:
-        _wrapped[module] = owner
+        _wrapped[module] = ref
     _live.add(watcher)
     bump_generation()
     _install_optimizer_hook()
 
 
-def unregister(modules: Sequence[nn.Module], watcher: Watcher) -> None:
+def unregister(model: nn.Module, modules: Sequence[nn.Module], watcher: Watcher) -> None:
     """Undo :func:`register` (the model was unwrapped)."""
+    vars(model).pop(_OWNER, None)
     for module in modules:
         _wrapped.pop(module, None)
     _live.discard(watcher)

@@ -92,9 +92,33 @@ class PoolFactory:
             pool.shutdown()
 
 
+_FACTORIES: list[PoolFactory] = []
+
+
 @pytest.fixture(scope="session")
 def dist_pool() -> Iterator[PoolFactory]:
     """Session-wide factory of reusable gloo worker pools: ``dist_pool(2).run(fn, ...)``."""
     factory = PoolFactory()
+    _FACTORIES.append(factory)
     yield factory
     factory.shutdown()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Report what starting worker pools cost: restarts after failures are the suite's
+    hidden time (each imports torch in every rank again)."""
+    starts = [
+        (size, seconds)
+        for factory in _FACTORIES
+        for size, pool in sorted(factory.pools.items())
+        for seconds in pool.startup_seconds
+    ]
+    if starts:
+        by_size = ", ".join(
+            f"{size} ranks: {sum(1 for s, _ in starts if s == size)}"
+            for size in sorted({s for s, _ in starts})
+        )
+        total = sum(seconds for _, seconds in starts)
+        terminalreporter.write_line(
+            f"shared worker pool starts: {len(starts)} ({by_size}), {total:.1f} s in all"
+        )

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_pool import WorkerError, WorkerTimeout, _sequences_agree
+from tests.dist_pool import WorkerError, WorkerPool, WorkerTimeout, _sequences_agree
 
 if TYPE_CHECKING:
     from tests.conftest import PoolFactory
@@ -109,13 +110,22 @@ def test_error_on_one_rank_is_reported_and_pool_survives(dist_pool: PoolFactory)
     assert _pids(dist_pool) == before
 
 
+@pytest.fixture(scope="module")
+def own_pool() -> Iterator[WorkerPool]:
+    """A pool of its own for the tests that kill their workers: the suite's shared pool
+    keeps its workers, and with them the frameworks they imported (restarted, each rank
+    imports Lightning, DeepSpeed and transformers again, seconds each on 2 cores)."""
+    with WorkerPool(2) as pool:
+        yield pool
+
+
 @pytest.mark.slow  # restarts the pool; the hang test below covers the restart in CI
 def test_error_while_peer_is_stuck_restarts_pool(
-    dist_pool: PoolFactory, monkeypatch: pytest.MonkeyPatch
+    own_pool: WorkerPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pool = dist_pool(2)
+    pool = own_pool
     monkeypatch.setattr(pool, "error_grace", 1.0)
-    before = _pids(dist_pool)
+    before = pool.run(task_pid)
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
         pool.run(task_fail_on_rank_while_others_wait, 1, timeout=60)
@@ -126,13 +136,13 @@ def test_error_while_peer_is_stuck_restarts_pool(
     assert err.unfinished == [0]
     assert "failing before the all_reduce" in str(err)
     assert not pool.started
-    after = _pids(dist_pool)
+    after = pool.run(task_pid)
     assert set(after).isdisjoint(before)
     assert [t.item() for t in pool.run(task_all_reduce_rank)] == [1.0, 1.0]
 
 
-def test_hang_raises_timeout_and_pool_recovers(dist_pool: PoolFactory) -> None:
-    pool = dist_pool(2)
+def test_hang_raises_timeout_and_pool_recovers(own_pool: WorkerPool) -> None:
+    pool = own_pool
     pool.run(task_pid)  # start outside the timed region
     start = time.monotonic()
     with pytest.raises(WorkerTimeout) as info:
@@ -164,8 +174,8 @@ def test_run_expecting_error(dist_pool: PoolFactory) -> None:
         pool.run_expecting_error(task_pid, match="")
 
 
-def test_dead_worker_is_reported_and_replaced(dist_pool: PoolFactory) -> None:
-    pool = dist_pool(2)
+def test_dead_worker_is_reported_and_replaced(own_pool: WorkerPool) -> None:
+    pool = own_pool
     with pytest.raises(WorkerError, match=r"rank 1 died \(exit code 3\)") as info:
         pool.run(task_die_on_rank, 1)
     assert info.value.exc_types[1] == "WorkerDied"

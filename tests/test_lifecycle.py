@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pytest
 
 from tests import workers as w
-from tests.scenarios import BACKENDS, FSDP2, BackendConfig, Scenario, backend_param
+from tests.scenarios import (
+    BACKEND_CONFIGS,
+    BACKENDS,
+    FSDP2,
+    TORCH_NO_SHARD,
+    BackendConfig,
+    Scenario,
+    backend_param,
+)
 
 if TYPE_CHECKING:
     from tests.conftest import PoolFactory
@@ -53,3 +62,33 @@ def test_comm_hook_registered_after_wrap_is_refused(
         assert out["error"].startswith("StateError: "), out
         assert "register_comm_hook" in out["error"] and "unwrap" in out["error"], out
         assert out["bare"] == "trained"
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [backend_param(c, ci=c in (TORCH_NO_SHARD, FSDP2)) for c in BACKEND_CONFIGS],
+)
+def test_a_dropped_model_is_freed(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    """A wrapped model dropped without ``unwrap()`` (a sweep, a notebook that builds the
+    model again, evaluating several checkpoints in one process) is freed with its views
+    and handle, as the bare wrapper's model is. Until flatview held what its hooks in
+    torch's C++ call weakly, every such model stayed alive, on DDP and torch
+    ``NO_SHARD`` computed on views through a gradient hook per parameter, on every
+    backend through the table of wrapped units: on a GPU its parameters, gradients and
+    optimizer state. fairscale's own gradient hooks keep a bare model alive too."""
+    scenario = backend.scenario(world_size=backend.ranks(2), skips=((), (0,), ()))
+    pool = dist_pool(scenario.world_size)
+    bare = pool.run(w.dropped_models_are_freed, replace(scenario, skips=((), (), ())), False)
+    wrapped = pool.run(w.dropped_models_are_freed, scenario, True)
+    for rank, (alive, bare_alive) in enumerate(zip(wrapped, bare, strict=True)):
+        expected = ["handle", "model", "parameter"] if "model" in bare_alive else []
+        assert alive == expected, (rank, alive, bare_alive)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_model_keeps_its_handle(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    """``flatview.wrap(model)`` without keeping what it returns: the handle lives with
+    the model, so wrapping the model again is still refused."""
+    scenario = backend.scenario(world_size=backend.ranks(2))
+    for out in dist_pool(scenario.world_size).run(w.model_keeps_its_handle, scenario):
+        assert out == {"alive": True, "wrapped_again": False}, out

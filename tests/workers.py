@@ -28,6 +28,8 @@ from tests.scenarios import (
     _original_tree,
     as_names,
     backend_context,
+    distributed_model,
+    distributed_training,
     full_state,
     local_batch,
     loss_of,
@@ -513,3 +515,47 @@ def _inner(unit: nn.Module) -> Any:
     """The user's module inside a wrapper unit (the module itself when not wrapped)."""
     module = getattr(unit, "module", unit)
     return getattr(module, "module", module)
+
+
+def dropped_models_are_freed(scenario: Scenario, wrapped: bool) -> list[str]:
+    """Train ``scenario`` (with flatview when ``wrapped``), drop every reference without
+    ``unwrap()``, collect: what is still alive (the wrapped model, its handle, a
+    parameter). A handle's hooks kept in torch's C++ (tensor and autograd-node hooks)
+    are not seen by Python's collector: a strong reference from one of them back to
+    the model keeps it alive for the process's life."""
+    import gc
+    import weakref
+
+    with backend_context(scenario.backend):
+        if wrapped:
+            model, fv, opts = distributed_model(scenario)
+        else:
+            model, fv = wrap_fsdp(scenario, make_net(scenario)), None
+            opts = [torch.optim.SGD(model.parameters(), lr=0.1)]
+        for _ in distributed_training(scenario, model, fv, opts):
+            pass
+        refs = {"model": weakref.ref(model), "parameter": weakref.ref(next(model.parameters()))}
+        if fv is not None:
+            refs["handle"] = weakref.ref(fv)
+        del model, fv, opts
+    gc.collect()
+    return sorted(name for name, ref in refs.items() if ref() is not None)
+
+
+def model_keeps_its_handle(scenario: Scenario) -> dict[str, bool]:
+    """Wrap without keeping the handle: it lives as long as the model (its optimizer
+    checks and the refusal to wrap the model twice still act), and the model trains."""
+    import gc
+    import weakref
+
+    with backend_context(scenario.backend):
+        model, fv, _opts = distributed_model(scenario)
+        handle = weakref.ref(fv)
+        del fv
+        gc.collect()
+        try:
+            flatview.wrap(model)
+            wrapped_again = True
+        except flatview.WrapError:
+            wrapped_again = False
+        return {"alive": handle() is not None, "wrapped_again": wrapped_again}

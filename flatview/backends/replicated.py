@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import operator
 from collections.abc import Iterator, Sequence
 from itertools import repeat
@@ -63,7 +62,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from flatview.autograd import at_end_of_backward, in_backward
+from flatview.autograd import at_end_of_backward, in_backward, weakly
 from flatview.backends.base import Adapter, Runtime
 from flatview.backends.bucket_order import BucketPlans
 from flatview.backends.patches import Patches
@@ -215,7 +214,7 @@ class ReplicatedBackward:
         # the root's forward (root_forward), which nothing else sees. It costs one Python
         # call per gradient and backward (about 1-2 µs on this project's 2-core CPU,
         # benchmarks/README.md's scale section).
-        ready = functools.partial(self._grad_ready, index)
+        ready = weakly(self._grad_ready, index)
         self._patches.hook(param.register_post_accumulate_grad_hook(ready))
 
     def _hook_unfrozen(self) -> None:

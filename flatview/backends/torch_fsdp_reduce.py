@@ -14,11 +14,13 @@ so that the hook knows whose gradient it reduces (also under hybrid sharding, wh
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from flatview.autograd import weakly
 from flatview.backends.base import Runtime
 from flatview.backends.patches import Patches
 from flatview.backends.torch_fsdp_checks import TorchFSDPModel
@@ -100,6 +102,15 @@ class TorchFSDPReduction:
             # that the hook knows whose gradient it is given.
             unit._comm_hook_state = _UnitHookState(self, unit)
 
+    def _settle_first(
+        self, replicated: ReplicatedReduction, flat: weakref.ref[torch.Tensor], _: torch.Tensor
+    ) -> None:
+        """Before autograd accumulates into ``flat``'s gradient again: wait for its
+        in-place reduction, if still in flight."""
+        tensor = flat()
+        if tensor is not None and replicated.in_flight(tensor.grad):
+            self.wait_in_flight()
+
     def uninstall(self) -> None:
         for _, unit in self.model.units:
             unit._comm_hook = None
@@ -173,11 +184,7 @@ class TorchFSDPReduction:
             # the flat parameter waits for the reduction first.
             if id(flat) not in self._in_place_waiting:
                 self._in_place_waiting.add(id(flat))
-
-                def settle_first(_: torch.Tensor) -> None:
-                    if replicated.in_flight(flat.grad):
-                        self.wait_in_flight()
-
+                settle_first = weakly(self._settle_first, replicated, weakref.ref(flat))
                 self._patches.hook(flat.register_hook(settle_first))
             replicated.all_reduce_in_place(
                 grad, plan, predivide, postdivide if postdivide > 1 else 1.0

@@ -17,6 +17,7 @@ post-backward hook, which would assert there."""
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -108,9 +109,14 @@ def hook_unfinished(
     """Check :func:`refuse_unfinished` when each trainable one of ``params`` (the root's
     own flat parameters) gets its gradient: before the root's post-backward hook."""
 
-    def check(root: Any, wrapper: str, grad: torch.Tensor) -> None:
-        refuse_unfinished(root, wrapper)
+    def check(root: weakref.ref[Any], wrapper: str, grad: torch.Tensor) -> None:
+        module = root()
+        if module is not None:
+            refuse_unfinished(module, wrapper)
 
+    # The root held weakly: torch keeps the hook in C++, where a reference back to the
+    # model would be a cycle Python's collector never frees.
     for param in params:
         if param.requires_grad:
-            patches.hook(param.register_hook(functools.partial(check, root, wrapper)))
+            hook = functools.partial(check, weakref.ref(root), wrapper)
+            patches.hook(param.register_hook(hook))
