@@ -75,20 +75,23 @@ def unhook_gradient(hooked: Hooked) -> None:
         hooked.remove()
 
 
-def weakly(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
-    """``functools.partial(method, *args)`` holding ``method``'s object weakly: once it
-    is gone the call does nothing (returns ``None``, which leaves a gradient as it is).
+def weakly(method: Callable[..., Any], arg: Any) -> Callable[[Any], Any]:
+    """A hook calling ``method(arg, x)`` with what torch passes it (``x``, a gradient
+    or the tensor), holding ``method``'s object weakly: once that is gone the hook does
+    nothing (returns ``None``, which leaves a gradient as it is).
 
     For hooks that torch keeps in C++, on a parameter or a flat parameter: Python's
     collector cannot see through them, so a hook holding flatview's objects, which hold
     the model, which holds the tensor, is a cycle it never frees, and a wrapped model
     dropped without ``unwrap()`` would keep its parameters and gradients for the
     process's life. The model holds its handle (:func:`flatview.wrapped_models.register`),
-    and through it what the hooks call, for as long as it lives."""
-    ref = weakref.WeakMethod(method)
+    and through it what the hooks call, for as long as it lives. About 20 ns more per
+    call than ``functools.partial`` (one argument bound, not ``*args``: twice that)."""
+    ref = weakref.ref(method.__self__)  # type: ignore[attr-defined]
+    func = method.__func__  # type: ignore[attr-defined]
 
-    def call(*more: Any) -> Any:
-        bound = ref()
-        return None if bound is None else bound(*args, *more)
+    def call(x: Any) -> Any:
+        owner = ref()
+        return None if owner is None else func(owner, arg, x)
 
     return call

@@ -103,10 +103,13 @@ class TorchFSDPReduction:
             unit._comm_hook_state = _UnitHookState(self, unit)
 
     def _settle_first(
-        self, replicated: ReplicatedReduction, flat: weakref.ref[torch.Tensor], _: torch.Tensor
+        self,
+        pair: tuple[ReplicatedReduction, weakref.ref[torch.Tensor]],
+        _: torch.Tensor,
     ) -> None:
-        """Before autograd accumulates into ``flat``'s gradient again: wait for its
-        in-place reduction, if still in flight."""
+        """Before autograd accumulates into a flat parameter's gradient again: wait for
+        its in-place reduction by ``replicated``, if still in flight."""
+        replicated, flat = pair
         tensor = flat()
         if tensor is not None and replicated.in_flight(tensor.grad):
             self.wait_in_flight()
@@ -184,7 +187,7 @@ class TorchFSDPReduction:
             # the flat parameter waits for the reduction first.
             if id(flat) not in self._in_place_waiting:
                 self._in_place_waiting.add(id(flat))
-                settle_first = weakly(self._settle_first, replicated, weakref.ref(flat))
+                settle_first = weakly(self._settle_first, (replicated, weakref.ref(flat)))
                 self._patches.hook(flat.register_hook(settle_first))
             replicated.all_reduce_in_place(
                 grad, plan, predivide, postdivide if postdivide > 1 else 1.0
