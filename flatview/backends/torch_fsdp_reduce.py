@@ -108,7 +108,8 @@ class TorchFSDPReduction:
         _: torch.Tensor,
     ) -> None:
         """Before autograd accumulates into a flat parameter's gradient again: wait for
-        its in-place reduction by ``replicated``, if still in flight."""
+        its in-place reduction (``pair``: the reduction, the flat parameter), if still
+        in flight."""
         replicated, flat = pair
         tensor = flat()
         if tensor is not None and replicated.in_flight(tensor.grad):
