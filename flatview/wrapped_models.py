@@ -1,8 +1,9 @@
 """The models flatview wraps, process-wide: wrapped modules, live models, stale views, and the
 one optimizer step pre-hook that checks optimizers against them.
 
-* Every FSDP unit of a wrapped model maps to its handle (:func:`check_not_wrapped`
-  refuses wrapping it twice).
+* Every FSDP unit of a wrapped model maps to its handle, weakly: the model keeps its
+  handle (:func:`register`), and a dropped model is freed (:func:`check_not_wrapped`
+  refuses wrapping a unit twice).
 * Every live model registers a :class:`Watcher`; before an optimizer's step (once per
   optimizer until its parameters or the set of wrapped models change) each watcher
   checks it (:meth:`Watcher.check_optimizer`) and warns about shape-decided groups.
