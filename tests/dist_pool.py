@@ -1,9 +1,10 @@
-"""Reusable pools of spawned ``torch.distributed`` (gloo) workers for tests.
+"""Reusable pools of ``torch.distributed`` (gloo) workers for tests.
 
-Spawning a process group costs seconds per process (each imports torch and rendezvouses),
-which would dominate a suite of many small distributed tests on a 2-core machine. A
-:class:`WorkerPool` pays that once: its workers stay alive with an initialised gloo process
-group and run one task after another.
+Starting a process group costs seconds per process (each imports torch and the frameworks,
+and rendezvouses), which would dominate a suite of many small distributed tests on a
+2-core machine. A :class:`WorkerPool` pays that once: its workers stay alive with an
+initialised gloo process group and run one task after another. They are forked from a
+server that imported torch, flatview and the frameworks once (``_CTX`` below).
 
 A task is a module-level callable (pickled by reference, so it must be importable from a
 fresh interpreter: define it at the top level of a module under ``tests/``) plus pickled
@@ -50,7 +51,29 @@ from typing import Any
 
 __all__ = ["WorkerError", "WorkerPool", "WorkerTimeout"]
 
-_CTX = multiprocessing.get_context("spawn")
+# Workers are forked from one server process that imported torch, flatview and the
+# frameworks once: a spawned worker imports them itself, 3-5 s of CPU each, paid by every
+# worker of every pool (and every respawn) on a 2-core machine. The server forks before any
+# task runs, with one thread, and the test environment's torch is the CPU build (no CUDA
+# state to inherit). A module that is not installed is skipped (the server ignores
+# ImportError); DeepSpeed is left to its harness, which sets its accelerator on import.
+_CTX = multiprocessing.get_context("forkserver")
+_CTX.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor",
+        "torch.distributed.checkpoint",
+        "torch._dynamo",
+        "flatview",
+        "tests.workers",
+        "fairscale",
+        "lightning",
+        "transformers",
+        "accelerate",
+    ]
+)
 
 # Seconds the other ranks get to finish once one rank has failed. Long enough for ranks
 # that fail at the same point to report (they all raise within milliseconds of each
@@ -177,7 +200,7 @@ def _qualname(fn: Callable[..., Any]) -> str:
 
 
 class WorkerPool:
-    """``world_size`` spawned processes, each rank of one gloo process group, reused across tasks.
+    """``world_size`` worker processes, each rank of one gloo process group, reused across tasks.
 
     Workers start lazily on the first :meth:`run`, and again after a failure that left them
     in an unknown state. Use as a context manager or call :meth:`shutdown`.
