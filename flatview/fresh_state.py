@@ -11,8 +11,8 @@ uninterrupted run has no state, which moves Adam's bias correction).
 :mod:`flatview.checkpoint` saves such a parameter instead as a *placeholder*: an entry
 with every key a fresh optimizer's first step would create (found by stepping a scratch
 copy of the optimizer over zero tensors shaped like the parameter's, never the optimizer
-itself), each ``None``. The resumed run's template has those keys, so DCP's load
-works; the placeholder's ``None`` values replace the primed tensors, and
+itself, nor any optimizer it steps), each ``None``. The resumed run's template has those
+keys, so DCP's load works; the placeholder's ``None`` values replace the primed tensors, and
 :func:`flatview.checkpoint.set_state_dict` drops every placeholder, so that the
 parameter is again without state and gets fresh state at its first gradient, as in the
 uninterrupted run.
@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flatview import wrapped_models
 from flatview.errors import OptimStateError
@@ -66,10 +67,11 @@ def fresh_keys(
     optimizer: torch.optim.Optimizer, tensors: Sequence[torch.Tensor]
 ) -> list[tuple[Any, ...]]:
     """Per tensor of ``optimizer``, the keys of the state its first step would create,
-    found by running the optimizer class's step on a scratch copy: the same
-    hyperparameters and attributes, fresh state, no step hooks of its own, zero tensors
-    with zero gradients in place of ``tensors``, learning rate 0. Neither the optimizer
-    nor the tensors change."""
+    found by running the step of the optimizer that creates it (:func:`_stepper`) on a
+    scratch copy: the same hyperparameters and attributes, fresh state, no step hooks of
+    its own, zero tensors with zero gradients in place of ``tensors``, learning rate 0.
+    Neither the optimizers nor the tensors change: a step of any other optimizer during
+    it raises :class:`~flatview.errors.OptimStateError` before it runs."""
     wanted = {id(t) for t in tensors}
     fakes: dict[int, torch.Tensor] = {}
     groups = []
@@ -90,13 +92,7 @@ def fresh_keys(
         groups.append(scratch_group)
     if not groups:
         return [() for _ in tensors]
-    owner = wrapped_models.owner(optimizer)
-    if wrapped_models.delegates(type(owner)):
-        raise OptimStateError(
-            f"{type(optimizer).__name__} keeps its state or param_groups as properties and "
-            "wraps no torch optimizer in .optimizer: flatview cannot find the optimizer "
-            "that holds them, to find the state a first step would create"
-        )
+    owner = _stepper(optimizer)
     scratch: Any = object.__new__(type(owner))
     scratch.__dict__.update(vars(owner))
     scratch.state = defaultdict(dict)
@@ -105,5 +101,58 @@ def fresh_keys(
     # must not see the scratch step.
     scratch._optimizer_step_pre_hooks = OrderedDict()
     scratch._optimizer_step_post_hooks = OrderedDict()
-    type(owner).step(scratch)
+    guard = register_optimizer_step_pre_hook(_only(scratch, optimizer))
+    try:
+        type(owner).step(scratch)
+    finally:
+        guard.remove()
     return [tuple(scratch.state.get(fakes[id(t)], ())) if id(t) in fakes else () for t in tensors]
+
+
+def _stepper(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose class's step creates ``optimizer``'s state: its owner
+    (:func:`flatview.wrapped_models.owner`), or, where that one keeps another optimizer
+    as an attribute and steps it from its own step (Lookahead's design: the inner one
+    shares its parameter groups and keeps the state its ``state_dict`` returns), the
+    inner one, again and again. A scratch copy of the wrapper would step the real inner
+    optimizer (and advance the wrapper's own counters in the real groups)."""
+    found = wrapped_models.owner(optimizer)
+    while True:
+        if wrapped_models.delegates(type(found)):
+            raise OptimStateError(
+                f"{type(found).__name__} keeps its state or param_groups as properties and "
+                "wraps no torch optimizer in .optimizer: flatview cannot find the optimizer "
+                "that holds them, to find the state a first step would create"
+            )
+        inner = [
+            value
+            for value in vars(found).values()
+            if isinstance(value, torch.optim.Optimizer) and value is not found
+        ]
+        if not inner:
+            return found
+        if len(inner) > 1:
+            raise OptimStateError(
+                f"{type(found).__name__} keeps {len(inner)} optimizers as attributes "
+                f"({', '.join(type(o).__name__ for o in inner)}): flatview cannot tell which "
+                "one creates the state of a parameter without state, to save a placeholder "
+                "for it; checkpoint the inner optimizers instead"
+            )
+        found = wrapped_models.owner(inner[0])
+
+
+def _only(scratch: object, optimizer: torch.optim.Optimizer) -> Any:
+    """A global step pre-hook that refuses any step but ``scratch``'s, before it runs:
+    an optimizer that steps another one it does not keep as an attribute (in a list,
+    say) would otherwise step the real one, and training would change silently."""
+
+    def refuse(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if stepped is not scratch:
+            raise OptimStateError(
+                f"{type(optimizer).__name__}'s step steps another optimizer "
+                f"({type(stepped).__name__}) that flatview cannot reach as an attribute: "
+                "finding the state a first step would create for a parameter without "
+                "state would step it; checkpoint the inner optimizers instead"
+            )
+
+    return refuse

@@ -10,6 +10,7 @@ optimizer state (``fv.optim_state_dict``) at the save and right after the load.
 
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 import numpy as np
@@ -734,3 +735,87 @@ def _local(state: Any) -> Any:
         shards = [shard.tensor.reshape(-1) for shard in state.local_shards()]
         return torch.cat(shards) if shards else torch.zeros(0)
     return state
+
+
+# ------------------------------------------------- optimizers that step optimizers
+
+
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead's design (timm's): steps the optimizer it keeps as an attribute, whose
+    parameter groups it shares (its step counter lives in them), and every ``k`` steps
+    pulls the weights halfway back towards slow copies kept in that optimizer's state;
+    its state dicts are the inner optimizer's. Its own ``state`` stays empty, so every
+    parameter looks stateless to a reader."""
+
+    def __init__(self, inner: torch.optim.Optimizer, k: int = 2) -> None:
+        self.inner = inner
+        self.param_groups = inner.param_groups
+        self.defaults = dict(inner.defaults, lookahead_k=k, lookahead_step=0)
+        self.state: Any = defaultdict(dict)
+        self._optimizer_step_pre_hooks: Any = OrderedDict()
+        self._optimizer_step_post_hooks: Any = OrderedDict()
+        for group in self.param_groups:
+            group.setdefault("lookahead_k", k)
+            group.setdefault("lookahead_step", 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = self.inner.step(closure)
+        for group in self.inner.param_groups:
+            group["lookahead_step"] += 1
+            if group["lookahead_step"] % group["lookahead_k"]:
+                continue
+            for p in group["params"]:
+                if p.grad is not None:
+                    slow = self.inner.state[p].setdefault("slow", p.detach().clone())
+                    slow.add_(p - slow, alpha=0.5)
+                    p.copy_(slow)
+        return loss
+
+
+class Chained(torch.optim.Optimizer):
+    """Steps the optimizers it keeps in a list, where no attribute reaches them."""
+
+    def __init__(self, inner: list[torch.optim.Optimizer]) -> None:
+        self.inner = list(inner)
+        self.param_groups = [g for o in self.inner for g in o.param_groups]
+        self.defaults = dict(self.inner[0].defaults)
+        self.state: Any = defaultdict(dict)
+        self._optimizer_step_pre_hooks: Any = OrderedDict()
+        self._optimizer_step_post_hooks: Any = OrderedDict()
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for optimizer in self.inner:
+            optimizer.step()
+
+
+def reading_stepping_optimizers(scenario: Scenario, design: str, pause: int) -> dict[str, Any]:
+    """Train the scenario with its optimizers inside ``design`` (``"lookahead"``: each in
+    a :class:`Lookahead`; ``"chained"``: all in one :class:`Chained`), twice: once
+    plain, once reading the state (flatview's and torch's functions, sharded and full)
+    at pause ``pause`` of :func:`~tests.scenarios.distributed_training` (even: between
+    a backward and its step, gradients in place). Rank 0's final parameters of both
+    runs, and what each read raised."""
+    out: dict[str, Any] = {"errors": []}
+    with backend_context(scenario.backend):
+        for reading in (False, True):
+            model, fv, opts = distributed_model(scenario)
+            stepping = [Lookahead(o) for o in opts] if design == "lookahead" else [Chained(opts)]
+            for number, _ in enumerate(distributed_training(scenario, model, fv, stepping)):
+                if not reading or number != pause:
+                    continue
+                for api in ("flatview", "torch"):
+                    for full in (False, True):
+                        try:
+                            _get(api, fv, model, stepping, full)
+                        except FlatViewError as err:
+                            out["errors"].append(f"{type(err).__name__}: {err}")
+            out[reading] = full_state(model, scenario)
+            fv.unwrap()
+    return out

@@ -512,3 +512,42 @@ def test_optimizer_wrappers_are_read_not_rewritten(dist_pool: PoolFactory, api: 
     ):
         assert out["params_kept"] and out["state_kept"], out
         assert out[False] and out[True], out
+
+
+# ------------------------------------------------- optimizers that step optimizers
+
+
+@pytest.mark.parametrize("pause", [2, 3], ids=["before-step", "after-step"])
+@pytest.mark.parametrize(
+    "backend", [backend_param(c, slow=c != FULL_SHARD) for c in BACKEND_CONFIGS]
+)
+def test_reading_a_lookahead_leaves_training_alone(
+    dist_pool: PoolFactory, backend: BackendConfig, pause: int
+) -> None:
+    """Optimizers inside a Lookahead (it steps the optimizer it keeps, counts its steps in
+    the shared parameter groups, and keeps no state of its own, so every parameter looks
+    stateless): reading the state with flatview's and torch's functions, between a
+    backward and its step or after the step, leaves training as it was. (Finding the
+    state a first step would create by stepping a scratch copy of the Lookahead stepped
+    the real inner optimizer and advanced the real counters: 0.02 off.)"""
+    scenario = backend.scenario(UNUSED_ADAMW)
+    results = dist_pool(scenario.world_size).run(
+        cw.reading_stepping_optimizers, scenario, "lookahead", pause, timeout=TIMEOUT
+    )
+    assert results[0]["errors"] == []
+    compare(results[0][True], results[0][False], tolerance=0.0)
+
+
+def test_an_optimizer_stepping_unreachable_optimizers_is_refused(dist_pool: PoolFactory) -> None:
+    """Optimizers stepped by one that keeps them in a list: flatview cannot find the
+    state a first step would create without stepping them, so a read raises
+    OptimStateError on every rank (between a backward and its step: gradients in
+    place), and nothing was stepped: training goes on as without the read."""
+    scenario = FULL_SHARD.scenario(UNUSED_ADAMW)
+    results = dist_pool(scenario.world_size).run(
+        cw.reading_stepping_optimizers, scenario, "chained", 2, timeout=TIMEOUT
+    )
+    for got in results:
+        assert len(got["errors"]) == 4, got["errors"]
+        assert all("Chained's step steps another optimizer" in e for e in got["errors"])
+    compare(results[0][True], results[0][False], tolerance=0.0)
