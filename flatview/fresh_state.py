@@ -117,6 +117,7 @@ def _stepper(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     inner one, again and again. A scratch copy of the wrapper would step the real inner
     optimizer (and advance the wrapper's own counters in the real groups)."""
     found = wrapped_models.owner(optimizer)
+    seen = {id(optimizer)}
     while True:
         if wrapped_models.delegates(type(found)):
             raise OptimStateError(
@@ -124,10 +125,11 @@ def _stepper(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
                 "wraps no torch optimizer in .optimizer: flatview cannot find the optimizer "
                 "that holds them, to find the state a first step would create"
             )
+        seen.add(id(found))
         inner = [
             value
             for value in vars(found).values()
-            if isinstance(value, torch.optim.Optimizer) and value is not found
+            if isinstance(value, torch.optim.Optimizer) and id(value) not in seen
         ]
         if not inner:
             return found

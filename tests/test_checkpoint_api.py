@@ -551,3 +551,37 @@ def test_an_optimizer_stepping_unreachable_optimizers_is_refused(dist_pool: Pool
         assert len(got["errors"]) == 4, got["errors"]
         assert all("Chained's step steps another optimizer" in e for e in got["errors"])
     compare(results[0][True], results[0][False], tolerance=0.0)
+
+
+def _momentum_sgd() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    return params, torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def test_fresh_keys_of_a_stepping_optimizer_step_nothing_real() -> None:
+    """The keys of a first step's state, found through a Lookahead whose inner optimizer
+    points back at it (no endless walk): the inner optimizer's keys; the parameters
+    (gradients in place), the inner state and the counters in the groups are as they
+    were. Two optimizers as attributes, or one kept in a list, are refused."""
+    from flatview import OptimStateError, fresh_state
+
+    params, sgd = _momentum_sgd()
+    lookahead = cw.Lookahead(sgd)
+    sgd.back = lookahead  # type: ignore[attr-defined]
+    before = [p.detach().clone() for p in params]
+    assert fresh_state.fresh_keys(lookahead, params) == [("momentum_buffer",)] * 2
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert not sgd.state
+    assert [g["lookahead_step"] for g in sgd.param_groups] == [0]
+
+    lookahead.spare = torch.optim.SGD(params, lr=0.1)  # type: ignore[attr-defined]
+    with pytest.raises(OptimStateError, match=r"Lookahead keeps 2 optimizers as attributes"):
+        fresh_state.fresh_keys(lookahead, params)
+
+    chained = cw.Chained([sgd])
+    with pytest.raises(OptimStateError, match=r"Chained's step steps another optimizer \(SGD\)"):
+        fresh_state.fresh_keys(chained, params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert not sgd.state
