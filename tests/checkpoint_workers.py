@@ -763,6 +763,8 @@ class Lookahead(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
+        # torch's load makes new group dicts: share them again.
+        self.param_groups = self.inner.param_groups
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -795,6 +797,10 @@ class Chained(torch.optim.Optimizer):
             optimizer.step()
 
 
+def _stepping(design: str, opts: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    return [Lookahead(o) for o in opts] if design == "lookahead" else [Chained(opts)]
+
+
 def reading_stepping_optimizers(scenario: Scenario, design: str, pause: int) -> dict[str, Any]:
     """Train the scenario with its optimizers inside ``design`` (``"lookahead"``: each in
     a :class:`Lookahead`; ``"chained"``: all in one :class:`Chained`), twice: once
@@ -806,7 +812,7 @@ def reading_stepping_optimizers(scenario: Scenario, design: str, pause: int) -> 
     with backend_context(scenario.backend):
         for reading in (False, True):
             model, fv, opts = distributed_model(scenario)
-            stepping = [Lookahead(o) for o in opts] if design == "lookahead" else [Chained(opts)]
+            stepping = _stepping(design, opts)
             for number, _ in enumerate(distributed_training(scenario, model, fv, stepping)):
                 if not reading or number != pause:
                     continue
@@ -818,4 +824,38 @@ def reading_stepping_optimizers(scenario: Scenario, design: str, pause: int) -> 
                             out["errors"].append(f"{type(err).__name__}: {err}")
             out[reading] = full_state(model, scenario)
             fv.unwrap()
+    return out
+
+
+def lookahead_resumes(scenario: Scenario, path: str, split: int) -> dict[str, Any]:
+    """The scenario's optimizers inside :class:`Lookahead`: train ``split`` steps, save
+    (flatview.checkpoint's sharded form + DCP), train on; then a fresh model with fresh
+    Lookaheads loads it and trains the same remaining steps. Rank 0's final parameters
+    of both runs (placeholders for the parameters without state carry the inner
+    optimizer's keys, which the fresh template's priming creates). Every third step
+    pulls, after the save: DCP loads only the keys of a template from fresh optimizers,
+    which slow weights made at an earlier pull would not be among (torch's functions
+    alike)."""
+    steps = optimizer_steps(scenario)
+    out: dict[str, Any] = {}
+    with backend_context(scenario.backend):
+        model, fv, opts = distributed_model(scenario)
+        stepping = [Lookahead(o, k=3) for o in opts]
+        for _ in distributed_training(scenario, model, fv, stepping, steps[:split]):
+            pass
+        model_sd, optim_sd = fcp.get_state_dict(fv, model, stepping, options=_options(False))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        for _ in distributed_training(scenario, model, fv, stepping, steps[split:]):
+            pass
+        out["uninterrupted"] = full_state(model, scenario)
+        model, fv, opts = distributed_model(scenario)
+        stepping = [Lookahead(o, k=3) for o in opts]
+        model_sd, optim_sd = fcp.get_state_dict(fv, model, stepping, options=_options(False))
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        fcp.set_state_dict(
+            fv, model, stepping, model_state_dict=model_sd, optim_state_dict=optim_sd
+        )
+        for _ in distributed_training(scenario, model, fv, stepping, steps[split:]):
+            pass
+        out["resumed"] = full_state(model, scenario)
     return out

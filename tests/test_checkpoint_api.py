@@ -538,6 +538,17 @@ def test_reading_a_lookahead_leaves_training_alone(
     compare(results[0][True], results[0][False], tolerance=0.0)
 
 
+def test_a_lookahead_resumes_exactly(dist_pool: PoolFactory, tmp_path: Path) -> None:
+    """Optimizers inside a Lookahead, the AdamW's parameters without state at the save:
+    saved sharded and resumed by a fresh model and fresh Lookaheads, the run ends where
+    the uninterrupted one does (the placeholders carry the inner AdamW's keys)."""
+    scenario = FULL_SHARD.scenario(UNUSED_ADAMW)
+    out = dist_pool(scenario.world_size).run(
+        cw.lookahead_resumes, scenario, str(tmp_path / "ckpt"), SPLIT, timeout=TIMEOUT
+    )[0]
+    compare(out["resumed"], out["uninterrupted"], tolerance=0.0)
+
+
 def test_an_optimizer_stepping_unreachable_optimizers_is_refused(dist_pool: PoolFactory) -> None:
     """Optimizers stepped by one that keeps them in a list: flatview cannot find the
     state a first step would create without stepping them, so a read raises
