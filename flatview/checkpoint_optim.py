@@ -101,15 +101,22 @@ def _optimizer_part(
 
 
 def _started(runtime: Runtime, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` has state, has stepped before (or was loaded by flatview),
-    or holds a gradient, on any rank: then :func:`_prime` leaves it alone. Where some
+    """Whether ``optimizer`` (or the optimizer it steps, :func:`fresh_state.stepper`)
+    has state, has stepped before (or was loaded by flatview), or holds a gradient, on
+    any rank: then :func:`_prime` leaves it alone. Where some
     rank holds none of a parameter's elements its view gets no gradient and no state
     (see :mod:`flatview.view_grads`), so a rank whose optimizer holds only such views
     would otherwise decide alone; the ranks then agree with one all-reduce of one flag."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    # A Lookahead-style wrapper keeps no state of its own, and torch records its steps
+    # only from its first zero_grad where its __init__ is not torch's: the optimizer it
+    # steps says whether it has started.
+    stepper = fresh_state.stepper(optimizer, strict=False)
     started = (
         bool(optimizer.state)
+        or bool(stepper.state)
         or wrapped_models.has_history(optimizer)
+        or wrapped_models.has_history(stepper)
         or any(p.grad is not None for p in params)
     )
     adapter = runtime.adapter

@@ -67,7 +67,7 @@ def fresh_keys(
     optimizer: torch.optim.Optimizer, tensors: Sequence[torch.Tensor]
 ) -> list[tuple[Any, ...]]:
     """Per tensor of ``optimizer``, the keys of the state its first step would create,
-    found by running the step of the optimizer that creates it (:func:`_stepper`) on a
+    found by running the step of the optimizer that creates it (:func:`stepper`) on a
     scratch copy: the same hyperparameters and attributes, fresh state, no step hooks of
     its own, zero tensors with zero gradients in place of ``tensors``, learning rate 0.
     Neither the optimizers nor the tensors change: a step of any other optimizer during
@@ -92,7 +92,7 @@ def fresh_keys(
         groups.append(scratch_group)
     if not groups:
         return [() for _ in tensors]
-    owner = _stepper(optimizer)
+    owner = stepper(optimizer)
     scratch: Any = object.__new__(type(owner))
     scratch.__dict__.update(vars(owner))
     scratch.state = defaultdict(dict)
@@ -109,17 +109,21 @@ def fresh_keys(
     return [tuple(scratch.state.get(fakes[id(t)], ())) if id(t) in fakes else () for t in tensors]
 
 
-def _stepper(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def stepper(optimizer: torch.optim.Optimizer, *, strict: bool = True) -> torch.optim.Optimizer:
     """The optimizer whose class's step creates ``optimizer``'s state: its owner
     (:func:`flatview.wrapped_models.owner`), or, where that one keeps another optimizer
     as an attribute and steps it from its own step (Lookahead's design: the inner one
     shares its parameter groups and keeps the state its ``state_dict`` returns), the
     inner one, again and again. A scratch copy of the wrapper would step the real inner
-    optimizer (and advance the wrapper's own counters in the real groups)."""
+    optimizer (and advance the wrapper's own counters in the real groups). Where it
+    cannot be told, raises :class:`~flatview.errors.OptimStateError`, or (``strict``
+    false) gives the last optimizer found."""
     found = wrapped_models.owner(optimizer)
     seen = {id(optimizer)}
     while True:
         if wrapped_models.delegates(type(found)):
+            if not strict:
+                return found
             raise OptimStateError(
                 f"{type(found).__name__} keeps its state or param_groups as properties and "
                 "wraps no torch optimizer in .optimizer: flatview cannot find the optimizer "
@@ -128,10 +132,10 @@ def _stepper(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         seen.add(id(found))
         inner = [
             value
-            for value in vars(found).values()
+            for value in getattr(found, "__dict__", {}).values()
             if isinstance(value, torch.optim.Optimizer) and id(value) not in seen
         ]
-        if not inner:
+        if not inner or (len(inner) > 1 and not strict):
             return found
         if len(inner) > 1:
             raise OptimStateError(

@@ -798,30 +798,49 @@ class Chained(torch.optim.Optimizer):
 
 
 def _stepping(design: str, opts: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-    return [Lookahead(o) for o in opts] if design == "lookahead" else [Chained(opts)]
+    """The design over ``opts``, of a class of its own: torch hooks an optimizer class's
+    step at its first ``zero_grad`` where its ``__init__`` is not torch's (as here), so a
+    class shared between runs would be hooked from the start of the later ones."""
+    if design == "lookahead":
+        fresh = type("Lookahead", (Lookahead,), {})
+        return [fresh(o) for o in opts]
+    return [type("Chained", (Chained,), {})(opts)]
 
 
-def reading_stepping_optimizers(scenario: Scenario, design: str, pause: int) -> dict[str, Any]:
+def reading_stepping_optimizers(
+    scenario: Scenario, design: str, pause: int | None
+) -> dict[str, Any]:
     """Train the scenario with its optimizers inside ``design`` (``"lookahead"``: each in
     a :class:`Lookahead`; ``"chained"``: all in one :class:`Chained`), twice: once
     plain, once reading the state (flatview's and torch's functions, sharded and full)
     at pause ``pause`` of :func:`~tests.scenarios.distributed_training` (even: between
-    a backward and its step, gradients in place). Rank 0's final parameters of both
-    runs, and what each read raised."""
+    a backward and its step, gradients in place; ``None``: after the first step's
+    ``zero_grad``, no gradients). Rank 0's final parameters of both runs, and what each
+    read raised."""
     out: dict[str, Any] = {"errors": []}
+
+    def read(fv: FlatView, model: Any, stepping: list[torch.optim.Optimizer]) -> None:
+        for api in ("flatview", "torch"):
+            for full in (False, True):
+                try:
+                    _get(api, fv, model, stepping, full)
+                except FlatViewError as err:
+                    out["errors"].append(f"{type(err).__name__}: {err}")
+
+    steps = optimizer_steps(scenario)
     with backend_context(scenario.backend):
         for reading in (False, True):
             model, fv, opts = distributed_model(scenario)
             stepping = _stepping(design, opts)
-            for number, _ in enumerate(distributed_training(scenario, model, fv, stepping)):
-                if not reading or number != pause:
-                    continue
-                for api in ("flatview", "torch"):
-                    for full in (False, True):
-                        try:
-                            _get(api, fv, model, stepping, full)
-                        except FlatViewError as err:
-                            out["errors"].append(f"{type(err).__name__}: {err}")
+            halves = (steps[:1], steps[1:]) if pause is None else (steps,)
+            for half, part in enumerate(halves):
+                for number, _ in enumerate(
+                    distributed_training(scenario, model, fv, stepping, part)
+                ):
+                    if reading and number == pause:
+                        read(fv, model, stepping)
+                if reading and pause is None and half == 0:
+                    read(fv, model, stepping)
             out[reading] = full_state(model, scenario)
             fv.unwrap()
     return out

@@ -517,17 +517,20 @@ def test_optimizer_wrappers_are_read_not_rewritten(dist_pool: PoolFactory, api: 
 # ------------------------------------------------- optimizers that step optimizers
 
 
-@pytest.mark.parametrize("pause", [2, 3], ids=["before-step", "after-step"])
+@pytest.mark.parametrize(
+    "pause", [2, 3, None], ids=["before-step", "after-step", "after-zero-grad"]
+)
 @pytest.mark.parametrize(
     "backend", [backend_param(c, slow=c != FULL_SHARD) for c in BACKEND_CONFIGS]
 )
 def test_reading_a_lookahead_leaves_training_alone(
-    dist_pool: PoolFactory, backend: BackendConfig, pause: int
+    dist_pool: PoolFactory, backend: BackendConfig, pause: int | None
 ) -> None:
     """Optimizers inside a Lookahead (it steps the optimizer it keeps, counts its steps in
     the shared parameter groups, and keeps no state of its own, so every parameter looks
     stateless): reading the state with flatview's and torch's functions, between a
-    backward and its step or after the step, leaves training as it was. (Finding the
+    backward and its step, after the step or after ``zero_grad``, leaves training as it
+    was. (Finding the
     state a first step would create by stepping a scratch copy of the Lookahead stepped
     the real inner optimizer and advanced the real counters: 0.02 off.)"""
     scenario = backend.scenario(UNUSED_ADAMW)
