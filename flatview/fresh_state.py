@@ -54,12 +54,15 @@ def without_placeholders(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def stateless(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The trainable tensors ``optimizer`` holds without state on this rank."""
+    """The trainable tensors ``optimizer`` holds without state on this rank (in its own
+    ``state`` or in that of the optimizer it steps, :func:`stepper`: a Lookahead-style
+    wrapper keeps none of its own)."""
+    states = (optimizer.state, stepper(optimizer, strict=False).state)
     return [
         p
         for group in optimizer.param_groups
         for p in group["params"]
-        if p.requires_grad and not optimizer.state.get(p)
+        if p.requires_grad and not any(state.get(p) for state in states)
     ]
 
 

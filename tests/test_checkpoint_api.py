@@ -599,3 +599,9 @@ def test_fresh_keys_of_a_stepping_optimizer_step_nothing_real() -> None:
         fresh_state.fresh_keys(chained, params)
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     assert not sgd.state
+
+    # Stateless: by the inner optimizer's state (the wrapper keeps none of its own).
+    del lookahead.spare  # type: ignore[attr-defined]
+    params[1].grad = None
+    sgd.step()
+    assert fresh_state.stateless(lookahead) == [params[1]]
