@@ -555,8 +555,11 @@ def scenarios(
     # remainder of cancelling terms, which amplifies the rounding of the batch split
     # ~100-1000x (one process summing the batch in 3 chunks instead of 1 moves the
     # parameters 2e-6, 3e-8 at width 3; a thorough draw missed 1e-5 by 2x on every
-    # backend, and agreed in float64). Such draws compare nothing; they are not generated.
-    norms = tuple(width > 2 and draw(st.booleans()) for _ in range(blocks))
+    # backend, and agreed in float64). Over three it still can: a thorough draw (FSDP2
+    # HSDP on 4 ranks, three norms over 3 features, AdamW, nothing skipped) ended 6.7e-5
+    # off the reference, bare FSDP2 alike to the bit, and 3e-8 without the norms. Such
+    # draws compare nothing; they are not generated.
+    norms = tuple(width > 3 and draw(st.booleans()) for _ in range(blocks))
     gates = tuple(draw(st.booleans()) for _ in range(blocks))
     aux = draw(st.booleans())
     optional = [f"body.{i}" for i in range(blocks)]
