@@ -111,12 +111,12 @@ def _started(runtime: Runtime, optimizer: torch.optim.Optimizer) -> bool:
     # A Lookahead-style wrapper keeps no state of its own, and torch records its steps
     # only from its first zero_grad where its __init__ is not torch's: the optimizer it
     # steps says whether it has started.
-    stepper = fresh_state.stepper(optimizer, strict=False)
+    inner = fresh_state.stepper(optimizer, strict=False)
     started = (
         bool(optimizer.state)
-        or bool(stepper.state)
+        or bool(inner.state)
         or wrapped_models.has_history(optimizer)
-        or wrapped_models.has_history(stepper)
+        or wrapped_models.has_history(inner)
         or any(p.grad is not None for p in params)
     )
     adapter = runtime.adapter

@@ -95,9 +95,9 @@ def fresh_keys(
         groups.append(scratch_group)
     if not groups:
         return [() for _ in tensors]
-    owner = stepper(optimizer)
-    scratch: Any = object.__new__(type(owner))
-    scratch.__dict__.update(vars(owner))
+    stepping = stepper(optimizer)
+    scratch: Any = object.__new__(type(stepping))
+    scratch.__dict__.update(vars(stepping))
     scratch.state = defaultdict(dict)
     scratch.param_groups = groups
     # Hooks registered on the optimizer itself (an LR scheduler's step counter, say)
@@ -106,7 +106,7 @@ def fresh_keys(
     scratch._optimizer_step_post_hooks = OrderedDict()
     guard = register_optimizer_step_pre_hook(_only(scratch, optimizer))
     try:
-        type(owner).step(scratch)
+        type(stepping).step(scratch)
     finally:
         guard.remove()
     return [tuple(scratch.state.get(fakes[id(t)], ())) if id(t) in fakes else () for t in tensors]
@@ -138,9 +138,9 @@ def stepper(optimizer: torch.optim.Optimizer, *, strict: bool = True) -> torch.o
             for value in getattr(found, "__dict__", {}).values()
             if isinstance(value, torch.optim.Optimizer) and id(value) not in seen
         ]
-        if not inner or (len(inner) > 1 and not strict):
-            return found
-        if len(inner) > 1:
+        if len(inner) != 1:
+            if not inner or not strict:
+                return found
             raise OptimStateError(
                 f"{type(found).__name__} keeps {len(inner)} optimizers as attributes "
                 f"({', '.join(type(o).__name__ for o in inner)}): flatview cannot tell which "

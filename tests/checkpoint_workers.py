@@ -797,13 +797,16 @@ class Chained(torch.optim.Optimizer):
             optimizer.step()
 
 
-def _stepping(design: str, opts: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-    """The design over ``opts``, of a class of its own: torch hooks an optimizer class's
-    step at its first ``zero_grad`` where its ``__init__`` is not torch's (as here), so a
-    class shared between runs would be hooked from the start of the later ones."""
+def _stepping(
+    design: str, opts: list[torch.optim.Optimizer], k: int = 2
+) -> list[torch.optim.Optimizer]:
+    """The design over ``opts`` (a Lookahead pulling every ``k`` steps), of a class of its
+    own: torch hooks an optimizer class's step at its first ``zero_grad`` where its
+    ``__init__`` is not torch's (as here), so a class shared between runs would be hooked
+    from the start of the later ones."""
     if design == "lookahead":
         fresh = type("Lookahead", (Lookahead,), {})
-        return [fresh(o) for o in opts]
+        return [fresh(o, k) for o in opts]
     return [type("Chained", (Chained,), {})(opts)]
 
 
@@ -859,7 +862,7 @@ def lookahead_resumes(scenario: Scenario, path: str, split: int) -> dict[str, An
     out: dict[str, Any] = {}
     with backend_context(scenario.backend):
         model, fv, opts = distributed_model(scenario)
-        stepping = [Lookahead(o, k=3) for o in opts]
+        stepping = _stepping("lookahead", opts, k=3)
         for _ in distributed_training(scenario, model, fv, stepping, steps[:split]):
             pass
         model_sd, optim_sd = fcp.get_state_dict(fv, model, stepping, options=_options(False))
@@ -868,7 +871,7 @@ def lookahead_resumes(scenario: Scenario, path: str, split: int) -> dict[str, An
             pass
         out["uninterrupted"] = full_state(model, scenario)
         model, fv, opts = distributed_model(scenario)
-        stepping = [Lookahead(o, k=3) for o in opts]
+        stepping = _stepping("lookahead", opts, k=3)
         model_sd, optim_sd = fcp.get_state_dict(fv, model, stepping, options=_options(False))
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         fcp.set_state_dict(
