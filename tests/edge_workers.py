@@ -22,10 +22,12 @@ from tests.scenarios import (
     Scenario,
     _original_tree,
     backend_context,
+    batch,
     full_state,
     local_batch,
     loss_of,
     make_net,
+    optimizers,
     skip_names,
     wrap_fsdp,
 )
@@ -269,3 +271,45 @@ def fairscale_unflatten_params(scenario: Scenario, alone: bool) -> dict[str, Any
                 else full_state(model, scenario)
             )
     return out
+
+
+def cast_after_wrap(scenario: Scenario, optimizers_first: bool) -> dict[str, Any]:
+    """The net wrapped in FSDP and flatview, then cast to float64 (``model.double()``:
+    torch lets a model be cast between the wrapper's construction and its first
+    forward), the scenario's optimizers built before the cast or after it, the scenario
+    trained on float64 batches. Returns the views' dtypes right after the cast, the
+    dtypes of every gradient the optimizers met, and (rank 0) the final float64 state."""
+    with backend_context(scenario.backend):
+        model = wrap_fsdp(scenario, make_net(scenario))
+        fv = flatview.wrap(model, **scenario.flatview_options)
+        opts = optimizers(_original_tree(model)) if optimizers_first else []
+        model.double()
+        if not optimizers_first:
+            opts = optimizers(_original_tree(model))
+        after_cast = sorted({str(p.dtype) for p in fv.parameters()})
+        grads: set[str] = set()
+        for micro in range(len(scenario.skips)):
+            x, y = local_batch(scenario, micro)
+            skip = skip_names(scenario, micro)
+            with fv.step(skip=skip):
+                loss_of(model(x.double(), skip), y).backward()
+            for opt in opts:
+                params = [p for group in opt.param_groups for p in group["params"]]
+                grads |= {str(p.grad.dtype) for p in params if p.grad is not None}
+                opt.step()
+                opt.zero_grad()
+        state = full_state(model, scenario)
+        return {"after_cast": after_cast, "grads": sorted(grads), "params": state}
+
+
+def cast_reference(scenario: Scenario) -> dict[str, np.ndarray]:
+    """:func:`cast_after_wrap`'s training in one process on the unwrapped net."""
+    net = make_net(scenario).double()
+    opts = optimizers(net)
+    for micro in range(len(scenario.skips)):
+        x, y = batch(scenario, micro)
+        loss_of(net(x.double(), skip_names(scenario, micro)), y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach().numpy().copy() for k, v in net.named_parameters()}

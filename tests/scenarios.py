@@ -1063,7 +1063,13 @@ def full_state(
         return None
     if names is None:
         names = {k for k, _ in make_net(scenario).named_parameters()}
-    return {k: v.detach().float().numpy().copy() for k, v in state.items() if k in names}
+    # float32 but for float64, which keeps its precision (a model cast to double).
+    wide = torch.float64
+    return {
+        k: v.detach().to(wide if v.dtype == wide else torch.float32).numpy().copy()
+        for k, v in state.items()
+        if k in names
+    }
 
 
 def distributed_model(

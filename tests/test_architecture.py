@@ -52,6 +52,7 @@ THIRD_PARTY_PRIVATES = {
     "_modules": "nn.Module's child registry",
     "_parameters": "nn.Module's parameter registry",
     "_buffers": "nn.Module's buffer registry",
+    "_apply": "nn.Module's conversion, which every cast and move runs",
 }
 THIRD_PARTY_READS: dict[tuple[str, str], str] = {}
 """(module prefix, private): a third-party private that modules of that prefix read

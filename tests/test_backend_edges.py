@@ -15,7 +15,13 @@ import pytest
 from tests import edge_workers as ew
 from tests import ignored_workers as iw
 from tests.scenarios import (
+    DDP,
     FAIRSCALE,
+    FSDP2,
+    FSDP2_HSDP,
+    GATED,
+    HYBRID_CONFIGS,
+    TORCH_NO_SHARD_RUNTIME,
     BackendConfig,
     backend_param,
     check_equivalent,
@@ -164,3 +170,43 @@ def test_ignored_parameters_with_skip_sets_train_like_the_reference(
         ), step
         aux_off = "body.1" in skip or "body.1.aux" in skip
         assert ("body.1.aux.weight" in none) == aux_off, step
+
+
+FULL_SHARD = BackendConfig("torch", "FULL_SHARD")
+CAST_BACKENDS = [
+    backend_param(FAIRSCALE, True, False),
+    backend_param(FULL_SHARD, True, False),
+    backend_param(FULL_SHARD, False, False),
+    backend_param(FULL_SHARD, True, True, slow=True),
+    backend_param(BackendConfig("torch", "SHARD_GRAD_OP"), True, False),
+    backend_param(NO_SHARD, True, False),
+    backend_param(TORCH_NO_SHARD_RUNTIME, True, False),
+    backend_param(DDP, True, False),
+    backend_param(FSDP2, True, False, ci=True),
+    backend_param(FSDP2_HSDP, True, False),
+    *(backend_param(config, True, False) for config in HYBRID_CONFIGS),
+]
+
+
+@pytest.mark.parametrize(("backend", "optimizers_first", "orig"), CAST_BACKENDS)
+def test_a_model_cast_after_the_wrap_trains_in_its_new_dtype(
+    dist_pool: PoolFactory, backend: BackendConfig, optimizers_first: bool, orig: bool
+) -> None:
+    """torch's FSDP1 and FSDP2 let a model be cast between their construction and the
+    first forward (their lazy initialisation reads the dtype then); flatview runs that
+    initialisation at wrap, so ``model.double()`` after ``flatview.wrap`` used to fail
+    (FSDP1: an all-gather of float64 shards into a float32 buffer; FSDP2: float32
+    gradients assigned to float64 parameters). Now the views are float64 at once, every
+    gradient is, and training ends where the float64 reference does (to 1e-12: a
+    float32 training would be 1e-7 off), optimizers built before the cast or after
+    (``orig``: torch FSDP1 with ``use_orig_params=True``)."""
+    if backend.backend == "fairscale":
+        _needs_fairscale()
+    scenario = backend.scenario(GATED, options={"use_orig_params": True} if orig else {})
+    results = dist_pool(scenario.world_size).run(
+        ew.cast_after_wrap, scenario, optimizers_first, timeout=TIMEOUT
+    )
+    for result in results:
+        assert result["after_cast"] == ["torch.float64"], result["after_cast"]
+        assert result["grads"] == ["torch.float64"], result["grads"]
+    compare(results[0]["params"], ew.cast_reference(scenario), tolerance=1e-12)

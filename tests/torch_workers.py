@@ -123,9 +123,14 @@ def uninstall_task(scenario: Scenario) -> list[str]:
     patched = list(fv.adapter._patches._patched)  # type: ignore[attr-defined]
     fv.adapter.uninstall()
     gone = patches._NOTHING
+    # A name patched twice (a unit's _apply: recasting, then lending) ends as it was
+    # before the first patch.
+    first: dict[tuple[int, str], tuple[object, str, object]] = {}
+    for owner, name, previous in patched:
+        first.setdefault((id(owner), name), (owner, name, previous))
     left = [
         f"{type(owner).__name__}.{name}"
-        for owner, name, previous in patched
+        for owner, name, previous in first.values()
         if vars(owner).get(name, gone) is not previous
     ]
     # Some patch did shadow one of torch's own (FlatParamHandle._setattr_tensor): put back.

@@ -99,6 +99,7 @@ from flatview.backends.fsdp2_reduce import (
 )
 from flatview.backends.messages import unreduced_inside_forward
 from flatview.backends.patches import Patches
+from flatview.backends.recast import fsdp2_recasting
 from flatview.comm.held import HeldReduceScatters
 from flatview.comm.options import ReduceOptions
 from flatview.comm.unused import UsageFlags, undeclared_unused
@@ -254,6 +255,9 @@ class FSDP2Adapter(Adapter):
             for group in unit.groups:
                 patches.patch(group, "post_backward", self._post_backward_of(index, group))
         patches.hook(self.root.register_forward_hook(self._post_forward))
+        for unit in self.units:
+            for module in unit.state._modules:
+                patches.patch(module, "_apply", fsdp2_recasting(unit.groups, module._apply))
         for unit in self.units:
             # FSDP queues the callback of whichever state's pre-backward fires first.
             patches.patch(

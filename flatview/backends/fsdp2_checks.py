@@ -60,6 +60,7 @@ _GROUP_ATTRS = (
     "_reduce_scatter_comm",
     "_post_forward_indices",
     "_all_reduce_hook",
+    "_init_mp_dtypes",
 )
 
 
@@ -70,6 +71,7 @@ _PARAM_ATTRS = (
     "is_dtensor",
     "offload_to_cpu",
     "unsharded_accumulated_grad",
+    "orig_dtype",
 )
 
 

@@ -55,6 +55,7 @@ from flatview.autograd import at_end_of_backward, in_backward
 from flatview.backends.base import Adapter, UnitSpec, end_root_forward
 from flatview.backends.compute_tensors import set_directly
 from flatview.backends.patches import Patches
+from flatview.backends.recast import fsdp1_recasting
 from flatview.backends.torch_fsdp_checks import TorchFSDPModel, refuse_comm_hooks
 from flatview.backends.torch_fsdp_describe import clean_name, describe_units
 from flatview.backends.torch_fsdp_prefetch import PrefetchSteering
@@ -159,8 +160,11 @@ class TorchFSDPAdapter(Adapter):
             )
             device = self.device if unit is self.root else None
             patches.patch(unit, "forward", summonable(unit, unit.forward, device))
-            patches.lending(unit, lending_methods(unit, self.root), self._lend)
             handle = unit._handle
+            if handle is not None:
+                # Inside the lending below: views are shown again over the new shard.
+                patches.patch(unit, "_apply", fsdp1_recasting(handle, unit._apply))
+            patches.lending(unit, lending_methods(unit, self.root), self._lend)
             if handle is not None:
                 self._summon.patch(handle, patches)
                 if handle._setattr_tensor is _SAFE_SETATTR:

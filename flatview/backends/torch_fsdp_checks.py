@@ -93,6 +93,7 @@ _HANDLE_PRIVATES = (
     "_pre_forward_order_index",
     "_post_forward_index",
     "_prefetched",
+    "init_flat_param_attributes",
 )
 FLAT_PRIVATES = (
     "_param_infos",
