@@ -84,9 +84,11 @@ def refused(scenario: Scenario, case: str) -> str:
         net.emb = nn.Embedding(4, 2, sparse=True)
     model = DDP(net, **kwargs)
     if case == "comm_hook":
+        model.register_comm_hook(None, _own_hook)
+    if case == "comm_hook_group":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        model.register_comm_hook(dist.new_group([0]), default_hooks.fp16_compress_hook)
     if case == "mixed_precision":
         model.mixed_precision = object()  # what DDP(mixed_precision=...) sets
     if case == "join":
@@ -459,3 +461,73 @@ def frozen_before_the_wrap(scenario: Scenario, overlap: bool) -> dict[str, Any]:
         for a, b in zip(net.parameters(), plain.parameters(), strict=True)
     )
     return {"none": none, "worst": worst, "hooked": hooked}
+
+
+# DDP checks a hook's annotations, and this module's are strings (postponed): none.
+def _own_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """A hook of the user's own (torch's allreduce hook, under another name)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _bf16_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """torch's ``bf16_compress_hook`` without its check for NCCL (gloo sums bfloat16):
+    cast, divide by the group's size, sum, cast back into the bucket."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    future = dist.all_reduce(compressed, async_op=True).get_future()
+
+    def decompress(fut: Any) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+def _register(model: DDP, hook: str, bare: bool) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if hook.startswith("builtin_"):
+        kinds = {"builtin_allreduce": "ALLREDUCE", "builtin_fp16": "FP16_COMPRESS"}
+        model._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, kinds[hook]))
+    elif hook == "bf16_compress_hook":
+        # torch's refuses to be registered without NCCL: bare DDP runs the same
+        # arithmetic as a hook of its own; flatview reads the record register_comm_hook
+        # would have left (DDP's reducer, which it keeps idle, is not told).
+        if bare:
+            model.register_comm_hook(None, _bf16_hook)
+        else:
+            model._comm_hooks.append((default_hooks.bf16_compress_hook, None))
+    elif hook:
+        model.register_comm_hook(None, getattr(default_hooks, hook))
+
+
+def with_comm_hook(scenario: Scenario, hook: str, use_flatview: bool) -> dict[str, Any]:
+    """The scenario on DDP with ``hook`` registered (``""``: none; ``builtin_fp16`` /
+    ``builtin_allreduce``: torch's C++ hooks; else a hook of torch's ``default_hooks``
+    by name), bare (``find_unused_parameters=True``) or wrapped by flatview after the
+    hook was registered, skipping the scenario's blocks, under SGD without momentum (a
+    zero gradient, which bare DDP gives skipped parameters, then moves nothing, as
+    ``None`` does). Returns rank 0's final parameters and, wrapped, the bytes each
+    step's gradient all-reduces moved."""
+    net = make_net(scenario)
+    model = DDP(net, find_unused_parameters=not use_flatview)
+    _register(model, hook, bare=not use_flatview)
+    fv = flatview.wrap(model) if use_flatview else None
+    params = list(fv.parameters()) if fv is not None else list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    reduced = []
+    for micro in range(len(scenario.skips)):
+        x, y = local_batch(scenario, micro)
+        skip = as_names(scenario.skips[micro])
+        if fv is not None:
+            with fv.step(skip=skip):
+                loss_of(model(x, skip), y).backward()
+            reduced.append(fv.stats.reduced_bytes)
+        else:
+            loss_of(model(x, skip), y).backward()
+        opt.step()
+        opt.zero_grad()
+    state = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+    return {"params": state if dist.get_rank() == 0 else None, "reduced": reduced}

@@ -106,7 +106,7 @@ class DDPAdapter(Adapter):
                 if name not in ignored:  # DDP's own name for it
                     reduced.add(id(param))
         self._backward = ReplicatedBackward(
-            params, reduced, int(ddp.bucket_bytes_cap), options, self, ddp
+            params, reduced, int(ddp.bucket_bytes_cap), options, self, ddp, model.compression
         )
         self._patches = Patches()
 

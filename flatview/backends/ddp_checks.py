@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatview.backends.ddp_comm_hooks import compression_of
 from flatview.backends.internals import optional_class, require_attrs, require_autograd_internals
 from flatview.backends.torch_versions import tested_torch
+from flatview.comm.replicated import Compression
 from flatview.errors import StateError, WrapError
 
 _PRIVATES = (
@@ -29,6 +31,7 @@ _PRIVATES = (
     "static_graph",
     "mixed_precision",
     "_comm_hooks",
+    "_get_ddp_logging_data",
     "_use_python_reducer",
     "_delay_all_reduce_params",
     "_join_config",
@@ -50,12 +53,6 @@ JOIN_REFUSED = (
 """Why the adapter refuses DDP's join: at wrap time if a join is on, and at a forward
 inside one (:func:`refuse_enabled_join`)."""
 
-
-COMM_HOOK_REFUSED = (
-    "DDP has a communication hook (register_comm_hook); flatview all-reduces the "
-    "gradients itself and would bypass it"
-)
-"""Why a DDP communication hook is refused at wrap time (after it: :data:`HOOK_METHODS`)."""
 
 HOOK_METHODS = ("register_comm_hook", "_register_builtin_comm_hook")
 """DDP's methods that register a communication hook: a wrapped model refuses them
@@ -118,8 +115,6 @@ def _check_supported(ddp: Any) -> None:
             "parameters every step; skip sets break that promise. Build DDP without "
             "static_graph (flatview reduces the gradients itself)"
         )
-    if ddp._comm_hooks:
-        raise WrapError(COMM_HOOK_REFUSED)
     if ddp.mixed_precision is not None:
         raise WrapError(
             "DDP's mixed_precision is not supported by flatview; use torch.autocast "
@@ -153,6 +148,8 @@ class DDPModel:
     group: dist.ProcessGroup | None
     rank: int
     world_size: int
+    compression: Compression | None
+    """How its communication hook reduces (``None``: no hook)."""
 
 
 def inspect(model: nn.Module) -> DDPModel:
@@ -160,5 +157,6 @@ def inspect(model: nn.Module) -> DDPModel:
     relies on, before anything is patched."""
     ddp: Any = model
     _check_supported(ddp)
+    compression = compression_of(ddp)
     group: dist.ProcessGroup | None = ddp.process_group
-    return DDPModel(ddp, group, dist.get_rank(group), dist.get_world_size(group))
+    return DDPModel(ddp, group, dist.get_rank(group), dist.get_world_size(group), compression)

@@ -74,10 +74,16 @@ def comm_hook_after_wrap(wrapper: str) -> StateError:
     flatview reduces the gradients itself (on torch FSDP1 through its own hook), so the
     user's hook would be bypassed, or trip the wrapper's own check. A model that has one
     is refused at the wrap."""
+    served = (
+        " (torch's allreduce, fp16 and bf16 compression hooks, registered before the "
+        "wrap, are reproduced in flatview's reduction)"
+        if wrapper == "DDP"
+        else ""
+    )
     return StateError(
         f"register_comm_hook on a {wrapper} model wrapped by flatview: flatview reduces the "
         "gradients itself and would bypass the hook (a model that has one is refused at "
-        f"the wrap); call fv.unwrap() first to train with it on bare {wrapper}"
+        f"the wrap{served}); call fv.unwrap() first to train with it on bare {wrapper}"
     )
 
 

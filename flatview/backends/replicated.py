@@ -68,7 +68,7 @@ from flatview.backends.bucket_order import BucketPlans
 from flatview.backends.patches import Patches
 from flatview.comm.bucketing import FIRST_BUCKET_BYTES, BucketRound
 from flatview.comm.options import ReduceOptions
-from flatview.comm.replicated import ReplicatedReduction
+from flatview.comm.replicated import Compression, ReplicatedReduction
 from flatview.comm.unused import (
     UsageFlags,
     gradients_taken_in_backward,
@@ -144,8 +144,11 @@ class ReplicatedBackward:
         options: ReduceOptions,
         adapter: Adapter,
         model: nn.Module,
+        compression: Compression | None = None,
     ) -> None:
         self.params = params
+        self.compression = compression
+        """How each bucket travels (DDP's communication hook; ``None``: no hook)."""
         self._model = model
         self.reduced = reduced
         self.options = options
@@ -184,7 +187,13 @@ class ReplicatedBackward:
         flatview reduces, to learn when its gradient is ready."""
         self._runtime = runtime
         self._reduction = ReplicatedReduction(
-            self.group, self.rank, self.world_size, runtime.ledger, self.options, self.bucket_numel
+            self.group,
+            self.rank,
+            self.world_size,
+            runtime.ledger,
+            self.options,
+            self.bucket_numel,
+            self.compression,
         )
         self._tensors: dict[int, nn.Parameter] = {}
         """Per runtime index of a parameter flatview reduces, the parameter (plain: the

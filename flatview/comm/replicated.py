@@ -29,6 +29,18 @@ from flatview.comm.reduction import InPlace, Reduction
 from flatview.layout import MaskPlan
 
 
+@dataclass(frozen=True)
+class Compression:
+    """How a bucket of entire tensors travels when a DDP communication hook says so
+    (:mod:`flatview.backends.ddp_comm_hooks`): cast to ``dtype`` (``None``: as it is),
+    divided by the group's size in that dtype, summed over the group, cast back. The
+    same arithmetic per element as the hook, whatever else shares the bucket."""
+
+    dtype: torch.dtype | None
+    hook: str
+    """The hook served, by name (for messages)."""
+
+
 @dataclass
 class _Bucket:
     """Gradients queued for one all-reduce: (offset, count, on_done) each, packed into
@@ -48,6 +60,9 @@ class _TensorBucket:
     work: dist.Work
     pieces: list[torch.Tensor]
     """The buffer's pieces, shaped like the targets."""
+    compressed: torch.Tensor | None = None
+    """What travels instead of the buffer under a :class:`Compression` (cast back into
+    it when the collective is done)."""
 
 
 LAYOUTS = 256
@@ -68,8 +83,11 @@ class ReplicatedReduction(Reduction):
         ledger: Ledger,
         options: ReduceOptions,
         bucket_numel: int,
+        compression: Compression | None = None,
     ) -> None:
         super().__init__(group, rank, world_size, ledger, options, bucket_numel)
+        self.compression = compression
+        """How buckets of entire tensors travel (:meth:`start_all_reduce_tensors`)."""
         self._buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
         self._tensor_buckets: list[_TensorBucket] = []
         self._native_average: bool | None = None
@@ -177,6 +195,17 @@ class ReplicatedReduction(Reduction):
             self._layouts_over = None
         buffer, pieces = layout
         torch._foreach_copy_(pieces, list(tensors))
+        compression = self.compression
+        if compression is not None:
+            # As the hook: cast, divide by the group's size in that dtype, sum.
+            dtype = compression.dtype or buffer.dtype
+            compressed = buffer.to(dtype).div_(predivide)
+            self.ledger.record("all_reduce", compressed)
+            work = dist.all_reduce(compressed, group=self.group, async_op=True)
+            assert work is not None
+            bucket = _TensorBucket(list(tensors), buffer, work, pieces, compressed)
+            self._tensor_buckets.append(bucket)
+            return
         op = dist.ReduceOp.SUM
         if predivide == self.world_size and self._averages_natively():
             op = dist.ReduceOp.AVG  # divided inside the collective: one pass less over memory
@@ -214,6 +243,8 @@ class ReplicatedReduction(Reduction):
             bucket.work.wait()
             if discard:
                 continue
+            if bucket.compressed is not None and bucket.compressed is not bucket.buffer:
+                bucket.buffer.copy_(bucket.compressed)
             torch._foreach_copy_(bucket.targets, bucket.pieces)
 
     def _trim_buffers(self) -> None:
