@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from tests.scenarios import (
     optimizers,
     reference_model,
     reference_training,
+    skip_names,
     synced_backward,
     wrap_fsdp,
 )
@@ -266,3 +268,50 @@ def refused(kind: str) -> str:
     except flatview.WrapError as error:
         return str(error)
     return ""
+
+
+def _generate(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """A generation method (Hugging Face's ``generate`` calls the model itself, several
+    times, without autograd)."""
+    with torch.no_grad():
+        first = self(x)
+        return (first + self(0.5 * x)).argmax(-1)
+
+
+def _train_loss(self: Any, x: torch.Tensor, y: torch.Tensor, skip: Any) -> torch.Tensor:
+    """A training loss computed by a method, through the model's ``forward`` itself."""
+    return loss_of(self.forward(x, skip), y)
+
+
+def registered_forward_methods(scenario: Scenario, use_flatview: bool) -> dict[str, Any]:
+    """FSDP2 told to run ``generate`` and ``train_loss`` as forwards
+    (``register_fsdp_forward_method``), as RLHF loops do for generation: bare or wrapped
+    by flatview, the scenario's steps trained through the model itself (even steps) or
+    through ``train_loss`` (odd ones), each followed by a generation. Returns every
+    generation and rank 0's final parameters."""
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    net = make_net(scenario)
+    net.generate = types.MethodType(_generate, net)  # type: ignore[assignment]
+    net.train_loss = types.MethodType(_train_loss, net)  # type: ignore[assignment]
+    model = wrap_fsdp(scenario, net)
+    register_fsdp_forward_method(model, "generate")
+    register_fsdp_forward_method(model, "train_loss")
+    fv = flatview.wrap(model) if use_flatview else None
+    params = list(fv.parameters()) if fv is not None else list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    generated = []
+    for micro in range(len(scenario.skips)):
+        x, y = local_batch(scenario, micro)
+        skip = skip_names(scenario, micro)
+        with fv.step(skip=skip) if fv is not None else contextlib.nullcontext():
+            if micro % 2:
+                model.train_loss(x, y, skip).backward()  # type: ignore[operator]
+            else:
+                loss_of(model(x, skip), y).backward()
+        opt.step()
+        opt.zero_grad()
+        generated.append(model.generate(x).tolist())  # type: ignore[operator]
+    return {"generated": generated, "params": full_state(model, scenario)}

@@ -98,6 +98,20 @@ def test_same_as_plain_fsdp2(dist_pool: PoolFactory, world_size: int, options: d
         assert gathers == expected
 
 
+def test_forward_methods_registered_with_fsdp2(dist_pool: PoolFactory) -> None:
+    """``register_fsdp_forward_method``: a ``generate`` that calls the model itself,
+    between steps (as RLHF loops on FSDP2 do), and training steps through a registered
+    loss method (only the nested units' forwards reach flatview's hooks), skipping
+    blocks: the generations are bare FSDP2's, the training bit for bit."""
+    scenario = FSDP2.scenario(GATED, skips=SKIPS)
+    pool = dist_pool(2)
+    bare = pool.run(w.registered_forward_methods, scenario, False, timeout=TIMEOUT)
+    wrapped = pool.run(w.registered_forward_methods, scenario, True, timeout=TIMEOUT)
+    for got, want in zip(wrapped, bare, strict=True):
+        assert got["generated"] == want["generated"]
+    compare(wrapped[0]["params"], bare[0]["params"], tolerance=0.0)
+
+
 def test_built_on_meta_refused_until_materialized(dist_pool: PoolFactory) -> None:
     """A net built on the meta device and sharded there: ``flatview.wrap`` before
     ``to_empty`` is refused naming the parameters (torch's lazy initialisation raised
