@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
@@ -271,3 +272,43 @@ def fsdp1_optimizers_full_on_rank0(scenario: Any, split: int, out_dir: str) -> d
             pass
         out["resumed"] = full_state(model, scenario)
     return out
+
+
+def ddp_comm_hook_bare_and_wrapped(run: Run, hook: str) -> dict[str, Any]:
+    """accelerate's DDP with ``DistributedDataParallelKwargs(comm_hook=...)`` (``"NO"``,
+    ``"FP16"``, ``"BF16"``: accelerate registers torch's hook as it prepares the model),
+    the run's batches, nothing skipped, SGD over the model: bare (``prepare(model,
+    optimizer)``) and through :func:`prepare` with flatview; rank 0's final parameters
+    of each."""
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    out: dict[str, Any] = {}
+    for wrapped in (False, True):
+        kind = DDPCommunicationHookType[hook]
+        handler = DistributedDataParallelKwargs(comm_hook=kind)
+        if hook == "BF16":
+            # torch's bf16 hook refuses to be registered without NCCL; accelerate's
+            # registration is what is tested, so its check is lifted for the run.
+            from torch.nn.parallel import DistributedDataParallel
+
+            check = DistributedDataParallel._check_comm_hook
+            DistributedDataParallel._check_comm_hook = lambda self, hook: None  # type: ignore[assignment,method-assign]
+        try:
+            with _accelerator(kwargs_handlers=[handler]) as accelerator:
+                net = make_net(run.scenario)
+                if wrapped:
+                    model, fv, (opt,) = prepare(
+                        accelerator, net, lambda m: [torch.optim.SGD(m.parameters(), lr=0.1)]
+                    )
+                else:
+                    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+                for _, (x, y) in enumerate(local_batches(run)):
+                    with fv.step() if wrapped else contextlib.nullcontext():
+                        accelerator.backward(loss_of(model(x), y))
+                    opt.step()
+                    opt.zero_grad()
+                out["flatview" if wrapped else "bare"] = params_of(net)
+        finally:
+            if hook == "BF16":
+                DistributedDataParallel._check_comm_hook = check  # type: ignore[method-assign]
+    return out if dist.get_rank() == 0 else {}

@@ -396,6 +396,22 @@ def test_accelerate_deepspeed_bf16_trains_as_bare(dist_pool: PoolFactory, stage:
 
 
 @needs_accelerate
+@pytest.mark.parametrize("hook", ["FP16", pytest.param("BF16", marks=pytest.mark.slow)])
+def test_accelerate_ddp_comm_hook_trains_as_bare(dist_pool: PoolFactory, hook: str) -> None:
+    # DistributedDataParallelKwargs(comm_hook=...): accelerate registers torch's
+    # compression hook as it prepares the model; through prepare with flatview the
+    # training is bare accelerate's with the hook, bit for bit, and not the one without
+    # it (flatview used to refuse these hooks).
+    run = iw.Run(replace(iw.EVEN, skips=((),) * len(iw.EVEN.skips)))
+    got = _run(dist_pool(2), ACCELERATE, "ddp_comm_hook_bare_and_wrapped", run, hook)[0]
+    plain = _run(dist_pool(2), ACCELERATE, "ddp_comm_hook_bare_and_wrapped", run, "NO")[0]
+    moved = max(np.abs(plain["bare"][n] - v).max() for n, v in got["bare"].items())
+    assert moved > 1e-6  # the hook changes the numbers: a bypassed hook would show
+    for name, value in got["bare"].items():
+        np.testing.assert_array_equal(got["flatview"][name], value, err_msg=name)
+
+
+@needs_accelerate
 def test_accelerate_save_and_load_state_resume_exactly(dist_pool: PoolFactory) -> None:
     run = iw.Run(iw.EVEN, manual=True)
     _check(_run(dist_pool(2), ACCELERATE, "train", run, resume=True), run)
