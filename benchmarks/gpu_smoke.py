@@ -267,6 +267,77 @@ def check_mixed_precision(cfg: bench.Config, device: torch.device, steps: int) -
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
+def check_cast_after_wrap(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
+    """Each wrapper + flatview with the model cast to bfloat16 after ``flatview.wrap``
+    (``model.to(torch.bfloat16)``, as torch allows between building a wrapper and its
+    first forward), optimizers built before the cast: the views are bfloat16 and the
+    training ends where the unwrapped model cast alike does (up to bfloat16 rounding)."""
+    masks = bench.skip_masks(cfg, steps)
+    batches = [
+        (x.to(device, torch.bfloat16), y.to(device)) for x, y in bench.make_batches(cfg, steps, 0)
+    ]
+    reference = bench.make_net(cfg).to(device, torch.bfloat16)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg.lr)
+    for (x, y), skip in zip(batches, masks, strict=True):
+        _step(reference, None, ref_opt, x, y, skip)
+    want = {n: p.detach().float() for n, p in reference.named_parameters()}
+    results: dict[str, Any] = {}
+    for name, wrap in _wrappers(device).items():
+        try:
+            model = wrap(bench.make_net(cfg).to(device))
+            fv = flatview.wrap(model, **_WRAP_OPTIONS.get(name, {}))
+            opt = torch.optim.SGD(fv.parameters(), lr=cfg.lr)
+            model.to(torch.bfloat16)
+            dtypes = sorted({str(p.dtype) for p in fv.parameters()})
+            for (x, y), skip in zip(batches, masks, strict=True):
+                _step(model, fv, opt, x, y, skip)
+            got = {
+                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+                for n, p in fv.named_parameters()
+            }
+            worst = max(float((got[n] - want[n]).abs().max()) for n in want)
+            ok = dtypes == ["torch.bfloat16"] and worst < 5e-2
+            results[name] = {"ok": ok, "max_abs_diff": worst, "dtypes": dtypes}
+        except Exception as exc:  # reported, not raised: the other wrappers still run
+            results[name] = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(limit=-4),
+            }
+    return results
+
+
+def check_ddp_comm_hooks(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
+    """DDP with torch's fp16 and bf16 compression hooks registered before the wrap:
+    flatview + DDP against bare DDP with the same hook, nothing skipped (bare DDP would
+    need ``find_unused_parameters``). flatview reproduces the hook's arithmetic, so they
+    must agree exactly. torch's bf16 hook needs NCCL."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index or 0] if device.type == "cuda" else None
+    batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, steps, 0)]
+    hooks = ["fp16_compress_hook"] + (["bf16_compress_hook"] if device.type == "cuda" else [])
+    results: dict[str, Any] = {}
+    for hook in hooks:
+        try:
+            finals = []
+            for with_flatview in (False, True):
+                net = bench.make_net(cfg).to(device)
+                model = DDP(net, device_ids=ids)
+                model.register_comm_hook(None, getattr(default_hooks, hook))
+                fv = flatview.wrap(model) if with_flatview else None
+                opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=0.9)
+                for x, y in batches:
+                    _step(model, fv, opt, x, y, [])
+                finals.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+            worst = float((finals[0] - finals[1]).abs().max())
+            results[hook] = {"ok": worst == 0.0, "max_abs_diff": worst}
+        except Exception as exc:  # reported, not raised
+            results[hook] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return results
+
+
 def check_agreement_readback(device: torch.device) -> dict[str, Any]:
     """The skip-set check reads its fingerprints through a side stream: right values, and
     without waiting for compute queued after the check started (as a forward is). At
@@ -833,6 +904,10 @@ def main(argv: list[str] | None = None) -> int:
         report["equivalence"]["whole_muon_torch_fsdp1"] = check_whole_muon(cfg, device, args.steps)
         for kind, found in check_coalesced(cfg, device, args.steps).items():
             report["equivalence"][f"coalesced_{kind}_torch_fsdp1"] = found
+        for name, found in check_cast_after_wrap(cfg, device, args.steps).items():
+            report["equivalence"][f"cast_after_wrap_{name}"] = found
+        for hook, found in check_ddp_comm_hooks(cfg, device, args.steps).items():
+            report["equivalence"][f"ddp_{hook}"] = found
         report["agreement_readback"] = check_agreement_readback(device)
         report["frameworks"] = check_frameworks(cfg, device, args.steps)
         report["timing_ms"] = time_ddp(cfg, device, args.timed_steps)
