@@ -170,6 +170,23 @@ def _wrappers(device: torch.device) -> dict[str, Callable[[nn.Module], nn.Module
     return wrappers
 
 
+def _full_values(fv: Any) -> dict[str, torch.Tensor]:
+    """``fv``'s parameters by name, whole (FSDP2's are DTensors: their full values)."""
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        for n, p in fv.named_parameters()
+    }
+
+
+def _failed(exc: Exception) -> dict[str, Any]:
+    """A check's report of the exception it caught."""
+    return {
+        "ok": False,
+        "error": f"{type(exc).__name__}: {exc}",
+        "traceback": traceback.format_exc(limit=-4),
+    }
+
+
 def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
     """Each wrapper + flatview against the unwrapped model, same data and skips."""
     masks = bench.skip_masks(cfg, steps)
@@ -205,11 +222,7 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
                 opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            # FSDP2's parameters are DTensors: compare their full values.
-            got = {
-                n: p.full_tensor() if hasattr(p, "full_tensor") else p
-                for n, p in fv.named_parameters()
-            }
+            got = _full_values(fv)
             worst = max(
                 float((got[n].detach().reshape(-1) - want[n].reshape(-1)).abs().max())
                 for n in want
@@ -225,11 +238,7 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
                 "other_syncs": {k: v for k, v in syncs.items() if k.startswith("/")},
             }
         except Exception as exc:  # reported, not raised: the other wrappers still run
-            results[name] = {
-                "ok": False,
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(limit=-4),
-            }
+            results[name] = _failed(exc)
     return results
 
 
@@ -291,19 +300,12 @@ def check_cast_after_wrap(cfg: bench.Config, device: torch.device, steps: int) -
             dtypes = sorted({str(p.dtype) for p in fv.parameters()})
             for (x, y), skip in zip(batches, masks, strict=True):
                 _step(model, fv, opt, x, y, skip)
-            got = {
-                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
-                for n, p in fv.named_parameters()
-            }
+            got = {n: p.float() for n, p in _full_values(fv).items()}
             worst = max(float((got[n] - want[n]).abs().max()) for n in want)
             ok = dtypes == ["torch.bfloat16"] and worst < 5e-2
             results[name] = {"ok": ok, "max_abs_diff": worst, "dtypes": dtypes}
         except Exception as exc:  # reported, not raised: the other wrappers still run
-            results[name] = {
-                "ok": False,
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(limit=-4),
-            }
+            results[name] = _failed(exc)
     return results
 
 
@@ -334,7 +336,7 @@ def check_ddp_comm_hooks(cfg: bench.Config, device: torch.device, steps: int) ->
             worst = float((finals[0] - finals[1]).abs().max())
             results[hook] = {"ok": worst == 0.0, "max_abs_diff": worst}
         except Exception as exc:  # reported, not raised
-            results[hook] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            results[hook] = _failed(exc)
     return results
 
 
