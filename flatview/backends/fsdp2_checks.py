@@ -39,6 +39,7 @@ from flatview.layout import FlatLayout, Segment
 
 STATE_ATTRS = (
     "_lazy_init",
+    "_modules",
     "_is_root",
     "_fsdp_param_groups",
     "_training_state",

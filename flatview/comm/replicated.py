@@ -31,10 +31,12 @@ from flatview.layout import MaskPlan
 
 @dataclass(frozen=True)
 class Compression:
-    """How a bucket of entire tensors travels when a DDP communication hook says so
-    (:mod:`flatview.backends.ddp_comm_hooks`): cast to ``dtype`` (``None``: as it is),
-    divided by the group's size in that dtype, summed over the group, cast back. The
-    same arithmetic per element as the hook, whatever else shares the bucket."""
+    """How a bucket of entire tensors travels when a communication hook's arithmetic is
+    to be reproduced (DDP's: :mod:`flatview.backends.ddp_comm_hooks`): cast to ``dtype``
+    (``None``: kept in the gradients' dtype), divided by the group's size in that dtype,
+    summed over the group, cast back. The same arithmetic per element as the hook,
+    whatever else shares the bucket; without one, a bucket is divided as the backend
+    averages best (``ReduceOp.AVG`` on NCCL)."""
 
     dtype: torch.dtype | None
     hook: str
