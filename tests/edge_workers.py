@@ -9,6 +9,7 @@ Each returns plain data (or raises) for the test process to assert on.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Collection
 from typing import Any
 
@@ -277,8 +278,11 @@ def cast_after_wrap(scenario: Scenario, optimizers_first: bool) -> dict[str, Any
     """The net wrapped in FSDP and flatview, then cast to float64 (``model.double()``:
     torch lets a model be cast between the wrapper's construction and its first
     forward), the scenario's optimizers built before the cast or after it, the scenario
-    trained on float64 batches. Returns the views' dtypes right after the cast, the
-    dtypes of every gradient the optimizers met, and (rank 0) the final float64 state."""
+    trained on float64 batches; then ``unwrap()`` and, but on DDP (whose reducer was
+    built for float32, see the warning), one more step on the bare wrapper with SGD over
+    its own parameters. Returns the views' dtypes right after the cast, the dtypes of
+    every gradient the optimizers met, what ``unwrap()`` warned, and (rank 0) the final
+    float64 state."""
     with backend_context(scenario.backend):
         model = wrap_fsdp(scenario, make_net(scenario))
         fv = flatview.wrap(model, **scenario.flatview_options)
@@ -298,12 +302,25 @@ def cast_after_wrap(scenario: Scenario, optimizers_first: bool) -> dict[str, Any
                 grads |= {str(p.grad.dtype) for p in params if p.grad is not None}
                 opt.step()
                 opt.zero_grad()
-        state = full_state(model, scenario)
-        return {"after_cast": after_cast, "grads": sorted(grads), "params": state}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fv.unwrap()
+        if scenario.backend != "ddp":
+            bare = torch.optim.SGD(model.parameters(), lr=0.1)
+            x, y = local_batch(scenario, len(scenario.skips))
+            loss_of(model(x.double()), y).backward()
+            bare.step()
+        return {
+            "after_cast": after_cast,
+            "grads": sorted(grads),
+            "unwrap_warnings": [str(w.message) for w in caught],
+            "params": full_state(model, scenario),
+        }
 
 
-def cast_reference(scenario: Scenario) -> dict[str, np.ndarray]:
-    """:func:`cast_after_wrap`'s training in one process on the unwrapped net."""
+def cast_reference(scenario: Scenario, bare_step: bool) -> dict[str, np.ndarray]:
+    """:func:`cast_after_wrap`'s training in one process on the unwrapped net
+    (``bare_step``: with its last SGD step over every parameter)."""
     net = make_net(scenario).double()
     opts = optimizers(net)
     for micro in range(len(scenario.skips)):
@@ -312,4 +329,8 @@ def cast_reference(scenario: Scenario) -> dict[str, np.ndarray]:
         for opt in opts:
             opt.step()
             opt.zero_grad()
+    if bare_step:
+        x, y = batch(scenario, len(scenario.skips))
+        loss_of(net(x.double()), y).backward()
+        torch.optim.SGD(net.parameters(), lr=0.1).step()
     return {k: v.detach().numpy().copy() for k, v in net.named_parameters()}

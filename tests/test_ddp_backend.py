@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from flatview.backends.bucket_order import readiness_order
+from flatview.backends.ddp_checks import cast_since_built
 from flatview.comm.bucketing import plan_buckets
 from tests import ddp_workers as w
 from tests.scenarios import DDP, GATED, Scenario
@@ -258,3 +260,31 @@ def test_parameters_frozen_before_the_wrap(dist_pool: PoolFactory, overlap: bool
         assert result["none"] == [sorted(frozen)] * 2 + [[]] * 2, result["none"]
         assert result["worst"] <= 1e-6, result["worst"]
         assert result["hooked"]
+
+
+class _FakeDDP:
+    """What :func:`cast_since_built` reads of DDP: its logging data and its module."""
+
+    def __init__(self, built: str, module: torch.nn.Module) -> None:
+        self.module = module
+        self._built = built
+
+    def _get_ddp_logging_data(self) -> dict[str, str]:
+        return {"dtypes": self._built}
+
+
+def test_cast_since_built_reads_ddps_record() -> None:
+    """The warning at ``unwrap()`` of a model cast after DDP was built compares DDP's own
+    record of the dtypes it was built for (its logging data's names) with the
+    parameters' now: silent when they agree, in any order; ``None`` for a dtype it cannot
+    name (it could not tell)."""
+    mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double())
+    assert cast_since_built(_FakeDDP("float", torch.nn.Linear(2, 2))) is None
+    assert cast_since_built(_FakeDDP("double, float", mixed)) is None
+    bf16 = torch.nn.Linear(2, 2).bfloat16()
+    assert cast_since_built(_FakeDDP("c10::BFloat16", bf16)) is None
+    said = cast_since_built(_FakeDDP("float", bf16))
+    assert said == "DDP was built for float, the parameters are c10::BFloat16 now"
+    assert (
+        cast_since_built(_FakeDDP("float", torch.nn.Linear(2, 2).to(torch.float8_e4m3fn))) is None
+    )

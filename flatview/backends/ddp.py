@@ -33,6 +33,7 @@ attribute named.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,7 @@ from flatview.backends.base import Adapter, PlainSpec, UnitSpec
 from flatview.backends.ddp_checks import (
     HOOK_METHODS,
     DDPModel,
+    cast_since_built,
     refuse_enabled_join,
     refusing_join_hook,
 )
@@ -149,6 +151,17 @@ class DDPAdapter(Adapter):
     def uninstall(self) -> None:
         self._patches.remove()
         self._backward.uninstall()
+        cast = cast_since_built(self.root)
+        if cast is not None:
+            warnings.warn(
+                f"flatview unwrapped a DDP model whose parameters were cast after DDP was "
+                f"built ({cast}): bare DDP's reducer keeps what it built for the old "
+                "tensors and no longer averages their gradients (the ranks drift apart); "
+                "flatview reduced them correctly while wrapped. Build a new DDP around the "
+                "module (DistributedDataParallel(ddp.module)) before training on without "
+                "flatview, or keep it wrapped",
+                stacklevel=3,
+            )
 
     # -------------------------------------------------------------- lifecycle
 

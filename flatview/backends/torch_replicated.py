@@ -52,6 +52,7 @@ from flatview.autograd import in_backward
 from flatview.backends.base import Adapter, PlainSpec, UnitSpec
 from flatview.backends.messages import double_count
 from flatview.backends.patches import LENDING_METHODS, Patches
+from flatview.backends.recast import fsdp1_recasting
 from flatview.backends.replicated import ReplicatedBackward
 from flatview.backends.summoning import forward_in_summon
 from flatview.backends.torch_fsdp_checks import TorchFSDPModel, refuse_comm_hooks
@@ -194,8 +195,12 @@ class TorchReplicatedAdapter(Adapter):
         for index, (_, unit) in enumerate(self.units):
             forward = self._root_forward if unit is self.root else self._unit_forward(index)
             patches.patch(unit, "forward", forward)
-            patches.lending(unit, LENDING_METHODS, self._lend)
             handle = unit._handle
+            if handle is not None:
+                # torch's own state follows a cast too, for after unwrap(); inside the
+                # lending below, so the views follow at once.
+                patches.patch(unit, "_apply", fsdp1_recasting(handle, unit._apply))
+            patches.lending(unit, LENDING_METHODS, self._lend)
             if handle is not None:
                 self._summon.patch(handle, patches)
         self._backward.install(runtime, patches)
