@@ -213,6 +213,39 @@ class OptimizerChecks:
             )
         if not self._lent():
             self._refuse_lent_tensors(optimizer)
+            self._refuse_added_parameters(optimizer)
+
+    def _refuse_added_parameters(self, optimizer: torch.optim.Optimizer) -> None:
+        """Parameters registered on the model after the wrap (a module added, adapters
+        injected): the wrapper did not take them in when it was built, nor flatview when
+        it wrapped, so nobody reduces their gradients and each rank trains its own copy
+        (bare wrappers alike: measured on DDP, FSDP1 and FSDP2, 0.08 apart after 3 steps).
+        Known as tensors the optimizer holds that are none of the model's parameters
+        flatview knows but are registered in its tree. Every rank holds the same tree, so
+        every rank raises, before the step."""
+        table = self.table
+        held = {
+            id(p)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if table.index_of(p) is None
+        }
+        if not held:
+            return
+        root = next(unit for unit in table.units if unit.is_root)
+        added = [
+            repr(self.adapter.clean_name(name))
+            for name, param in root.module.named_parameters()
+            if id(param) in held
+        ]
+        if added:
+            raise OptimStateError(
+                f"optimizer {type(optimizer).__name__} holds parameters registered on the "
+                f"model after it was wrapped ({_list(added, 4)}): neither the wrapper nor "
+                "flatview reduces their gradients, so each rank would train its own copy. "
+                "Add them before wrapping (before DDP or FSDP too), then call "
+                "flatview.wrap"
+            )
 
     def _refuse_lent_tensors(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer built inside ``summon_full_params`` or ``unflatten_params`` (the

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatview
+from flatview.errors import FlatViewError
 from tests.scenarios import (
     Scenario,
     _original_tree,
@@ -334,3 +335,23 @@ def cast_reference(scenario: Scenario, bare_step: bool) -> dict[str, np.ndarray]
         loss_of(net(x.double()), y).backward()
         torch.optim.SGD(net.parameters(), lr=0.1).step()
     return {k: v.detach().numpy().copy() for k, v in net.named_parameters()}
+
+
+def added_after_wrap(scenario: Scenario) -> str:
+    """A module added to the net after the wrap, its parameters given to the optimizer
+    beside the views: what the optimizer's first step raises (``"stepped"`` if none)."""
+    with backend_context(scenario.backend):
+        net = make_net(scenario)
+        model = wrap_fsdp(scenario, net)
+        fv = flatview.wrap(model, **scenario.flatview_options)
+        net.extra = nn.Linear(scenario.width, scenario.width)
+        params = [*fv.parameters(), *net.extra.parameters()]
+        opt = torch.optim.SGD(params, lr=0.1)
+        x, y = local_batch(scenario, 0)
+        with fv.step():
+            loss_of(model(x), y).backward()
+        try:
+            opt.step()
+        except FlatViewError as err:
+            return f"{type(err).__name__}: {err}"
+        return "stepped"
