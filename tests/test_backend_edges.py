@@ -239,8 +239,9 @@ def test_parameters_added_after_the_wrap_are_refused(
     dist_pool: PoolFactory, backend: BackendConfig
 ) -> None:
     """A module added to the model after the wrap: neither the wrapper nor flatview
-    reduces its gradients, so every rank trains its own copy (bare DDP, FSDP1 and FSDP2
-    alike: 0.08 apart after 3 steps, in silence). An optimizer holding its parameters is
+    reduces its gradients, so every rank trains its own copy (0.08 apart after 3 steps,
+    in silence, before this check; the bare wrappers alike). An optimizer holding its
+    parameters is
     refused at its first step, on every rank, naming them."""
     if backend.backend == "fairscale":
         _needs_fairscale()
