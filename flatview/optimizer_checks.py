@@ -212,28 +212,29 @@ class OptimizerChecks:
                 "FlatView.parameters()), or call FlatView.unwrap() to train on bare FSDP."
             )
         if not self._lent():
-            self._refuse_lent_tensors(optimizer)
-            self._refuse_added_parameters(optimizer)
+            foreign = [
+                p
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if table.index_of(p) is None
+            ]
+            if foreign:
+                self._refuse_lent_tensors(optimizer, foreign)
+                self._refuse_added_parameters(optimizer, foreign)
 
-    def _refuse_added_parameters(self, optimizer: torch.optim.Optimizer) -> None:
+    def _refuse_added_parameters(
+        self, optimizer: torch.optim.Optimizer, foreign: list[torch.Tensor]
+    ) -> None:
         """Parameters registered on the model after the wrap (a module added, adapters
         injected): the wrapper did not take them in when it was built, nor flatview when
         it wrapped, so nobody reduces their gradients and each rank trains its own copy
         (measured before this check: 0.08 apart after 3 steps; the bare wrappers leave
         them unreduced alike).
         Known as tensors the optimizer holds that are none of the model's parameters
-        flatview knows but are registered in its tree. Every rank holds the same tree, so
-        every rank raises, before the step."""
-        table = self.table
-        held = {
-            id(p)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if table.index_of(p) is None
-        }
-        if not held:
-            return
-        root = next(unit for unit in table.units if unit.is_root)
+        flatview knows (``foreign``) but are registered in its tree. Every rank holds the
+        same tree, so every rank raises, before the step."""
+        held = {id(p) for p in foreign}
+        root = next(unit for unit in self.table.units if unit.is_root)
         added = [
             repr(self.adapter.clean_name(name))
             for name, param in root.module.named_parameters()
@@ -248,24 +249,17 @@ class OptimizerChecks:
                 "flatview.wrap"
             )
 
-    def _refuse_lent_tensors(self, optimizer: torch.optim.Optimizer) -> None:
+    def _refuse_lent_tensors(
+        self, optimizer: torch.optim.Optimizer, foreign: list[torch.Tensor]
+    ) -> None:
         """An optimizer built inside ``summon_full_params`` or ``unflatten_params`` (the
         first seed's example) holds the tensors the wrapper put on the submodules for the
         length of the context: views of its full or flat buffers, which the model no
         longer reads once the context ends, and which get no gradient. Its steps would
         train nothing, on bare FSDP too. Known by storage: such a tensor shares the
         storage of the model's parameters without being one of them. Looked at only for
-        tensors that are not the model's parameters (other models' are not, and share
-        none of its storage)."""
-        table = self.table
-        foreign = [
-            p
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if table.index_of(p) is None
-        ]
-        if not foreign:
-            return
+        tensors that are not the model's parameters (``foreign``; other models' are not,
+        and share none of its storage)."""
         units = self._units_by_storage()
         for tensor in foreign:
             unit = units.get(storage_key(tensor))

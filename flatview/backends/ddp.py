@@ -48,6 +48,7 @@ from flatview.backends.ddp_checks import (
     refuse_enabled_join,
     refusing_join_hook,
 )
+from flatview.backends.ddp_comm_hooks import SERVED
 from flatview.backends.messages import comm_hook_after_wrap
 from flatview.backends.names import without_segments
 from flatview.backends.patches import Patches
@@ -136,7 +137,7 @@ class DDPAdapter(Adapter):
         patches.hook(self.root.register_forward_hook(self._after_forward, always_call=True))
         patches.patch(self.root, "forward", self._quiet_forward(self.root.forward))
         for name in HOOK_METHODS:
-            patches.refusing(self.root, name, lambda: comm_hook_after_wrap("DDP"))
+            patches.refusing(self.root, name, lambda: comm_hook_after_wrap("DDP", SERVED))
         patches.patch(self.root, "join_hook", refusing_join_hook(self.root.join_hook))
         self._backward.install(runtime, patches)
 

@@ -80,10 +80,13 @@ def _same_group(a: Any, b: Any) -> bool:
         return False
 
 
+SERVED = "torch's " + ", ".join([*_PYTHON_HOOKS, *_BUILTIN_HOOKS])
+"""The hooks served, for messages."""
+
+
 def _refused(what: str) -> str:
-    served = ", ".join([*_PYTHON_HOOKS, *_BUILTIN_HOOKS])
     return (
         f"DDP has a communication hook flatview does not reproduce ({what}); flatview "
-        "all-reduces the gradients itself and would bypass it. Served: torch's "
-        f"{served}. Train on bare DDP for another hook"
+        f"all-reduces the gradients itself and would bypass it. Served: {SERVED}. Train "
+        "on bare DDP for another hook"
     )

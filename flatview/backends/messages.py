@@ -69,17 +69,13 @@ def unfinished_backward(wrapper: str) -> StateError:
     )
 
 
-def comm_hook_after_wrap(wrapper: str) -> StateError:
+def comm_hook_after_wrap(wrapper: str, served: str = "") -> StateError:
     """``register_comm_hook`` on a ``wrapper`` model (its name) that flatview wraps:
     flatview reduces the gradients itself (on torch FSDP1 through its own hook), so the
     user's hook would be bypassed, or trip the wrapper's own check. A model that has one
-    is refused at the wrap."""
-    served = (
-        " (torch's allreduce, fp16 and bf16 compression hooks, registered before the "
-        "wrap, are reproduced in flatview's reduction)"
-        if wrapper == "DDP"
-        else ""
-    )
+    is refused at the wrap; ``served``: the hooks a wrap reproduces, if any."""
+    if served:
+        served = f" ({served}, registered before the wrap, are reproduced by flatview)"
     return StateError(
         f"register_comm_hook on a {wrapper} model wrapped by flatview: flatview reduces the "
         "gradients itself and would bypass the hook (a model that has one is refused at "

@@ -62,9 +62,9 @@ class _TensorBucket:
     work: dist.Work
     pieces: list[torch.Tensor]
     """The buffer's pieces, shaped like the targets."""
-    compressed: torch.Tensor | None = None
-    """What travels instead of the buffer under a :class:`Compression` (cast back into
-    it when the collective is done)."""
+    sent: torch.Tensor
+    """What the collective reduces: the buffer, or under a :class:`Compression` its cast
+    (cast back into the buffer when the collective is done)."""
 
 
 LAYOUTS = 256
@@ -197,26 +197,19 @@ class ReplicatedReduction(Reduction):
             self._layouts_over = None
         buffer, pieces = layout
         torch._foreach_copy_(pieces, list(tensors))
-        compression = self.compression
-        if compression is not None:
-            # As the hook: cast, divide by the group's size in that dtype, sum.
-            dtype = compression.dtype or buffer.dtype
-            compressed = buffer.to(dtype).div_(predivide)
-            self.ledger.record("all_reduce", compressed)
-            work = dist.all_reduce(compressed, group=self.group, async_op=True)
-            assert work is not None
-            bucket = _TensorBucket(list(tensors), buffer, work, pieces, compressed)
-            self._tensor_buckets.append(bucket)
-            return
         op = dist.ReduceOp.SUM
-        if predivide == self.world_size and self._averages_natively():
+        sent = buffer
+        if self.compression is not None:
+            # As the hook: cast, divide by the group's size in that dtype, sum.
+            sent = buffer.to(self.compression.dtype or buffer.dtype).div_(predivide)
+        elif predivide == self.world_size and self._averages_natively():
             op = dist.ReduceOp.AVG  # divided inside the collective: one pass less over memory
         elif predivide != 1.0:
             buffer.div_(predivide)
-        self.ledger.record("all_reduce", buffer)
-        work = dist.all_reduce(buffer, op=op, group=self.group, async_op=True)
+        self.ledger.record("all_reduce", sent)
+        work = dist.all_reduce(sent, op=op, group=self.group, async_op=True)
         assert work is not None
-        self._tensor_buckets.append(_TensorBucket(list(tensors), buffer, work, pieces))
+        self._tensor_buckets.append(_TensorBucket(list(tensors), buffer, work, pieces, sent))
 
     def _averages_natively(self) -> bool:
         """Whether the group's backend has ``ReduceOp.AVG`` (NCCL; gloo has not)."""
@@ -245,8 +238,8 @@ class ReplicatedReduction(Reduction):
             bucket.work.wait()
             if discard:
                 continue
-            if bucket.compressed is not None and bucket.compressed is not bucket.buffer:
-                bucket.buffer.copy_(bucket.compressed)
+            if bucket.sent is not bucket.buffer:
+                bucket.buffer.copy_(bucket.sent)
             torch._foreach_copy_(bucket.targets, bucket.pieces)
 
     def _trim_buffers(self) -> None:
