@@ -25,14 +25,17 @@ class StepStats:
     """Gradient bytes of the parameters that took part (what an exact exchange moves; 0
     where nothing needs exchanging)."""
     skipped_bytes: int
-    """Gradient bytes of skipped parameters, which stayed local."""
+    """Gradient bytes of skipped parameters, which stayed local (but inside an FSDP2
+    HSDP window of ``set_requires_all_reduce(False)``, where the units that run
+    reduce-scatter zeros for them: :attr:`reduced_bytes` counts what moved)."""
     params_skipped: int
     units_skipped: int
     units: int
     agreement_bytes: int
     """Input bytes of the skip-set agreement check (0 when it is turned off)."""
     synced: bool
-    """False for a backward under ``no_sync()``: gradients were only accumulated."""
+    """False for a backward under ``no_sync()`` (FSDP2: ``set_requires_gradient_sync(False)``,
+    or ``set_requires_all_reduce(False)`` on HSDP): gradients were only accumulated."""
     replica_bytes: int = 0
     """Under hybrid sharding, the part of :attr:`reduced_bytes` moved across the replica
     group (the all-reduce of each rank's used shard elements); 0 otherwise."""

@@ -18,6 +18,7 @@ from tests.scenarios import (
     local_batch,
     loss_of,
     make_net,
+    optimizer_steps,
     optimizers,
     reference_model,
     reference_training,
@@ -46,11 +47,11 @@ def against_plain(scenario: Scenario) -> dict[str, Any]:
 
 
 def _bare_fsdp2(scenario: Scenario) -> dict[str, Any] | None:
-    """The scenario's net sharded with FSDP2 alone, trained a step per micro-batch: its
-    full parameters (rank 0)."""
+    """The scenario's net sharded with FSDP2 alone, trained as the scenario says: its full
+    parameters (rank 0)."""
     plain = wrap_fsdp(scenario, make_net(scenario))
     plain_opts = optimizers(plain)
-    for micros in [range(i, i + 1) for i in range(len(scenario.skips))]:
+    for micros in optimizer_steps(scenario):
         synced_backward(scenario, plain, None, micros)
         for opt in plain_opts:
             opt.step()

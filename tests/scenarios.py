@@ -651,7 +651,11 @@ def scenarios(
         options=options,
     )
     # Drawn last, so that the draws before it stay what they were.
-    return replace(scenario, recompute=draw(st.sampled_from(recomputing(scenario))))
+    scenario = replace(scenario, recompute=draw(st.sampled_from(recomputing(scenario))))
+    if config.backend == "fsdp2" and config.hybrid and accumulate > 1 and draw(st.booleans()):
+        # HSDP's other window: reduce-scattered every micro-batch, all-reduced once.
+        scenario = replace(scenario, options={**options, "window": "all_reduce"})
+    return scenario
 
 
 def recomputing(scenario: Scenario) -> tuple[str, ...]:
@@ -985,7 +989,9 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
     ``hsdp`` (replicas: a 2-D mesh of that many replicas of ``world_size / hsdp``
     shards), ``reshard_after_forward``, ``mixed_precision`` ((param, reduce) dtype
     names), ``prefetch`` (explicit forward and backward prefetching of neighbours) and
-    ``reduce_scatter_unused_params`` (``set_reduce_scatter_unused_params(True)``)."""
+    ``reduce_scatter_unused_params`` (``set_reduce_scatter_unused_params(True)``) and
+    ``window="all_reduce"`` (HSDP: :func:`no_sync` accumulates with
+    ``set_requires_all_reduce(False)``, reduce-scattering every micro-batch)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1008,6 +1014,8 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     prefetch = options.pop("prefetch", False)
     reduce_unused = options.pop("reduce_scatter_unused_params", False)
+    window = options.pop("window", None)
+    assert window in (None, "all_reduce"), window
     options.pop("bucket_all_used", None)  # flatview's (Scenario.flatview_options)
     blocks: list[Any] = []
     if scenario.nested:
@@ -1020,6 +1028,8 @@ def _fully_shard(scenario: Scenario, net: Net) -> nn.Module:
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
     assert not options, f"unknown FSDP2 options {options}"
+    if window is not None:
+        model._test_window = window
     return model  # type: ignore[no-any-return]
 
 
@@ -1032,11 +1042,17 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
 
 @contextlib.contextmanager
 def _fsdp2_no_sync(model: Any) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
+    # HSDP's other window (torchtitan's): reduce-scatter each micro-batch, all-reduce once.
+    setting = (
+        model.set_requires_all_reduce
+        if getattr(model, "_test_window", None) == "all_reduce"
+        else model.set_requires_gradient_sync
+    )
+    setting(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        setting(True)
 
 
 def full_state(

@@ -65,6 +65,58 @@ def test_accumulation_with_different_skips(dist_pool: PoolFactory) -> None:
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
+# Two micro-batches per step: units run in one micro-batch only (block 1's in the first:
+# FSDP2 keeps its reduce-scatter's sum past a closing backward that skips it), root and
+# gate parameters skipped in one of the two (the reduce-scatter's layout changes inside
+# the window), block 3 and a gate skipped in both (no gradient).
+WINDOW_SKIPS = (
+    (0,),
+    (1, "aux"),
+    ("body.0.gate",),
+    ("body.1.gate", "body.2.gate", 3),
+    ("body.0.gate", 3),
+    ("body.0.gate", 3, "aux"),
+    (),
+    (0, 2, "body.1.gate"),
+)
+
+
+@pytest.mark.parametrize(
+    ("zero_grad_at", "set_to_none"),
+    [("after_step", True), ("between", False), ("before_forward", True)],
+)
+def test_hsdp_accumulation_reduce_scattering_each_micro_batch(
+    dist_pool: PoolFactory, zero_grad_at: str, set_to_none: bool
+) -> None:
+    """HSDP accumulating with ``set_requires_all_reduce(False)`` (torchtitan's window:
+    every micro-batch reduce-scattered, the sum all-reduced by the last), micro-batches
+    skipping different units, gates and root parameters: equal to the reference, with no
+    gradient exactly where it has none. Bare FSDP2 raises at a reduce-scatter whose
+    layout changed inside the window, and keeps the sum of a unit the last micro-batch
+    skips for the next step's gradient (3.7e-3 off after 2 steps, in silence)."""
+    scenario = FSDP2.scenario(
+        GATED,
+        world_size=4,
+        options={"hsdp": 2, "window": "all_reduce"},
+        skips=WINDOW_SKIPS,
+        accumulate=2,
+        zero_grad_at=zero_grad_at,
+        set_to_none=set_to_none,
+    )
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
+def test_hsdp_window_same_as_plain_fsdp2(dist_pool: PoolFactory) -> None:
+    """Where bare FSDP2 trains that window right (each step's micro-batches skip the
+    same), flatview ends at its parameters bit for bit, though it reduce-scatters zeros
+    for the skipped parameters of the units that run."""
+    skips = ((0,), (0,), (1, "aux"), (1, "aux"), ("body.2.gate",), ("body.2.gate",))
+    options = {"hsdp": 2, "window": "all_reduce"}
+    scenario = FSDP2.scenario(GATED, world_size=4, options=options, skips=skips, accumulate=2)
+    results = dist_pool(4).run(w.against_plain, scenario, timeout=TIMEOUT)
+    compare(results[0]["flatview"], results[0]["plain"], tolerance=0.0)
+
+
 @pytest.mark.parametrize(
     ("world_size", "options"),
     [

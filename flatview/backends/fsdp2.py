@@ -33,6 +33,10 @@ and maps the skip set onto the runtime:
   all-reduce of flags, started once the last group's post_backward has run (before
   the held reduce-scatters) and waited for at the end of the backward, raises
   :class:`~flatview.errors.UndeclaredUnusedError` on every rank if any rank lacked it);
+  inside an HSDP window of ``set_requires_all_reduce(False)``, where FSDP2 adds the
+  reduce-scatters up by position, every parameter gets zeros instead
+  (:func:`~flatview.backends.fsdp2_reduce.reduces_whole`), and the window is kept like
+  a ``no_sync()`` one;
 * the root's post-backward final callback is shadowed to end the runtime's backward;
 * each group's all-gather and reduce-scatter objects (``set_custom_all_gather`` /
   ``set_custom_reduce_scatter``, public) are wrapped to count bytes in the ledger at the
@@ -65,7 +69,7 @@ time, torch versions in :data:`flatview.backends.torch_versions.TESTED_TORCH`):
 ``FSDPState._states_to_forward_prefetch``, ``_states_to_backward_prefetch``,
 ``_root_post_backward_final_callback``; ``FSDPModule.reset_iter_state``;
 ``FSDPParamGroup.post_backward``, ``_training_state``, ``reduce_grads``,
-``reduce_scatter_unused_params``,
+``all_reduce_grads``, ``_partial_reduce_output``, ``reduce_scatter_unused_params``,
 ``_reduce_scatter_comm``; ``FSDPParam.sharded_param``, ``_orig_size``,
 ``_unsharded_param``.
 
@@ -93,6 +97,7 @@ from flatview.backends.fsdp2_reduce import (
     decide_bucketing,
     drop_unreduced_grads,
     hold_planner,
+    reduces_whole,
     shard_numels,
     stop_counting,
     unreduced,
@@ -346,7 +351,8 @@ class FSDP2Adapter(Adapter):
                     small = self.options.in_place_min_numel
                     numels = self._numels[id(group)]
                     planner = hold_planner(group, comm.inner, numels, small, self._holds)
-                self._contributions.before_reduce(group, index in self._ran, planner)
+                ran = index in self._ran
+                self._contributions.before_reduce(group, ran, planner)
                 if planner is not None:
                     comm.plan = planner.plan()
                 unfinished = self._unfinished
@@ -354,9 +360,18 @@ class FSDP2Adapter(Adapter):
                 if unfinished is not None and last:
                     unfinished.discard(id(group))
                     last = not unfinished
-                # flatview decides which unused parameters get zeros (skipped ones don't).
-                group.reduce_scatter_unused_params = False
+                # flatview decides which unused parameters get zeros: skipped ones don't,
+                # but where FSDP2 adds reduce-scatters up by position, all do.
+                whole = self.hybrid and group.reduce_grads and reduces_whole(group, ran)
+                group.reduce_scatter_unused_params = whole
+                stay_none = (
+                    self._contributions.ungraded_skipped(group)
+                    if whole and group.all_reduce_grads
+                    else ()
+                )
                 original(*unused)
+                for sharded in stay_none:
+                    sharded.grad = None
                 if last:
                     # After this group's reduce-scatter, not alongside it: which group
                     # is last differs between ranks of different expert groups (a
@@ -402,7 +417,7 @@ class FSDP2Adapter(Adapter):
     def _end_backward(self) -> None:
         runtime = self.runtime
         groups = [g for u in self.units for g in u.groups]
-        synced = all(bool(g.reduce_grads) for g in groups) if groups else True
+        synced = all(self._synchronises(g) for g in groups) if groups else True
         self._iteration.move(Iteration.IDLE)
         if runtime.phase is not Phase.COMPUTING:
             return
@@ -424,12 +439,18 @@ class FSDP2Adapter(Adapter):
                 ": FSDP2 would leave them out of that rank's reduce-scatter",
             )
 
+    def _synchronises(self, group: Any) -> bool:
+        """Whether ``group``'s backward leaves final gradients: it reduces and, on HSDP,
+        all-reduces (``set_requires_all_reduce(False)`` only reduce-scatters, into a sum
+        FSDP2 keeps: a window like ``no_sync()``'s)."""
+        return bool(group.reduce_grads) and (not self.hybrid or bool(group.all_reduce_grads))
+
     def _start_flags(self) -> None:
         """Start the flags' all-reduce of a synchronising backward (every rank's last
         post_backward starts it, so all pair up)."""
         runtime = self.runtime
         due = runtime.phase is Phase.COMPUTING and self.wrapper_reduces and self._flags is None
-        if not due or not all(bool(g.reduce_grads) for u in self.units for g in u.groups):
+        if not due or not all(self._synchronises(g) for u in self.units for g in u.groups):
             return
         gave = self._contributions.gave
         lacking = sorted(runtime.plain_used_so_far() - gave)

@@ -9,7 +9,8 @@ torch privates touched: ``FSDPModule._get_fsdp_state``; ``FSDPState._lazy_init``
 ``shard_process_group``, ``shard_mesh_size``, ``shard_mesh_rank``,
 ``replicate_process_group`` (``_fsdp_common.HSDPMeshInfo``).
 
-torch privates touched here: ``FSDPParamGroup.all_reduce_grads``, ``offload_policy``,
+torch privates touched here: ``FSDPParamGroup.all_reduce_grads``,
+``_partial_reduce_output``, ``offload_policy``,
 ``_post_forward_indices``; ``FSDPParam``'s ``is_dtensor``, ``fsdp_placement`` and
 ``_unsharded_param`` (the pending-backward check).
 """
@@ -62,6 +63,7 @@ _GROUP_ATTRS = (
     "_post_forward_indices",
     "_all_reduce_hook",
     "_init_mp_dtypes",
+    "_partial_reduce_output",
 )
 
 

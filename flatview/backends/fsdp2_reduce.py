@@ -307,6 +307,24 @@ def unreduced(
     return found
 
 
+def reduces_whole(group: Any, ran: bool) -> bool:
+    """Whether an HSDP ``group``'s coming reduce-scatter must carry every parameter that
+    requires a gradient (zeros for those without one), ``ran``: its unit's forward ran in
+    this iteration (call only for a group that reduces, on HSDP).
+
+    Under ``set_requires_all_reduce(False)`` FSDP2 only reduce-scatters, adding each
+    output to the one before (its partial output, by position), and all-reduces the sum
+    in the first backward with the all-reduce on that reaches the group. So the layout
+    must be the same in every backward of that window whatever each skipped (the
+    parameters a micro-batch skips are not known when the first reduce-scatter packs),
+    and a unit the closing backward skips must still be reduced there: else FSDP2 keeps
+    its sum and adds it to the next step's gradient (bare FSDP2 does, in silence)."""
+    held = group._partial_reduce_output is not None
+    if ran:
+        return held or not group.all_reduce_grads
+    return held and bool(group.all_reduce_grads)
+
+
 def count_collectives(
     units: Sequence[Any], ledger: Ledger, hybrid: bool, held: HeldReduceScatters | None
 ) -> None:
@@ -409,6 +427,19 @@ class Contributions:
                     planner.add(position, fsdp_param, sharded, unsharded, grad)
         if planner is not None and not planning:
             planner.scan(group)
+
+    def ungraded_skipped(self, group: Any) -> list[torch.Tensor]:
+        """``group``'s sharded parameters that require a gradient, have none and were
+        skipped in every backward since the last synchronising one: a whole
+        reduce-scatter (:func:`reduces_whole`) gives them zeros, which must not become
+        their gradient."""
+        used = self.runtime.plain_used_so_far()
+        with torch._C.DisableTorchFunctionSubclass():
+            return [
+                sharded
+                for _, _, sharded, index in self._known[id(group)]
+                if index not in used and sharded.requires_grad and sharded.grad is None
+            ]
 
     def fresh(self, grad: torch.Tensor | None, index: int) -> bool:
         """Whether ``grad`` (parameter ``index``'s unsharded gradient) is this backward's:
