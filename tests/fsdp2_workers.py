@@ -253,6 +253,11 @@ def refused(kind: str) -> str:
     if kind == "offload":
         fully_shard(net, offload_policy=CPUOffloadPolicy(pin_memory=False))
         target: Any = net
+    elif kind == "replicate":  # torch's replicate built on FSDP2: no shard dimension
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.device_mesh import init_device_mesh
+
+        target = replicate(net, mesh=init_device_mesh("cpu", (1,)))
     elif kind == "unsharded-root":  # only the blocks sharded, not the root
         for block in net.body:
             fully_shard(block)

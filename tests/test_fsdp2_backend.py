@@ -256,6 +256,8 @@ def test_norms_and_optimizer_state(dist_pool: PoolFactory, options: dict) -> Non
 REFUSED = {
     "offload": "CPUOffloadPolicy",
     "unsharded-root": "fully_shard(model)",
+    # An AttributeError from inside the wrap before.
+    "replicate": "['<root>'] replicate without sharding",
     # Accepted and silently ignored before: FSDP2 reduces in its own collectives.
     "all-to-all": "would be ignored: strategy='all_to_all'",
     "reduce-options": "would be ignored: keep_buffer_bytes=0",

@@ -7,7 +7,8 @@ the layout of a parameter FSDP2 shards on dim 0.
 torch privates touched: ``FSDPModule._get_fsdp_state``; ``FSDPState._lazy_init``,
 ``_is_root``, ``_fsdp_param_groups``, ``_training_state``; the mesh infos'
 ``shard_process_group``, ``shard_mesh_size``, ``shard_mesh_rank``,
-``replicate_process_group`` (``_fsdp_common.HSDPMeshInfo``).
+``replicate_process_group`` (``_fsdp_common.HSDPMeshInfo``); ``FSDPMeshInfo`` (a mesh with
+a shard dimension).
 
 torch privates touched here: ``FSDPParamGroup.all_reduce_grads``,
 ``_partial_reduce_output``, ``offload_policy``,
@@ -233,7 +234,11 @@ def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:
     refuse_reduce_options(options)
     check_torch_version("FSDP2 backend relies on fully_shard")
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+        TrainingState,
+    )
 
     if not isinstance(model, FSDPModule):
         raise WrapError(
@@ -292,6 +297,18 @@ def inspect(model: nn.Module, options: ReduceOptions) -> FSDP2Model:
     # sharded ones, which the next forward unshards again (FSDPModule.reshard).
     for unit in units:
         cast(Any, unit.module).reshard()
+    unsharded = [
+        u.name or "<root>"
+        for u in units
+        for g in u.groups
+        if not isinstance(g.mesh_info, FSDPMeshInfo)
+    ]
+    if unsharded:
+        raise WrapError(
+            f"FSDP2 unit(s) {unsharded} replicate without sharding (a mesh with no shard "
+            "dimension: torch's replicate built on FSDP2); flatview serves fully_shard, "
+            "HSDP included. To replicate, wrap the model in DistributedDataParallel"
+        )
     first = _root_mesh_info(units)
     hybrid = isinstance(first, HSDPMeshInfo)
     if first is not None:
