@@ -319,7 +319,6 @@ def reduces_whole(group: Any, ran: bool) -> bool:
     parameters a micro-batch skips are not known when the first reduce-scatter packs),
     and a unit the closing backward skips must still be reduced there: else FSDP2 keeps
     its sum and adds it to the next step's gradient (bare FSDP2 does, in silence)."""
-    # Not "held": that word is for flatview's own held reduce-scatters (comm/held.py).
     summing = group._partial_reduce_output is not None
     if ran:
         return summing or not group.all_reduce_grads
