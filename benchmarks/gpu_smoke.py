@@ -340,6 +340,59 @@ def check_ddp_comm_hooks(cfg: bench.Config, device: torch.device, steps: int) ->
     return results
 
 
+def check_hsdp_all_reduce_window(
+    cfg: bench.Config, device: torch.device, steps: int
+) -> dict[str, Any]:
+    """FSDP2 HSDP (a 1 x 1 mesh: FSDP2 still keeps its reduce-scatter sum and all-reduces
+    it over the replica dimension) accumulating two micro-batches per step with
+    ``set_requires_all_reduce(False)`` on the first, each skipping other blocks, against
+    the unwrapped model accumulating the same: the same parameters, and no gradient
+    exactly where it has none."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    micros = 2 * steps
+    masks = bench.skip_masks(cfg, micros)
+    batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, micros, 0)]
+
+    def train(model: nn.Module, fv: Any, params: Any) -> list[list[str]]:
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+        nones = []
+        for micro, ((x, y), skip) in enumerate(zip(batches, masks, strict=True)):
+            closing = micro % 2 == 1
+            if fv is not None:
+                model.set_requires_all_reduce(closing)  # type: ignore[operator]
+            names = [f"blocks.{i}" for i in skip]
+            with fv.step(skip=names) if fv is not None else nullcontext():
+                F.cross_entropy(model(x, skip), y).backward()
+            if closing:
+                named = fv.named_parameters() if fv is not None else model.named_parameters()
+                nones.append(sorted(n for n, p in named if p.grad is None))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return nones
+
+    try:
+        reference = bench.make_net(cfg).to(device)
+        none_ref = train(reference, None, reference.parameters())
+        want = {n: p.detach() for n, p in reference.named_parameters()}
+        net = bench.make_net(cfg).to(device)
+        mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("replicate", "shard"))
+        for block in net.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        fv = flatview.wrap(net)
+        none_got = train(net, fv, fv.parameters())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        got = _full_values(fv)
+        worst = max(float((got[n] - want[n]).abs().max()) for n in want)
+        ok = worst < 1e-4 and none_got == none_ref
+        return {"ok": ok, "max_abs_diff": worst, "none_grads_match": none_got == none_ref}
+    except Exception as exc:  # reported, not raised
+        return _failed(exc)
+
+
 def check_agreement_readback(device: torch.device) -> dict[str, Any]:
     """The skip-set check reads its fingerprints through a side stream: right values, and
     without waiting for compute queued after the check started (as a forward is). At
@@ -910,6 +963,9 @@ def main(argv: list[str] | None = None) -> int:
             report["equivalence"][f"cast_after_wrap_{name}"] = found
         for hook, found in check_ddp_comm_hooks(cfg, device, args.steps).items():
             report["equivalence"][f"ddp_{hook}"] = found
+        report["equivalence"]["fsdp2_hsdp_all_reduce_window"] = check_hsdp_all_reduce_window(
+            cfg, device, args.steps
+        )
         report["agreement_readback"] = check_agreement_readback(device)
         report["frameworks"] = check_frameworks(cfg, device, args.steps)
         report["timing_ms"] = time_ddp(cfg, device, args.timed_steps)
