@@ -106,6 +106,29 @@ def test_hsdp_accumulation_reduce_scattering_each_micro_batch(
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"hsdp": 2}, {"hsdp": 2, "window": "all_reduce"}],
+    ids=["fsdp2", "hsdp", "hsdp-all-reduce-window"],
+)
+def test_mixed_precision_accumulation_with_skips(dist_pool: PoolFactory, options: dict) -> None:
+    """Accumulation in FSDP2's reduce dtype (float64 here, over float32 parameters, so
+    that the reference tells a wrong sum from rounding), micro-batches skipping different
+    units and gates, units skipped from the first step on: equal to the reference, no
+    gradient exactly where it has none. Bare FSDP2 (torch 2.13) raises there, in bf16
+    with a float32 reduction too: ``AttributeError`` for a unit never run yet, and
+    ``expects uniform gradient dtype`` for a parameter first used by the closing
+    micro-batch (pytorch#196996)."""
+    scenario = FSDP2.scenario(
+        GATED,
+        world_size=4 if "hsdp" in options else 2,
+        options={**options, "mixed_precision": ("float32", "float64")},
+        skips=WINDOW_SKIPS,
+        accumulate=2,
+    )
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
 def test_hsdp_window_same_as_plain_fsdp2(dist_pool: PoolFactory) -> None:
     """Where bare FSDP2 trains that window right (each step's micro-batches skip the
     same), flatview ends at its parameters bit for bit, though it reduce-scatters zeros

@@ -36,7 +36,10 @@ and maps the skip set onto the runtime:
   inside an HSDP window of ``set_requires_all_reduce(False)``, where FSDP2 adds the
   reduce-scatters up by position, every parameter gets zeros instead
   (:func:`~flatview.backends.fsdp2_reduce.reduces_whole`), and the window is kept like
-  a ``no_sync()`` one;
+  a ``no_sync()`` one; in mixed precision two faults of FSDP2 (torch 2.13) that skip
+  sets reach are worked around there
+  (:func:`~flatview.backends.fsdp2_reduce.accumulate_uniformly`,
+  :func:`~flatview.backends.fsdp2_reduce.never_unsharded_apart`);
 * the root's post-backward final callback is shadowed to end the runtime's backward;
 * each group's all-gather and reduce-scatter objects (``set_custom_all_gather`` /
   ``set_custom_reduce_scatter``, public) are wrapped to count bytes in the ledger at the
@@ -70,14 +73,15 @@ time, torch versions in :data:`flatview.backends.torch_versions.TESTED_TORCH`):
 ``_root_post_backward_final_callback``; ``FSDPModule.reset_iter_state``;
 ``FSDPParamGroup.post_backward``, ``_training_state``, ``reduce_grads``,
 ``all_reduce_grads``, ``_partial_reduce_output``, ``reduce_scatter_unused_params``,
-``_reduce_scatter_comm``; ``FSDPParam.sharded_param``, ``_orig_size``,
-``_unsharded_param``.
+``_reduce_scatter_comm``, ``_reduce_dtype``; ``FSDPParam.sharded_param``, ``_orig_size``,
+``_unsharded_param``, ``reduce_dtype``, ``unsharded_accumulated_grad``.
 
 Everything changed is an instance attribute or a hook, removed by ``uninstall``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any
@@ -92,11 +96,13 @@ from flatview.backends.fsdp2_prefetch import PrefetchSteering
 from flatview.backends.fsdp2_reduce import (
     Contributions,
     CountingReduceScatter,
+    accumulate_uniformly,
     clear_dropped,
     count_collectives,
     decide_bucketing,
     drop_unreduced_grads,
     hold_planner,
+    never_unsharded_apart,
     reduces_whole,
     shard_numels,
     stop_counting,
@@ -369,7 +375,12 @@ class FSDP2Adapter(Adapter):
                     if whole and group.all_reduce_grads
                     else ()
                 )
-                original(*unused)
+                mixed = group._reduce_dtype is not None
+                if mixed and group.reduce_grads and self.runtime.accumulating:
+                    accumulate_uniformly(group, whole)
+                apart = mixed and not ran and not group.reduce_grads
+                with never_unsharded_apart(group) if apart else contextlib.nullcontext():
+                    original(*unused)
                 for sharded in stay_none:
                     sharded.grad = None
                 if last:

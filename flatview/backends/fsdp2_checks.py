@@ -65,6 +65,7 @@ _GROUP_ATTRS = (
     "_all_reduce_hook",
     "_init_mp_dtypes",
     "_partial_reduce_output",
+    "_reduce_dtype",
 )
 
 
@@ -76,6 +77,7 @@ _PARAM_ATTRS = (
     "offload_to_cpu",
     "unsharded_accumulated_grad",
     "orig_dtype",
+    "reduce_dtype",
 )
 
 

@@ -16,9 +16,10 @@ reduce-scatters ``_fsdp_collectives.DefaultReduceScatter``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -323,6 +324,50 @@ def reduces_whole(group: Any, ran: bool) -> bool:
     if ran:
         return summing or not group.all_reduce_grads
     return summing and bool(group.all_reduce_grads)
+
+
+def accumulate_uniformly(group: Any, whole: bool) -> None:
+    """Before a reducing ``post_backward`` of ``group`` in mixed precision: where FSDP2
+    accumulated gradients in the reduce dtype over a ``set_requires_gradient_sync(False)``
+    window, move every other gradient of the group there too, cast (and, for a ``whole``
+    reduce-scatter, zeros for each parameter without one).
+
+    FSDP2 (torch 2.13, pytorch#196996) packs accumulated gradients (reduce dtype) beside
+    fresh ones (parameter dtype) and its reduce-scatter asserts a single dtype: a
+    parameter first used by the closing micro-batch, which skip sets make common, raised
+    ``expects uniform gradient dtype`` on bare FSDP2 too. Cast as FSDP2 casts what it
+    accumulates, the values are those of the parameter's gradient in the reduce dtype."""
+    fsdp_params = group.fsdp_params
+    if all(f.unsharded_accumulated_grad is None for f in fsdp_params):
+        return
+    for fsdp_param in fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if fsdp_param.unsharded_accumulated_grad is not None or unsharded is None:
+            continue
+        dtype = fsdp_param.reduce_dtype
+        if unsharded.grad is not None:
+            fsdp_param.unsharded_accumulated_grad = unsharded.grad.to(dtype)
+            unsharded.grad = None
+        elif whole and unsharded.requires_grad:
+            fsdp_param.unsharded_accumulated_grad = torch.zeros_like(unsharded, dtype=dtype)
+
+
+@contextlib.contextmanager
+def never_unsharded_apart(group: Any) -> Iterator[None]:
+    """Around a non-reducing ``post_backward`` of ``group`` in mixed precision, whose
+    unit did not run in this iteration: its parameters that were never unsharded (their
+    unit never ran) are left out of FSDP2's move of gradients to the reduce dtype, where
+    FSDP2 (torch 2.13) reads their unsharded parameter, which does not exist yet, and
+    raised ``AttributeError`` (bare FSDP2 too: a unit skipped from the first step on)."""
+    never = [f for f in group.fsdp_params if not hasattr(f, "_unsharded_param")]
+    saved = [f.reduce_dtype for f in never]
+    for fsdp_param in never:
+        fsdp_param.reduce_dtype = None  # what FSDP2 reads to skip the move
+    try:
+        yield
+    finally:
+        for fsdp_param, dtype in zip(never, saved, strict=True):
+            fsdp_param.reduce_dtype = dtype
 
 
 def count_collectives(
