@@ -652,10 +652,15 @@ def scenarios(
     )
     # Drawn last, so that the draws before it stay what they were.
     scenario = replace(scenario, recompute=draw(st.sampled_from(recomputing(scenario))))
+    extra: dict[str, Any] = {}
     if config.backend == "fsdp2" and config.hybrid and accumulate > 1 and draw(st.booleans()):
         # HSDP's other window: reduce-scattered every micro-batch, all-reduced once.
-        scenario = replace(scenario, options={**options, "window": "all_reduce"})
-    return scenario
+        extra["window"] = "all_reduce"
+    if config.backend == "fsdp2" and accumulate > 1 and draw(st.booleans()):
+        # Accumulated in a reduce dtype of FSDP2's own; float64, so that the reference
+        # tells a wrong sum from rounding.
+        extra["mixed_precision"] = ("float32", "float64")
+    return replace(scenario, options={**options, **extra}) if extra else scenario
 
 
 def recomputing(scenario: Scenario) -> tuple[str, ...]:
