@@ -366,23 +366,7 @@ class FSDP2Adapter(Adapter):
                 if unfinished is not None and last:
                     unfinished.discard(id(group))
                     last = not unfinished
-                # flatview decides which unused parameters get zeros: skipped ones don't,
-                # but where FSDP2 adds reduce-scatters up by position, all do.
-                whole = self.hybrid and group.reduce_grads and reduces_whole(group, ran)
-                group.reduce_scatter_unused_params = whole
-                stay_none = (
-                    self._contributions.ungraded_skipped(group)
-                    if whole and group.all_reduce_grads
-                    else ()
-                )
-                mixed = group._reduce_dtype is not None
-                if mixed and group.reduce_grads and self.runtime.accumulating:
-                    accumulate_uniformly(group, whole)
-                apart = mixed and not ran and not group.reduce_grads
-                with never_unsharded_apart(group) if apart else contextlib.nullcontext():
-                    original(*unused)
-                for sharded in stay_none:
-                    sharded.grad = None
+                self._run_original(group, ran, original, unused)
                 if last:
                     # After this group's reduce-scatter, not alongside it: which group
                     # is last differs between ranks of different expert groups (a
@@ -398,6 +382,27 @@ class FSDP2Adapter(Adapter):
                     comm.plan = None
 
         return post_backward
+
+    def _run_original(self, group: Any, ran: bool, original: Any, args: Any) -> None:
+        """FSDP2's own ``post_backward`` of ``group`` (``ran``: its unit's forward ran in
+        this iteration), told which parameters without a gradient get zeros and kept
+        clear of FSDP2's faults in mixed precision."""
+        # flatview decides which unused parameters get zeros: skipped ones don't, but
+        # where FSDP2 adds reduce-scatters up by position, all do.
+        whole = self.hybrid and group.reduce_grads and reduces_whole(group, ran)
+        group.reduce_scatter_unused_params = whole
+        contributions = self._contributions
+        stay_none = (
+            contributions.ungraded_skipped(group) if whole and group.all_reduce_grads else ()
+        )
+        mixed = group._reduce_dtype is not None
+        if mixed and group.reduce_grads and self.runtime.accumulating:
+            accumulate_uniformly(group, whole)
+        apart = mixed and not ran and not group.reduce_grads
+        with never_unsharded_apart(group) if apart else contextlib.nullcontext():
+            original(*args)
+        for sharded in stay_none:
+            sharded.grad = None
 
     def _final_callback_of(self, state: Any) -> Any:
         original = state._root_post_backward_final_callback
