@@ -83,7 +83,11 @@ WINDOW_SKIPS = (
 
 @pytest.mark.parametrize(
     ("zero_grad_at", "set_to_none"),
-    [("after_step", True), ("between", False), ("before_forward", True)],
+    [
+        ("after_step", True),
+        pytest.param("between", False, marks=pytest.mark.slow),
+        pytest.param("before_forward", True, marks=pytest.mark.slow),
+    ],
 )
 def test_hsdp_accumulation_reduce_scattering_each_micro_batch(
     dist_pool: PoolFactory, zero_grad_at: str, set_to_none: bool
@@ -108,8 +112,11 @@ def test_hsdp_accumulation_reduce_scattering_each_micro_batch(
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"hsdp": 2}, {"hsdp": 2, "window": "all_reduce"}],
-    ids=["fsdp2", "hsdp", "hsdp-all-reduce-window"],
+    [
+        pytest.param({}, id="fsdp2"),
+        pytest.param({"hsdp": 2}, id="hsdp", marks=pytest.mark.slow),
+        pytest.param({"hsdp": 2, "window": "all_reduce"}, id="hsdp-all-reduce-window"),
+    ],
 )
 def test_mixed_precision_accumulation_with_skips(dist_pool: PoolFactory, options: dict) -> None:
     """Accumulation in FSDP2's reduce dtype (float64 here, over float32 parameters, so
