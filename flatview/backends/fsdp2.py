@@ -391,10 +391,8 @@ class FSDP2Adapter(Adapter):
         # where FSDP2 adds reduce-scatters up by position, all do.
         whole = self.hybrid and group.reduce_grads and reduces_whole(group, ran)
         group.reduce_scatter_unused_params = whole
-        contributions = self._contributions
-        stay_none = (
-            contributions.ungraded_skipped(group) if whole and group.all_reduce_grads else ()
-        )
+        closing = whole and group.all_reduce_grads
+        stay_none = self._contributions.ungraded_skipped(group) if closing else ()
         mixed = group._reduce_dtype is not None
         if mixed and group.reduce_grads and self.runtime.accumulating:
             accumulate_uniformly(group, whole)
