@@ -18,6 +18,7 @@ from tests.scenarios import (
     local_batch,
     loss_of,
     make_net,
+    no_sync,
     optimizer_steps,
     optimizers,
     reference_model,
@@ -44,6 +45,25 @@ def against_plain(scenario: Scenario) -> dict[str, Any]:
         "stats": stats,
         "gathers": gathers,
     }
+
+
+def synced_per_backward(scenario: Scenario) -> list[bool]:
+    """``fv.stats.synced`` after each backward of the scenario's training (all but each
+    step's last micro-batch in its window)."""
+    model, fv, opts = distributed_model(scenario)
+    synced = []
+    for micros in optimizer_steps(scenario):
+        for micro in micros:
+            xs, ys = local_batch(scenario, micro)
+            skip = skip_names(scenario, micro)
+            window = contextlib.nullcontext() if micro == micros[-1] else no_sync(model)
+            with window, fv.step(skip=list(skip)):
+                loss_of(model(xs, skip), ys).backward()
+            synced.append(fv.stats.synced)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return synced
 
 
 def _bare_fsdp2(scenario: Scenario) -> dict[str, Any] | None:

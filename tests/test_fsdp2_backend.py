@@ -136,6 +136,16 @@ def test_mixed_precision_accumulation_with_skips(dist_pool: PoolFactory, options
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
+def test_hsdp_window_backwards_are_not_synced(dist_pool: PoolFactory) -> None:
+    """Inside a ``set_requires_all_reduce(False)`` window a backward only accumulates:
+    ``fv.stats.synced`` is False there, True at the micro-batch that closes it."""
+    options = {"hsdp": 2, "window": "all_reduce"}
+    scenario = FSDP2.scenario(GATED, world_size=4, options=options, skips=WINDOW_SKIPS[:4])
+    scenario = replace(scenario, accumulate=2)
+    for synced in dist_pool(4).run(w.synced_per_backward, scenario, timeout=TIMEOUT):
+        assert synced == [False, True, False, True], synced
+
+
 def test_hsdp_window_same_as_plain_fsdp2(dist_pool: PoolFactory) -> None:
     """Where bare FSDP2 trains that window right (each step's micro-batches skip the
     same), flatview ends at its parameters bit for bit, though it reduce-scatters zeros
