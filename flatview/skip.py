@@ -16,7 +16,7 @@ from typing import TypeAlias
 import torch
 from torch import nn
 
-from flatview.errors import SkippedParameterUsedError, SkipSetError
+from flatview.errors import SkippedParameterUsedError, SkipSetError, listing
 
 SkipItem: TypeAlias = nn.Module | torch.Tensor | str
 SkipSet: TypeAlias = SkipItem | Iterable[SkipItem] | None
@@ -137,6 +137,17 @@ def skipped_unit_called(name: str) -> SkippedParameterUsedError:
         f"FSDP unit {name!r} is declared skipped for this step, but its forward was "
         "called. Don't call skipped units (skipping them is what saves their "
         "communication), or don't put them in the skip set."
+    )
+
+
+def skipped_used_in_backward(names: Sequence[str], here: bool) -> SkippedParameterUsedError:
+    """The error of skipped parameters (``names``) that received a gradient in a
+    backward on some rank (``here``: this one among them), raised on every rank."""
+    where = "this rank" if here else "another rank"
+    return SkippedParameterUsedError(
+        f"parameter(s) {listing(names)} are declared skipped for this step but received a "
+        f"gradient on {where}: the model used them. Remove them from the skip set or "
+        "don't use them (every rank raises; zero the gradients before training on)."
     )
 
 

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 import flatview
-from flatview.errors import FlatViewError
 from tests.scenarios import (
     Scenario,
     distributed_model,
@@ -107,10 +106,14 @@ def one_step(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     return {**states, "calls": counted}
 
 
+class _UserHookError(RuntimeError):
+    pass
+
+
 def aborted(bucket: bool | None) -> dict[str, Any]:
-    """A backward that raises in a block's post-backward (a parameter declared skipped
-    but used), after later blocks' reduce-scatters were held; then a step that trains.
-    The gradients right after the error, and the parameters at the end."""
+    """A backward that raises as it reaches the first block (a user's hook), after later
+    blocks' reduce-scatters were held; then a step that trains. The gradients right
+    after the error, and the parameters at the end."""
     scenario = Scenario(
         backend="fsdp2",
         world_size=dist.get_world_size(),
@@ -122,11 +125,20 @@ def aborted(bucket: bool | None) -> dict[str, Any]:
     model, fv, opts = distributed_model(scenario)
     xs, ys = local_batch(scenario, 0)
     error = None
+
+    def refuse(grad: torch.Tensor) -> None:
+        raise _UserHookError("the user's hook refuses this gradient")
+
+    def guard(module: Any, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(refuse)
+
+    hook = model.body[0].register_forward_hook(guard)
     try:
-        with fv.step(skip=["body.0.gate"]):
+        with fv.step(skip=[]):
             loss_of(model(xs), ys).backward()
-    except FlatViewError as caught:
+    except _UserHookError as caught:
         error = type(caught).__name__
+    hook.remove()
     grads = {
         name: None if p.grad is None else p.grad.to_local().clone()
         for name, p in fv.named_parameters()

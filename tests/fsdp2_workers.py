@@ -178,17 +178,34 @@ def undeclared(everywhere: bool) -> dict[str, Any]:
     return out
 
 
-def skipped_used() -> str | None:
-    """A parameter declared skipped that the model uses."""
-    scenario = Scenario(backend="fsdp2", world_size=dist.get_world_size(), gates=(True, True))
-    model, fv, _ = distributed_model(scenario)
+def skipped_used(one_rank: bool = False, hsdp: int = 0) -> dict[str, Any]:
+    """A parameter declared skipped that the model uses (on every rank, or on rank 0
+    alone, whose backward then differs from the others'), then a valid step."""
+    scenario = Scenario(
+        backend="fsdp2",
+        world_size=dist.get_world_size(),
+        gates=(True, True),
+        options={"hsdp": hsdp} if hsdp else {},
+    )
+    model, fv, opts = distributed_model(scenario)
     xs, ys = local_batch(scenario, 0)
+    out: dict[str, Any] = {"error": None}
+    used = not one_rank or dist.get_rank() == 0
     try:
         with fv.step(skip=["body.0.gate"]):
-            loss_of(model(xs), ys).backward()
+            loss_of(model(xs, () if used else ("body.0.gate",)), ys).backward()
     except FlatViewError as error:
-        return type(error).__name__
-    return None
+        out["error"] = type(error).__name__
+        out["message"] = str(error)
+    for opt in opts:
+        opt.zero_grad(set_to_none=True)
+    with fv.step(skip=["body.0.gate"]):
+        loss_of(model(xs, ("body.0.gate",)), ys).backward()
+    grads = dict(fv.named_parameters())
+    out["after"] = grads["body.0.gate.weight"].grad is None and all(
+        p.grad is not None for n, p in grads.items() if not n.startswith("body.0.gate")
+    )
+    return out
 
 
 def skipped_unit_called() -> str | None:
@@ -341,3 +358,55 @@ def registered_forward_methods(scenario: Scenario, use_flatview: bool) -> dict[s
         opt.zero_grad()
         generated.append(model.generate(x).tolist())  # type: ignore[operator]
     return {"generated": generated, "params": full_state(model, scenario)}
+
+
+def window_error_recovery(scenario: Scenario, kind: str) -> dict[str, Any]:
+    """The first micro-batch of an HSDP ``set_requires_all_reduce(False)`` window goes
+    wrong (``kind``), the user zeroes the gradients and runs a clean window: the error
+    raised, and that window's gradients against a fresh model's for the same window (the
+    parameters are unchanged: no optimizer step in between)."""
+    model, fv, _ = distributed_model(scenario)
+    batches = [local_batch(scenario, micro) for micro in (0, 1)]
+    (x0, y0), (x1, y1) = batches
+    rank = dist.get_rank()
+    error = None
+    try:
+        if kind == "undeclared":
+            # body.1.gate unused in both micro-batches, never declared skipped: found where
+            # the window closes.
+            with no_sync(model), fv.step():
+                loss_of(model(x0, ("body.1.gate",)), y0).backward()
+            with fv.step():
+                loss_of(model(x1, ("body.1.gate",)), y1).backward()
+        else:
+            # Declared skipped, used (on every rank, or on rank 0 alone) inside the window,
+            # after later units' reduce-scatters have begun their window's sums: found
+            # where the window closes, on every rank.
+            used = kind == "used_everywhere" or rank == 0
+            with no_sync(model), fv.step(skip=["body.1.gate"]):
+                loss_of(model(x0, () if used else ("body.1.gate",)), y0).backward()
+            with fv.step(skip=["body.1.gate"]):
+                loss_of(model(x1, ("body.1.gate",)), y1).backward()
+    except FlatViewError as raised:
+        error = type(raised).__name__
+    model.zero_grad(set_to_none=True)
+    fresh, fresh_fv, _ = distributed_model(scenario)
+    grads = []
+    for m, f in ((model, fv), (fresh, fresh_fv)):
+        with no_sync(m), f.step(skip=["body.0", "body.2.gate", "body.3.gate"]):
+            loss_of(m(x0, ("body.0", "body.2.gate", "body.3.gate")), y0).backward()
+        with f.step(skip=["body.1", "body.3.gate"]):
+            loss_of(m(x1, ("body.1", "body.3.gate")), y1).backward()
+        grads.append({n: p.grad for n, p in f.named_parameters()})
+    recovered, clean = grads
+    worst = 0.0
+    for name, grad in clean.items():
+        assert (grad is None) == (recovered[name] is None), name
+        if grad is not None:
+            # FSDP2's views are DTensors: compare this rank's elements.
+            here, there = grad.to_local(), recovered[name].to_local()
+            if here.numel():
+                worst = max(worst, (here - there).abs().max().item())
+    held = {n for n, p in fresh_fv.named_parameters() if p.to_local().numel()}
+    none = sorted(n for n, g in clean.items() if g is None and n in held)
+    return {"error": error, "worst": worst, "none": none}

@@ -27,12 +27,14 @@ and maps the skip set onto the runtime:
   the root's also steers explicit prefetching away from units the step skips (a skipped
   target is replaced by the next unit that runs, in the prefetch's direction);
 * each parameter group's ``post_backward`` is shadowed: before FSDP packs the
-  reduce-scatter, a skipped parameter that received a gradient raises
-  :class:`~flatview.errors.SkippedParameterUsedError`, and a used parameter without one
-  on this rank gets zeros (so every rank's reduce-scatter has the same layout; one tiny
-  all-reduce of flags, started once the last group's post_backward has run (before
-  the held reduce-scatters) and waited for at the end of the backward, raises
-  :class:`~flatview.errors.UndeclaredUnusedError` on every rank if any rank lacked it);
+  reduce-scatter, a skipped parameter that received a gradient is noted and its
+  gradient dropped, and a used parameter without one on this rank gets zeros (so every
+  rank's reduce-scatter has the same layout; one tiny all-reduce of flags, started once
+  the last group's post_backward has run (before the held reduce-scatters) and waited
+  for at the end of the backward, raises
+  :class:`~flatview.errors.SkippedParameterUsedError` on every rank if any rank used a
+  skipped parameter, then :class:`~flatview.errors.UndeclaredUnusedError` if any rank
+  lacked a used one's gradient);
   inside an HSDP window of ``set_requires_all_reduce(False)``, where FSDP2 adds the
   reduce-scatters up by position, every parameter gets zeros instead
   (:func:`~flatview.backends.fsdp2_reduce.reduces_whole`), and the window is kept like
@@ -115,6 +117,7 @@ from flatview.comm.held import HeldReduceScatters
 from flatview.comm.options import ReduceOptions
 from flatview.comm.unused import UsageFlags, undeclared_unused
 from flatview.phase import Phase
+from flatview.skip import skipped_used_in_backward
 from flatview.states import Transitions
 from flatview.wrapped_models import lent_tensor_error
 
@@ -436,8 +439,10 @@ class FSDP2Adapter(Adapter):
         if runtime.phase is not Phase.COMPUTING:
             return
         lacked: list[int] = []
+        used_skipped: list[int] = []
         if synced:
-            lacked, unused = self._exchange_flags()
+            here = set(self._contributions.used_skipped)
+            lacked, unused, used_skipped = self._exchange_flags()
             for index in unused:
                 # No rank gave it a gradient: as with FSDP2 alone, it keeps none.
                 runtime.tensor(index).grad = None
@@ -445,6 +450,9 @@ class FSDP2Adapter(Adapter):
         else:
             self._contributions.accumulated(self._params_of)
         runtime.end_backward(synced=synced)
+        if used_skipped:
+            names = [runtime.name(i) for i in used_skipped]
+            raise skipped_used_in_backward(names, here=bool(here))
         if lacked:
             raise undeclared_unused(
                 "parameter(s)",
@@ -469,19 +477,21 @@ class FSDP2Adapter(Adapter):
         gave = self._contributions.gave
         lacking = sorted(runtime.plain_used_so_far() - gave)
         count = len(self.model.names) + 1
+        used_skipped = self._contributions.used_skipped
         self._flags = UsageFlags.exchanged(
-            gave, lacking, count, self.agreement_group, runtime.ledger, self.device
+            gave, lacking, used_skipped, count, self.agreement_group, runtime.ledger, self.device
         )
 
-    def _exchange_flags(self) -> tuple[list[int], list[int]]:
+    def _exchange_flags(self) -> tuple[list[int], list[int], list[int]]:
         """(parameters some rank gave no gradient although not skipped, those no rank
-        gave one)."""
+        gave one, skipped ones some rank gave one)."""
         self._start_flags()
         flags, self._flags = self._flags, None
+        contributions = self._contributions
         if flags is None:
-            lacking = sorted(self.runtime.plain_used_so_far() - self._contributions.gave)
-            return lacking, lacking
-        return flags.lacked(), flags.unused()
+            lacking = sorted(self.runtime.plain_used_so_far() - contributions.gave)
+            return lacking, lacking, sorted(contributions.used_skipped)
+        return flags.lacked(), flags.unused(), flags.used_skipped()
 
     def _drop_held(self) -> None:
         if self._held is not None:

@@ -32,7 +32,6 @@ from flatview.comm.ledger import REPLICA_ALL_REDUCE, Ledger
 from flatview.comm.options import ReduceOptions
 from flatview.errors import WrapError
 from flatview.local_tensors import local_tensor
-from flatview.skip import skipped_used
 from flatview.states import Transitions
 
 
@@ -402,7 +401,13 @@ class Contributions:
     that received a gradient is an error, a used one without a gradient on this rank
     gets zeros (so that every rank's reduce-scatter has the same layout), and the
     parameters this rank gave a gradient since the last synchronising backward are
-    noted for the flags (:class:`~flatview.comm.unused.UsageFlags`)."""
+    noted for the flags (:class:`~flatview.comm.unused.UsageFlags`).
+
+    The error of a skipped parameter used is noted, not raised, and its fresh gradient
+    dropped (what the other ranks' reduce-scatters hold of it): the model may use it on
+    one rank only, and a rank that raised inside the backward would leave the others
+    in the reduce-scatters still to come. The flags carry it, and every rank raises at
+    the end of the synchronising backward."""
 
     def __init__(self, runtime: Runtime, groups: Iterable[Any]) -> None:
         self.runtime = runtime
@@ -427,6 +432,9 @@ class Contributions:
         self.gave: set[int] = set()
         """Runtime indices of the parameters this rank's backwards gave a gradient since
         the last synchronising one."""
+        self.used_skipped: set[int] = set()
+        """Runtime indices of the skipped parameters that this rank's backwards gave a
+        gradient since the last synchronising one: the error to raise at its end."""
         self._versions: dict[int, tuple[int, int]] = {}
         """Per parameter, its unsharded gradient (identity and version) at the end of
         the last backward under ``no_sync()``."""
@@ -453,7 +461,10 @@ class Contributions:
                     fresh = fresh_of(grad, param_index)
                     if param_index not in used:
                         if fresh:
-                            raise skipped_used(runtime.name(param_index))
+                            self.used_skipped.add(param_index)
+                            if param_index not in self._versions and unsharded is not None:
+                                # As the other ranks have it: none accumulated.
+                                grad = unsharded.grad = None
                     elif fresh:
                         gave.add(param_index)
                     elif (
@@ -505,4 +516,5 @@ class Contributions:
     def reset(self) -> None:
         """The window is over (reduced, or dropped by an aborted backward)."""
         self.gave.clear()
+        self.used_skipped.clear()
         self._versions = {}

@@ -13,7 +13,9 @@ gradient anywhere: the model left it out without declaring it. The flags travel
   alongside the wrapper's last collective (:meth:`UsageFlags.exchanged`, FSDP2: the
   wrapper reduces the gradients, flatview cannot add to its buffers). A second row then
   flags the parameters this rank lacked although they are used: FSDP2 would leave them
-  out of this rank's reduce-scatter, so any rank lacking one is an error on every rank.
+  out of this rank's reduce-scatter, so any rank lacking one is an error on every rank;
+  a third the skipped parameters this rank's backward gave a gradient: the model used
+  them, on one rank or several, and every rank raises.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import torch.distributed as dist
 from flatview.comm.ledger import Ledger
 from flatview.errors import StateError, UndeclaredUnusedError, listing
 
-_GAVE, _LACKED = 1, 0
-"""Rows of an exchanged tensor: this rank gave a gradient; it lacked one although used."""
+_GAVE, _LACKED, _USED_SKIPPED = 1, 0, 2
+"""Rows of an exchanged tensor: this rank gave a gradient; it lacked one although used;
+it gave one although skipped."""
 
 
 class UsageFlags:
@@ -60,19 +63,23 @@ class UsageFlags:
         cls,
         gave: set[int],
         lacking: Sequence[int],
+        used_skipped: set[int],
         count: int,
         group: dist.ProcessGroup | None,
         ledger: Ledger,
         device: torch.device,
     ) -> UsageFlags:
-        """Flags of parameters ``0 .. count - 1`` (this rank gave ``gave`` a gradient, and
-        lacked one for ``lacking``, which are used), summed over ``group`` by one
-        asynchronous all-reduce of their own, started now."""
-        flags = torch.zeros(2, count, dtype=torch.int32, device=device)
+        """Flags of parameters ``0 .. count - 1`` (this rank gave ``gave`` a gradient,
+        lacked one for ``lacking``, which are used, and gave one to ``used_skipped``,
+        which are skipped), summed over ``group`` by one asynchronous all-reduce of
+        their own, started now."""
+        flags = torch.zeros(3, count, dtype=torch.int32, device=device)
         if lacking:
             flags[_LACKED, list(lacking)] = 1
         if gave:
             flags[_GAVE, sorted(gave)] = 1
+        if used_skipped:
+            flags[_USED_SKIPPED, sorted(used_skipped)] = 1
         ledger.record("flags", flags)
         work = dist.all_reduce(flags, group=group, async_op=True)
         return cls(flags, work, False)
@@ -92,6 +99,10 @@ class UsageFlags:
     def lacked(self) -> list[int]:
         """The parameters some rank lacked a gradient for (:meth:`exchanged` flags)."""
         return self._lacked(self._read())
+
+    def used_skipped(self) -> list[int]:
+        """The skipped parameters some rank gave a gradient (:meth:`exchanged` flags)."""
+        return [int(i) for i in self._read()[_USED_SKIPPED].nonzero().flatten().tolist()]
 
     def _read(self) -> torch.Tensor:
         work, self._work = self._work, None
