@@ -440,8 +440,8 @@ class FSDP2Adapter(Adapter):
             return
         lacked: list[int] = []
         used_skipped: list[int] = []
+        here = bool(self._contributions.used_skipped)  # read before the reset empties it
         if synced:
-            here = set(self._contributions.used_skipped)
             lacked, unused, used_skipped = self._exchange_flags()
             for index in unused:
                 # No rank gave it a gradient: as with FSDP2 alone, it keeps none.
@@ -452,7 +452,7 @@ class FSDP2Adapter(Adapter):
         runtime.end_backward(synced=synced)
         if used_skipped:
             names = [runtime.name(i) for i in used_skipped]
-            raise skipped_used_in_backward(names, here=bool(here))
+            raise skipped_used_in_backward(names, here=here)
         if lacked:
             raise undeclared_unused(
                 "parameter(s)",
