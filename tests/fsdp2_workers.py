@@ -410,3 +410,29 @@ def window_error_recovery(scenario: Scenario, kind: str) -> dict[str, Any]:
     held = {n for n, p in fresh_fv.named_parameters() if p.to_local().numel()}
     none = sorted(n for n, g in clean.items() if g is None and n in held)
     return {"error": error, "worst": worst, "none": none}
+
+
+def one_rank_used_then_training(scenario: Scenario) -> dict[str, Any]:
+    """Rank 0 alone uses ``body.0.gate``, declared skipped (in the first micro-batch of a
+    window where the scenario accumulates); the error caught on every rank and the
+    gradients zeroed, the scenario trains: its parameters, for the reference's."""
+    model, fv, opts = distributed_model(scenario)
+    (x0, y0), (x1, y1) = local_batch(scenario, 0), local_batch(scenario, 1)
+    used = () if dist.get_rank() == 0 else ("body.0.gate",)
+    error = None
+    try:
+        if scenario.accumulate > 1:
+            with no_sync(model), fv.step(skip=["body.0.gate"]):
+                loss_of(model(x0, used), y0).backward()
+            with fv.step(skip=["body.0.gate"]):
+                loss_of(model(x1, ("body.0.gate",)), y1).backward()
+        else:
+            with fv.step(skip=["body.0.gate"]):
+                loss_of(model(x0, used), y0).backward()
+    except FlatViewError as raised:
+        error = type(raised).__name__
+    for opt in opts:
+        opt.zero_grad(set_to_none=True)
+    for _ in distributed_training(scenario, model, fv, opts):
+        pass
+    return {"error": error, "params": full_state(model, scenario)}

@@ -20,6 +20,7 @@ from tests.scenarios import (
     check_equivalent,
     compare,
     only_on_tested_torch,
+    run_reference,
     scenarios,
 )
 
@@ -181,6 +182,27 @@ def test_hsdp_window_error_then_recovery(dist_pool: PoolFactory, kind: str, erro
         # none of a rank's elements aside).
         assert all(n.startswith("body.3.gate.") for n in r["none"]), r
     assert any(r["none"] for r in results)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "options", "accumulate"),
+    [
+        (2, {}, 1),
+        (4, {"hsdp": 2, "window": "all_reduce"}, 2),
+    ],
+    ids=["fsdp2", "hsdp-window"],
+)
+def test_training_after_a_skipped_parameter_used_on_one_rank(
+    dist_pool: PoolFactory, world_size: int, options: dict, accumulate: int
+) -> None:
+    """After a skipped parameter used on one rank only (raised on every rank, caught,
+    the gradients zeroed), the scenario trains as the single-process reference."""
+    scenario = FSDP2.scenario(
+        GATED, world_size=world_size, options=options, skips=WINDOW_SKIPS, accumulate=accumulate
+    )
+    results = dist_pool(world_size).run(w.one_rank_used_then_training, scenario, timeout=TIMEOUT)
+    assert [r["error"] for r in results] == ["SkippedParameterUsedError"] * world_size
+    compare(results[0]["params"], run_reference(scenario).params)
 
 
 @pytest.mark.parametrize(
