@@ -7,15 +7,19 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests import unwrap_workers as uw
 from tests import workers as w
 from tests.scenarios import (
     BACKEND_CONFIGS,
     BACKENDS,
     FSDP2,
+    FSDP2_HSDP,
     TORCH_NO_SHARD,
     BackendConfig,
     Scenario,
     backend_param,
+    compare,
+    run_reference,
 )
 
 if TYPE_CHECKING:
@@ -39,6 +43,41 @@ def test_unwrap_gives_back_plain_fsdp2_as_one_unit(
 ) -> None:
     """FSDP2 with only the root sharded (BACKENDS shards each block too)."""
     check_unwrap(dist_pool, backend.scenario(world_size=2, nested=False))
+
+
+@pytest.mark.parametrize(
+    ("backend", "window"),
+    [
+        *(backend_param(c, "no-sync", ci=c == FSDP2_HSDP) for c in BACKEND_CONFIGS),
+        # HSDP's other window (torchtitan's): reduce-scattered every micro-batch, the
+        # replicas' all-reduce held back by set_requires_all_reduce(False).
+        backend_param(FSDP2_HSDP, "all-reduce", ci=True),
+    ],
+)
+def test_unwrap_inside_an_accumulation_window_is_refused(
+    dist_pool: PoolFactory, backend: BackendConfig, window: str
+) -> None:
+    """``unwrap()`` between the micro-batches of one optimizer step, inside the
+    wrapper's accumulation window, is refused on every rank with a
+    :class:`~flatview.StateError` that says how to go on (the flat parameters then hold
+    the window's gradients and the views the earlier ones, not merged). Finishing the
+    step and unwrapping after it trains on as the single-process reference: the refusal
+    lost or doubled none of the window's gradients."""
+    options = {"window": "all_reduce"} if window == "all-reduce" else {}
+    scenario = backend.scenario(
+        world_size=backend.ranks(2),
+        accumulate=2,
+        skips=((0,), (1,), (), ()),
+        unwrap_after=0,
+        options=options,
+    )
+    pool = dist_pool(scenario.world_size)
+    results = pool.run(uw.unwrap_refused_inside_a_window, scenario, timeout=60)
+    for result in results:
+        refused = result["refused"]
+        assert refused.startswith("StateError: unwrap() inside an accumulation window"), refused
+        assert "finish the accumulation with a synchronising backward" in refused, refused
+    compare(results[0]["params"], run_reference(scenario).params)
 
 
 HOOKED = (
