@@ -435,6 +435,14 @@ class FlatView:
         over views hold stale handles: their next step raises
         :class:`~flatview.errors.StateError`; build new ones over ``model.parameters()``
         (or wrap again and build them over the new views).
+
+        Call it between optimizer steps: inside an accumulation window (between the
+        micro-batches of one step, under ``no_sync()``, FSDP2's
+        ``set_requires_gradient_sync(False)`` or ``set_requires_all_reduce(False)``, or
+        before DeepSpeed's boundary) it raises :class:`~flatview.errors.StateError`,
+        because the flat parameters then hold the window's gradients apart from what the
+        views accumulated before it; finish the step with its synchronising backward,
+        then unwrap.
         """
         self.runtime.detach()
         self._patches.remove()
