@@ -458,6 +458,10 @@ class Scenario:
     """After every optimizer step, a forward whose graph no backward consumes (a
     validation loss computed with autograd on), then ``zero_grad``, then a forward under
     ``no_grad`` inside a step: neither may change what training computes."""
+    inference: bool = False
+    """With :attr:`evaluate`, the forward without autograd runs under
+    ``torch.inference_mode()`` instead of ``no_grad`` (Lightning's validation loop on
+    DDP, many hand-written evaluation loops): tensors it makes can never join a graph."""
     frozen: tuple[str, ...] = ()
     """Name prefixes of parameters frozen (``requires_grad_(False)``) before training."""
     mask_gather_min_saved: int = 0
@@ -660,7 +664,9 @@ def scenarios(
         # Accumulated in a reduce dtype of FSDP2's own; float64, so that the reference
         # tells a wrong sum from rounding.
         extra["mixed_precision"] = ("float32", "float64")
-    return replace(scenario, options={**options, **extra}) if extra else scenario
+    if extra:
+        scenario = replace(scenario, options={**options, **extra})
+    return replace(scenario, inference=evaluate and draw(st.booleans()))
 
 
 def recomputing(scenario: Scenario) -> tuple[str, ...]:
@@ -1165,7 +1171,8 @@ def distributed_training(
         if scenario.evaluate:
             skip = skip_names(scenario, micros[-1])
             step = wrapped.step(skip=list(skip)) if wrapped else contextlib.nullcontext()
-            with torch.no_grad(), step:
+            autograd_off = torch.inference_mode() if scenario.inference else torch.no_grad()
+            with autograd_off, step:
                 model(local_batch(scenario, 20_000 + micros[-1])[0], skip)
         if number == scenario.unwrap_after:
             fv.unwrap()

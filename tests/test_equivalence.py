@@ -111,6 +111,23 @@ def test_skip_everything_in_the_first_step(dist_pool: PoolFactory, backend: Back
     check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_evaluation_under_inference_mode(dist_pool: PoolFactory, backend: BackendConfig) -> None:
+    """Evaluation passes between optimizer steps, one with autograd on outside any step
+    and one under ``torch.inference_mode()`` inside a step with its skip set (Lightning's
+    validation loop on DDP, hand-written evaluation loops): training is the
+    single-process reference's, whatever the evaluation's tensors were made under."""
+    scenario = backend.scenario(
+        world_size=2,
+        skips=((), (1,), (0,), ()),
+        accumulate=2,
+        zero_grad_at="before_forward",
+        evaluate=True,
+        inference=True,
+    )
+    check_equivalent(dist_pool, scenario, timeout=TIMEOUT)
+
+
 def _option_params() -> list[Any]:
     # fairscale: each option at world sizes 2 and 3; torch: each option and strategy
     # once, world sizes alternating.
