@@ -50,6 +50,10 @@ class Run:
     """Clip gradients by their total norm (over the optimizer's parameters)."""
     epochs: int = 1
     """Epochs the batches are split into (a checkpoint is taken between them)."""
+    validate: bool = False
+    """Lightning's Trainer: a validation loop after every training batch (a loss logged
+    with ``sync_dist``), its sanity check before training too; the reference does not
+    validate: validation must change nothing."""
 
     @property
     def batches(self) -> int:

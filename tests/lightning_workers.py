@@ -107,6 +107,14 @@ class Lit(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         return make_optimizers(self.net, self.run)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        # Lightning calls it under no_grad or inference_mode, outside any step, between
+        # training batches (run.validate), and twice before the first (its sanity check).
+        x, y = local_batch(self.run.scenario, 1_000 + batch_idx)
+        loss = loss_of(self(x.to(self.net.stem.weight.dtype)), y)
+        self.log("val_loss", loss, sync_dist=True, batch_size=len(x))
+        return loss
+
 
 class ShardedLit(Lit):
     """:class:`Lit` for ``ModelParallelStrategy``: FSDP2 on every block and the net
@@ -238,7 +246,14 @@ def _trainer(
 ) -> Any:
     clip = None if run.manual else run.clip
     return quiet_trainer(
-        strategy_of(strategy), tmp, callbacks, epochs, run.accumulate, clip, precision
+        strategy_of(strategy),
+        tmp,
+        callbacks,
+        epochs,
+        run.accumulate,
+        clip,
+        precision,
+        validate=run.validate,
     )
 
 
@@ -250,9 +265,12 @@ def quiet_trainer(
     accumulate: int = 1,
     clip: float | None = None,
     precision: str = "32",
+    *,
+    validate: bool = False,
 ) -> Any:
     """A Lightning Trainer on this pool's ranks (CPU), writing and printing nothing, the
-    data loaders' own order kept."""
+    data loaders' own order kept; ``validate``: validating after every training batch,
+    and before training as Lightning's sanity check does by default."""
     return pl.Trainer(
         precision=precision,  # type: ignore[arg-type]
         accelerator="cpu",
@@ -264,7 +282,8 @@ def quiet_trainer(
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=2 if validate else 0,
+        val_check_interval=1 if validate else None,
         default_root_dir=tmp,
         callbacks=callbacks,
         accumulate_grad_batches=accumulate,
@@ -278,6 +297,10 @@ def _module(run: Run, strategy: str, user_steps: str) -> Lit:
 
 def _loader(run: Run) -> DataLoader[int]:
     return DataLoader(list(range(run.per_epoch)), batch_size=None)
+
+
+def _validation_loader() -> DataLoader[int]:
+    return DataLoader(list(range(2)), batch_size=None)
 
 
 def trainer(run: Run, strategy: str = "ddp", user_steps: str = "") -> dict[str, np.ndarray] | None:
@@ -294,7 +317,8 @@ def trainer(run: Run, strategy: str = "ddp", user_steps: str = "") -> dict[str, 
                 skip = None if user_steps else Lit.skipped
                 callbacks.append(FlatViewCallback(skip=skip, enter_steps=not user_steps))
             fit = _trainer(run, strategy, tmp, callbacks, epochs=epoch + 1)
-            fit.fit(module, _loader(run), ckpt_path=path if epoch else None)
+            validation = _validation_loader() if run.validate else None
+            fit.fit(module, _loader(run), validation, ckpt_path=path if epoch else None)
             if epoch + 1 < run.epochs:
                 fit.save_checkpoint(path)
         if deepspeed:

@@ -74,6 +74,27 @@ def test_trainer_ddp_trains_like_the_reference(dist_pool: PoolFactory, run: iw.R
 
 
 @needs_lightning
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "ddp",
+        "fsdp2",
+        "fsdp1_cpu",
+        pytest.param("deepspeed2", marks=[SLOW, needs_deepspeed]),
+        pytest.param("deepspeed3", marks=[SLOW, needs_deepspeed]),
+    ],
+)
+def test_trainer_validating_every_batch_trains_like_the_reference(
+    dist_pool: PoolFactory, strategy: str
+) -> None:
+    # Lightning's validation loop (under inference_mode on DDP, no_grad on FSDP; its
+    # sanity check before the first batch; a loss logged with sync_dist) after every
+    # training batch, between flatview's steps: training is the reference's.
+    run = iw.Run(validate=True)
+    _check(_run(dist_pool(2), LIGHTNING, "trainer", run, strategy=strategy), run)
+
+
+@needs_lightning
 def test_trainer_manual_with_steps_written_in_training_step(dist_pool: PoolFactory) -> None:
     # FlatViewCallback(enter_steps=False): training_step enters `with fv.step(...)` itself,
     # around the forward and manual_backward.
