@@ -94,15 +94,15 @@ class UsageFlags:
         if not self._exchanged:
             return [k for k, v in enumerate(self.tensor.tolist()) if v == 0]
         flags = self._read()
-        return [i for i in self._lacked(flags) if int(flags[_GAVE, i]) == 0]
+        return [i for i in _flagged(flags, _LACKED) if int(flags[_GAVE, i]) == 0]
 
     def lacked(self) -> list[int]:
         """The parameters some rank lacked a gradient for (:meth:`exchanged` flags)."""
-        return self._lacked(self._read())
+        return _flagged(self._read(), _LACKED)
 
     def used_skipped(self) -> list[int]:
         """The skipped parameters some rank gave a gradient (:meth:`exchanged` flags)."""
-        return [int(i) for i in self._read()[_USED_SKIPPED].nonzero().flatten().tolist()]
+        return _flagged(self._read(), _USED_SKIPPED)
 
     def _read(self) -> torch.Tensor:
         work, self._work = self._work, None
@@ -112,9 +112,10 @@ class UsageFlags:
         assert self._host is not None, "flags of an exchange never started"
         return self._host
 
-    @staticmethod
-    def _lacked(flags: torch.Tensor) -> list[int]:
-        return [int(i) for i in flags[_LACKED].nonzero().flatten().tolist()]
+
+def _flagged(flags: torch.Tensor, row: int) -> list[int]:
+    """The parameters some rank set ``row`` of the summed (host) flags for."""
+    return [int(i) for i in flags[row].nonzero().flatten().tolist()]
 
 
 def undeclared_unused(
