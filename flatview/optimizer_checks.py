@@ -209,7 +209,9 @@ class OptimizerChecks:
                 f"unit {unit!r} (holding {names}{more}): it would step every parameter in "
                 "it, skipped ones too, and it does not see gradients zeroed through the "
                 "views. Build optimizers from views (submodule.parameters() or "
-                "FlatView.parameters()), or call FlatView.unwrap() to train on bare FSDP."
+                "FlatView.parameters()), or call FlatView.unwrap() to train on bare FSDP. "
+                "(model.parameters() shows flat parameters from a forward until its "
+                "backward, or until the next forward where no backward came.)"
             )
         if not self._lent():
             foreign = [

@@ -43,6 +43,7 @@ from flatview.errors import FlatViewError, StateError
 from flatview.guards import SkipGuards
 from flatview.iteration import Binder, Iteration
 from flatview.layout import MaskPlan
+from flatview.leftovers import Leftovers
 from flatview.model_views import ModelViews
 from flatview.phase import Phase
 from flatview.skip import SkipSet, skipped_unit_called, skipped_used
@@ -50,6 +51,7 @@ from flatview.stats import StepStats
 from flatview.step_agreement import SkipAgreement
 from flatview.table import FlatRecord, ParamTable
 from flatview.view_hooks import refuse_view_hooks
+from flatview.window import UsedWindow
 from flatview.wrapped_models import forget_checks
 
 
@@ -82,12 +84,10 @@ class Runtime:
         self._awaiting = 0  # root forwards (with autograd) still awaiting their backward
         self.iteration: Iteration | None = None
         """The iteration bound to the forward in flight (or the last one)."""
-        # Per flat parameter, segments used since the last synced backward (no_sync()).
-        self._window: list[tuple[bool, ...]] | None = None
-        # Plain parameters used in those backwards (every adapter's window is kept here).
-        self._plain_window: frozenset[int] = frozenset()
+        self._window = UsedWindow()  # what the backwards under no_sync() used
         self._guards = SkipGuards(table)
         self._binder = Binder(table)
+        self._leftovers = Leftovers(adapter.release_unsharded)  # flatview.leftovers
         armed = not adapter.computes_on_views  # autograd never reaches the views
         self.views = ModelViews(table, model, adapter.clean_name, adapter.view_owners(), armed)
 
@@ -102,7 +102,7 @@ class Runtime:
     def accumulating(self) -> bool:
         """Inside a ``no_sync()`` window: the flat parameters hold unreduced, unsharded
         accumulated gradients that the views do not see yet."""
-        return self._window is not None
+        return self._window.open
 
     # -------------------------------------------------------------------- steps
 
@@ -201,6 +201,12 @@ class Runtime:
         activation checkpointing recomputes them, and must not touch gradients then.
         """
         self.check_not_lent()
+        if outermost and torch.is_grad_enabled() and not in_backward():
+            # It trains on the shards as they are, not on a copy an evaluation or a
+            # forward of an earlier step, never backwarded, left.
+            last = self.iteration
+            old = last is not None and last.step != self._step_count
+            self._leftovers.release(abandoned=old and self.phase is Phase.COMPUTING)
         agreed = self._agree_outside_step(outermost)
         if outermost and not in_backward() and torch.is_grad_enabled():
             self._awaiting += 1
@@ -262,7 +268,7 @@ class Runtime:
         # The wrapper computes a fresh gradient; the views keep theirs until the synced
         # backward adds the two (so a zero_grad between forward and backward counts).
         # Under no_sync() they were detached when the window opened.
-        if self._window is None:
+        if not self._window.open:
             self.views.detach_grads()
 
     def write_back(self) -> None:
@@ -287,7 +293,7 @@ class Runtime:
     def push_grads(self) -> None:
         """Make the flat gradients say what the view gradients say (before a wrapper
         operation or unwrap reads them)."""
-        if self._window is None:
+        if not self._window.open:
             self.views.push_grads()
 
     def _bind_iteration(self, *, reset_ledger: bool = True) -> None:
@@ -407,29 +413,22 @@ class Runtime:
             if iteration is not None
             else (True,) * len(self.table.flats[flat].params)
         )
-        if self._window is None or not window:
-            return now
-        return tuple(a or b for a, b in zip(self._window[flat], now, strict=True))
+        return self._window.join(flat, now) if window else now
 
     def plain_used_so_far(self) -> frozenset[int]:
         """Indices of the plain parameters used in this iteration or in the backwards
         since the last synchronising one (the ``no_sync()`` window)."""
-        used = self.plain_used()
-        # The iteration's own set where there is no window: the same object every step
-        # a skip set repeats, which callers key caches by.
-        return self._plain_window | used if self._plain_window else used
+        return self._window.join_plain(self.plain_used())
 
     def forget_plain_window(self) -> None:
         """The plain parameters' window is over before the backward ends: reduced now (an
         error there must not leave it to the next backward), or dropped (FSDP2, aborted)."""
-        self._plain_window = frozenset()
+        self._window.forget_plain()
 
     def forget_window(self) -> None:
         """The wrapper dropped what it accumulated (DeepSpeed's ``zero_grad`` before its
         boundary): nothing counts as used in the window any more."""
-        if self._window is not None:
-            self._window = [(False,) * len(used) for used in self._window]
-        self._plain_window = frozenset()
+        self._window.forget()
 
     def flat_used_so_far(self, flat: nn.Parameter) -> bool:
         """Whether any segment of ``flat`` was used since the last synced backward."""
@@ -446,11 +445,9 @@ class Runtime:
         used = [self._used_so_far(flat.index) for flat in self.table.flats]
         if synced:
             self.views.combine_grads(used)
-            self._window = None
-            self._plain_window = frozenset()
+            self._window.close()
         else:
-            self._window = used
-            self._plain_window = self.plain_used_so_far()
+            self._window.extend(used, self.plain_used_so_far())
         self._stats = StatsSource.of(self.iteration, self.ledger, synced)
         self._awaiting = 0 if synced else self._awaiting - 1
         if self._awaiting <= 0:
@@ -458,8 +455,9 @@ class Runtime:
 
     def end_forward_only(self) -> None:
         """A forward ran without autograd: no backward will follow."""
+        self._leftovers.left_by_forward()
         if self.phase is Phase.COMPUTING:
-            if self._window is None:
+            if not self._window.open:
                 self.views.reattach_grads()
             self._end_compute()
 
@@ -477,6 +475,7 @@ class Runtime:
             yield
             return
         # The wrapper reads the shards (and maybe gradients): views' writes go there first.
+        self._leftovers.release()
         self.write_back()
         self.push_grads()
         self.views.hide()
@@ -493,13 +492,14 @@ class Runtime:
         views hidden, every hook removed)."""
         if self.phase is not Phase.IDLE:
             raise StateError(f"unwrap() needs phase IDLE, the model is {self.phase.name}")
-        if self._window is not None:
+        if self._window.open:
             # Flat parameters hold the window's gradients, views the earlier: unmerged.
             raise StateError(
                 "unwrap() inside an accumulation window (no_sync(), DeepSpeed before its "
                 "boundary): finish the accumulation with a synchronising backward first"
             )
         # The flat parameters carry on alone: what the views hold must be theirs.
+        self._leftovers.release()
         self.write_back()
         self.push_grads()
         self.views.hide()

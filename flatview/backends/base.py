@@ -296,6 +296,13 @@ class Adapter(Protocol):
         the next one that does (:mod:`flatview.step_agreement`)."""
         return True
 
+    def release_unsharded(self) -> None:
+        """Free the unsharded parameters the wrapper kept after forwards that no backward
+        followed (:mod:`flatview.leftovers`), so that its next forward gathers the shards
+        as they are. Every rank calls it at the same point; it communicates nothing. A
+        wrapper that keeps no such copy (DDP, ``NO_SHARD``) has nothing to free."""
+        return None
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise if ``optimizer`` holds parameters this backend cannot serve (checked at
         its first step)."""

@@ -88,7 +88,9 @@ class ZeroStep:
         if runtime.phase is not Phase.IDLE:
             raise StateError(
                 f"engine.step() while the model is {runtime.phase.name}: step after the "
-                "backward has ended"
+                "backward has ended (a forward with autograd on since the last backward, "
+                "whose loss no backward used, leaves the model computing until the next "
+                "forward: compute such losses, for validation, under torch.no_grad())"
             )
         if runtime.accumulating:
             # engine.step() steps only at the boundary, which ends the window: this is the

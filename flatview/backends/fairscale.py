@@ -220,6 +220,10 @@ class FairscaleAdapter(Adapter):
         # fairscale's no_sync() clears the flag on every unit; the root's decides.
         return bool(self.root._require_backward_grad_sync)
 
+    def release_unsharded(self) -> None:
+        self._settling.release_unsharded()
+        self._gathered.clear()
+
     def uninstall(self) -> None:
         self._patches.remove()
         remove_shim(self.units)

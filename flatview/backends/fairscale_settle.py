@@ -84,6 +84,20 @@ class UnitSettling:
                 elif p.grad is not buffer and p.grad.shape == buffer.shape:
                     buffer.copy_(p.grad)
 
+    def release_unsharded(self) -> None:
+        """Free the full parameters units hold between passes (the root's after a forward
+        without backward, every unit's with ``reshard_after_forward=False``; the
+        low-precision copy of a unit not sharded, at world size 1): fairscale's next
+        forward would reuse them (``has_full_params``) however the fp32 shards moved
+        since (:mod:`flatview.leftovers`)."""
+        for _, unit in self.units:
+            if not unit.has_full_params:
+                continue
+            unit._free_full_params()
+            if unit.mixed_precision or unit.move_params_to_cpu:
+                unit._free_fp16_param_shard()
+            unit._use_fp32_param_shard()
+
     @staticmethod
     def _reshard_unreached(unit: Any, params: list[Any], synced: bool) -> None:
         """A parameter no gradient reached (skipped, in a unit that ran) never got its

@@ -86,7 +86,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -197,7 +197,9 @@ class FSDP2Adapter(Adapter):
                     raise lent_tensor_error(
                         optimizer,
                         f"FSDP2's unsharded parameter of {self.runtime.name(index)!r}",
-                        "model.unshard() and reshard()",
+                        "model.unshard() and reshard(), or registered from a forward until "
+                        "the next pass (FSDP2 keeps the root's unsharded parameters after "
+                        "its forward: model.parameters() read after an evaluation holds them)",
                     )
 
     def describe(self) -> list[UnitSpec]:
@@ -296,6 +298,13 @@ class FSDP2Adapter(Adapter):
         }
         """Per group (by id), its parameters' shard sizes (:class:`HoldPlanner`)."""
         count_collectives(self.units, runtime.ledger, self.hybrid, self._held)
+
+    def release_unsharded(self) -> None:
+        # The root keeps its unsharded parameters after a forward (every unit with
+        # reshard_after_forward=False): FSDPModule.reshard() frees them, as torch's
+        # documentation asks of a user who moves the sharded ones in between.
+        for unit in self.units:
+            cast(Any, unit.module).reshard()
 
     def uninstall(self) -> None:
         self._prefetch.restore()

@@ -188,6 +188,9 @@ class TorchFSDPAdapter(Adapter):
         # torch's no_sync() clears the flag on every unit; the root's decides.
         return bool(self.root._sync_gradients)
 
+    def release_unsharded(self) -> None:
+        self._settling.release_unsharded(self.units)
+
     def uninstall(self) -> None:
         self._patches.remove()
         self._reduction.uninstall()

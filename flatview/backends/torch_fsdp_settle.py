@@ -6,7 +6,9 @@ A unit that took no part still has ``handle._training_state`` other than
 for it is reduced as its own post-backward hook would have, and ``SHARD_GRAD_OP``, which
 frees a unit's unsharded flat parameter only in that unit's post-backward (a skipped unit
 kept it from an earlier forward, stale after the next optimizer step:
-:meth:`UnitSettling.holds_stale_unsharded`), is made to free it.
+:meth:`UnitSettling.holds_stale_unsharded`), is made to free it. What forwards without a
+backward leave unsharded is freed before the next forward that trains
+(:meth:`UnitSettling.release_unsharded`, :mod:`flatview.leftovers`).
 
 A unit whose pre-backward ran but which torch gave no post-backward hook (several forwards
 before their backwards: :meth:`UnitSettling.missed_post_backward`) is refused with a
@@ -84,6 +86,17 @@ class UnitSettling:
             self._fsdp_runtime._post_backward_hook(unit, handle, flat)
         elif self.holds_stale_unsharded(unit, handle):
             self._fsdp_runtime._reshard(unit, handle, True)
+
+    def release_unsharded(self, units: list[tuple[str, Any]]) -> None:
+        """Free every unsharded flat parameter the units hold between passes: the root's
+        after a forward without backward (``FULL_SHARD`` and hybrid sharding keep it for
+        the backward that usually follows), every unit's under ``SHARD_GRAD_OP``. torch's
+        next forward would reuse it as gathered (``needs_unshard()`` is false while its
+        storage is allocated) however the shard moved since (:mod:`flatview.leftovers`)."""
+        for _, unit in units:
+            handle = unit._handle
+            if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
+                self._fsdp_runtime._reshard(unit, handle, True)
 
     def holds_stale_unsharded(self, unit: Any, handle: Any) -> bool:
         """Whether a unit that took no part in this backward still holds an unsharded
