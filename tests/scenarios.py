@@ -1233,8 +1233,12 @@ def run_distributed(scenario: Scenario) -> Outcome:
             return {id(p) for p in tree.parameters()}
 
         # After an evaluation FSDP2 keeps the root's unsharded parameters on its modules
-        # until the next pass (flatview.leftovers), without flatview too.
-        shown_after_step = not (scenario.backend == "fsdp2" and scenario.evaluate_before_step)
+        # until the next pass (flatview.leftovers), and torch SHARD_GRAD_OP with
+        # use_orig_params its unsharded views of units the evaluation under no_grad
+        # skipped (below), without flatview too.
+        shown_after_step = not scenario.evaluate_before_step or not (
+            scenario.backend == "fsdp2" or _wrapper_views(scenario)
+        )
         for stepped in distributed_training(scenario, model, fv, opts):
             if fv.phase.name == "DETACHED":
                 continue
