@@ -324,14 +324,14 @@ class ViewGrads:
             # into the old tensor where it can take it (its pieces stay cut: the views
             # keep their gradient tensors). x + y is y + x, bit for bit.
             if new is None:
-                flat.grad = before
+                _give_back(flat, before)
             elif (
                 new.dtype == before.dtype
                 and new.device == before.device
                 and new.shape == before.shape
             ):
                 before.add_(new)
-                flat.grad = before
+                _give_back(flat, before)
             else:
                 new.add_(before)
         else:
@@ -360,5 +360,22 @@ class ViewGrads:
         self._detached = False
         before, self._before = self._before, None
         if self.flat.grad is None:
-            self.flat.grad = before
+            _give_back(self.flat, before)
             self._exposed_from = before
+
+
+def _give_back(flat: nn.Parameter, grad: torch.Tensor | None) -> None:
+    """``flat.grad = grad``, for a gradient flatview took off the wrapper's parameter. One
+    of another dtype is set as the wrapper put it there, through ``.data`` of that dtype
+    (torch's setter checks the gradient against the parameter's dtype): fairscale at world
+    size 1 with ``mixed_precision`` computes on fp16 ``.data`` and leaves the fp16
+    gradient on its fp32 flat parameter."""
+    if grad is None or grad.dtype == flat.dtype:
+        flat.grad = grad
+        return
+    data = flat.data
+    flat.data = grad
+    try:
+        flat.grad = grad
+    finally:
+        flat.data = data

@@ -33,6 +33,7 @@ from tests.scenarios import (
     local_batch,
     loss_of,
     no_sync,
+    plain_optimizer,
     reference_model,
     skip_names,
 )
@@ -49,15 +50,16 @@ def _play(
     opts: Sequence[torch.optim.Optimizer],
     params: Callable[[], Iterable[torch.Tensor]],
     data: Callable[[Scenario, int], tuple[torch.Tensor, torch.Tensor]],
+    windows: bool = True,
 ) -> None:
+    """``program`` on ``model`` (``fv`` None: bare; ``windows`` False: no ``no_sync()``,
+    the unwrapped net)."""
     micro = 0
     for number, action in enumerate(program):
         if action in "Ta":
             xs, ys = data(scenario, micro)
             skip = skip_names(scenario, micro)
-            window = (
-                no_sync(model) if action == "a" and fv is not None else contextlib.nullcontext()
-            )
+            window = no_sync(model) if action == "a" and windows else contextlib.nullcontext()
             step = fv.step(skip=list(skip)) if fv is not None else contextlib.nullcontext()
             with window, step:
                 loss_of(model(xs, skip), ys).backward()
@@ -79,10 +81,16 @@ def _play(
             raise AssertionError(f"unknown action {action!r} in {program!r}")
 
 
-def play_wrapped(scenario: Scenario, program: str) -> dict[str, np.ndarray] | None:
-    """``program`` on this rank (FSDP + flatview), then the full parameters (rank 0)."""
+def play_wrapped(
+    scenario: Scenario, program: str, plain: bool = False
+) -> dict[str, np.ndarray] | None:
+    """``program`` on this rank (FSDP + flatview), then the full parameters (rank 0).
+    ``plain``: one SGD over every view instead of the per-submodule optimizers (which
+    include AdamW, which cannot step a float32 parameter with a float16 gradient)."""
     with backend_context(scenario.backend):
         model, fv, opts = distributed_model(scenario)
+        if plain:
+            opts = [plain_optimizer(fv.parameters())]
         _play(scenario, program, model, fv, opts, fv.parameters, local_batch)
         return full_state(model, scenario)
 
@@ -90,5 +98,5 @@ def play_wrapped(scenario: Scenario, program: str) -> dict[str, np.ndarray] | No
 def play_reference(scenario: Scenario, program: str) -> dict[str, np.ndarray]:
     """``program`` on the unwrapped net in this process, on whole batches."""
     net, opts = reference_model(scenario)
-    _play(scenario, program, net, None, opts, net.parameters, batch)
+    _play(scenario, program, net, None, opts, net.parameters, batch, windows=False)
     return {name: p.detach().numpy().copy() for name, p in net.named_parameters()}

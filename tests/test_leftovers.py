@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 
 from tests import leftover_workers as lw
@@ -83,3 +84,25 @@ def test_what_a_forward_leaves_unsharded_never_goes_stale(
             compare(got, want)
         except AssertionError as err:
             raise AssertionError(f"program {name} ({program}): {err}") from None
+
+
+@pytest.mark.parametrize("backend", [backend_param(FAIRSCALE)])
+def test_low_precision_gradient_given_back_after_an_evaluation(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """fairscale on one rank with ``mixed_precision`` computes on fp16 ``.data`` and leaves
+    the fp16 gradient on the fp32 flat parameter. An evaluation between the backward and
+    the step (flatview takes the gradient off the flat parameter for each forward, and
+    gives it back after one without autograd) must leave training as it was without it,
+    bit for bit (torch's gradient setter refused the fp16 gradient back: a crash)."""
+    scenario = backend.scenario(
+        world_size=1, skips=((),) * 3, batch_per_rank=2, options={"mixed_precision": True}
+    )
+    pool = dist_pool(1)
+    plain = pool.run(lw.play_wrapped, scenario, "TSTSTS", True, timeout=60)[0]
+    assert plain is not None
+    for program in ("TESTESTES", "TGSTGSTS"):
+        got = pool.run(lw.play_wrapped, scenario, program, True, timeout=60)[0]
+        assert got is not None and got.keys() == plain.keys()
+        for name, value in plain.items():
+            assert np.array_equal(got[name], value), (program, name)
