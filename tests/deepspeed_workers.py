@@ -1189,3 +1189,48 @@ def against_bare(
             out["flatview" if wrapped else "bare"] = state
             del engine, fv, client
     return out
+
+
+class _EngineSteps:
+    """``engine.step()`` as the ``S`` of a :mod:`tests.leftover_workers` program (the
+    engine drops the gradients itself)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self) -> None:
+        pass
+
+
+def leftover_program(scenario: Any, stage: int, program: str) -> dict[str, Any]:
+    """A :mod:`tests.leftover_workers` program on a ZeRO ``stage`` engine (its own AdamW
+    over every view; ``S`` is ``engine.step()``): the full parameters, or what the first
+    action that raised raised (``"error"``)."""
+    from tests.leftover_workers import play
+    from tests.scenarios import local_batch
+
+    with deepspeed_on_cpu() as deepspeed:
+        engine, fv, _ = flatview_engine(deepspeed, scenario, stage, "one", 0.0)
+        steps = [_EngineSteps(engine)]
+        try:
+            play(scenario, program, engine, fv, steps, fv.parameters, local_batch)  # type: ignore[arg-type]
+        except Exception as err:  # reported to the test
+            result: dict[str, Any] = {"error": f"{type(err).__name__}: {err}"}
+        else:
+            result = {"params": full_params(fv, engine)}
+        del engine, fv
+    return result
+
+
+def leftover_reference(scenario: Any, program: str) -> dict[str, np.ndarray]:
+    """:func:`leftover_program` on the unwrapped net, with the engine's AdamW."""
+    from tests.leftover_workers import play
+    from tests.scenarios import batch, reference_model
+
+    net, _ = reference_model(scenario)
+    opt = one_optimizer(net.parameters())
+    play(scenario, program, net, None, [opt], net.parameters, batch, windows=False)
+    return {k: v.detach().numpy().copy() for k, v in net.named_parameters()}

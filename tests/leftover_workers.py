@@ -42,7 +42,7 @@ EVAL_BATCH = 10_000
 """Micro-batch numbers of the evaluation forwards start here (data no step trains on)."""
 
 
-def _play(
+def play(
     scenario: Scenario,
     program: str,
     model: nn.Module,
@@ -91,12 +91,12 @@ def play_wrapped(
         model, fv, opts = distributed_model(scenario)
         if plain:
             opts = [plain_optimizer(fv.parameters())]
-        _play(scenario, program, model, fv, opts, fv.parameters, local_batch)
+        play(scenario, program, model, fv, opts, fv.parameters, local_batch)
         return full_state(model, scenario)
 
 
 def play_reference(scenario: Scenario, program: str) -> dict[str, np.ndarray]:
     """``program`` on the unwrapped net in this process, on whole batches."""
     net, opts = reference_model(scenario)
-    _play(scenario, program, net, None, opts, net.parameters, batch, windows=False)
+    play(scenario, program, net, None, opts, net.parameters, batch, windows=False)
     return {name: p.detach().numpy().copy() for name, p in net.named_parameters()}

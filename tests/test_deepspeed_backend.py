@@ -460,6 +460,26 @@ def test_a_step_before_the_accumulation_boundary_is_refused(
         assert "before the engine's gradient accumulation boundary" in message, message
 
 
+@pytest.mark.parametrize("stage", _stages(ci=(3,)))
+def test_evaluations_and_writes_between_steps_train_like_the_reference(
+    dist_pool: PoolFactory, stage: int
+) -> None:
+    """tests/test_leftovers.py's programs on DeepSpeed (which keeps no unsharded copy
+    past a forward but ZeRO 3's persistent parameters, which its step gathers anew):
+    evaluations between a backward and ``engine.step()``, writes through the views after
+    one. A validation loss with autograd on between them is refused at ``engine.step()``
+    on every rank, with the remedy (the model is still computing then)."""
+    scenario = Scenario(world_size=2, skips=((), (1,), (0,), (1,), ()), batch_per_rank=2)
+    for program in ("TESTESTES", "TSEWTSEW"):
+        got = dist_pool(2).run(w.leftover_program, scenario, stage, program, timeout=TIMEOUT)
+        assert "params" in got[0], (program, got[0])
+        compare(got[0]["params"], w.leftover_reference(scenario, program))
+    for got in dist_pool(2).run(w.leftover_program, scenario, stage, "TGS", timeout=TIMEOUT):
+        message = got.get("error", "")
+        assert message.startswith("StateError: engine.step() while the model is COMPUTING")
+        assert "under torch.no_grad()" in message, message
+
+
 @pytest.mark.parametrize("stage", _stages(ci=(1, 2)))
 def test_one_rank_refusing_raises_on_every_rank(dist_pool: PoolFactory, stage: int) -> None:
     """tests/test_refusals.py's cases on DeepSpeed: every collective entry point of the
