@@ -201,14 +201,14 @@ class Runtime:
         activation checkpointing recomputes them, and must not touch gradients then.
         """
         self.check_not_lent()
-        if outermost and torch.is_grad_enabled() and not in_backward():
-            # It trains on the shards as they are, not on a copy an evaluation or a
-            # forward of an earlier step, never backwarded, left.
+        trains = outermost and torch.is_grad_enabled() and not in_backward()
+        if trains:
+            # On the shards as they are, not on a copy left by forwards without backward.
             last = self.iteration
             old = last is not None and last.step != self._step_count
             self._leftovers.release(abandoned=old and self.phase is Phase.COMPUTING)
         agreed = self._agree_outside_step(outermost)
-        if outermost and not in_backward() and torch.is_grad_enabled():
+        if trains:
             self._awaiting += 1
         if self.phase is Phase.IDLE:
             self._start_compute()
