@@ -242,6 +242,62 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
     return results
 
 
+def _evaluating_steps(
+    model: nn.Module, fv: Any, opt: torch.optim.Optimizer, batches: Any, masks: Any
+) -> None:
+    """Training steps with an evaluation under ``no_grad`` between each backward and
+    its optimizer step, and after each step an evaluation, then every parameter scaled
+    by 0.9 in place (a moving average copied in): FSDP keeps the root's unsharded
+    parameters after a forward, which flatview frees before the next training forward
+    (flatview.leftovers)."""
+    for (x, y), skip in zip(batches, masks, strict=True):
+        step = fv.step(skip=[f"blocks.{i}" for i in skip]) if fv is not None else nullcontext()
+        with step:
+            F.cross_entropy(model(x, skip), y).backward()
+        with torch.no_grad():
+            model(x, [])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            model(x, [])
+            for p in fv.parameters() if fv is not None else model.parameters():
+                p.mul_(0.9)
+
+
+def check_evaluation_before_step(
+    cfg: bench.Config, device: torch.device, steps: int
+) -> dict[str, Any]:
+    """Each wrapper + flatview against the unwrapped model, evaluating between backward and
+    step and writing after an evaluation (:func:`_evaluating_steps`): on CUDA the release
+    of the unsharded copy frees storage the evaluation's kernels may still read."""
+    masks = bench.skip_masks(cfg, steps)
+    batches = [(x.to(device), y.to(device)) for x, y in bench.make_batches(cfg, steps, 0)]
+    reference = bench.make_net(cfg).to(device)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg.lr, momentum=0.9)
+    _evaluating_steps(reference, None, ref_opt, batches, masks)
+    want = {n: p.detach() for n, p in reference.named_parameters()}
+    results: dict[str, Any] = {}
+    for name, wrap in _wrappers(device).items():
+        try:
+            model = wrap(bench.make_net(cfg).to(device))
+            fv = flatview.wrap(model, **_WRAP_OPTIONS.get(name, {}))
+            opt = torch.optim.SGD(fv.parameters(), lr=cfg.lr, momentum=0.9)
+            _evaluating_steps(model, fv, opt, batches, masks)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            got = _full_values(fv)
+            worst = max(
+                float((got[n].reshape(-1) - want[n].reshape(-1)).abs().max())
+                for n in want
+                if got[n].numel() == want[n].numel()
+            )
+            ok = worst < 1e-4 and got.keys() == want.keys()
+            results[name] = {"ok": ok, "max_abs_diff": worst}
+        except Exception as exc:  # reported, not raised: the other wrappers still run
+            results[name] = _failed(exc)
+    return results
+
+
 def check_mixed_precision(cfg: bench.Config, device: torch.device, steps: int) -> dict[str, Any]:
     """torch FSDP1 per block in bf16 (``MixedPrecision``), with flatview against without:
     skipped blocks are not called, so bare FSDP1 leaves their gradients ``None`` too and
@@ -963,6 +1019,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg, device, args.steps
         )
         report["equivalence"]["whole_muon_torch_fsdp1"] = check_whole_muon(cfg, device, args.steps)
+        for name, found in check_evaluation_before_step(cfg, device, args.steps).items():
+            report["equivalence"][f"evaluation_before_step_{name}"] = found
         for kind, found in check_coalesced(cfg, device, args.steps).items():
             report["equivalence"][f"coalesced_{kind}_torch_fsdp1"] = found
         for name, found in check_cast_after_wrap(cfg, device, args.steps).items():
