@@ -29,6 +29,7 @@ from tests.scenarios import (
     backend_context,
     batch,
     distributed_model,
+    flatview_error,
     full_state,
     local_batch,
     loss_of,
@@ -100,3 +101,14 @@ def play_reference(scenario: Scenario, program: str) -> dict[str, np.ndarray]:
     net, opts = reference_model(scenario)
     play(scenario, program, net, None, opts, net.parameters, batch, windows=False)
     return {name: p.detach().numpy().copy() for name, p in net.named_parameters()}
+
+
+def raised_by(scenario: Scenario, program: str) -> str:
+    """What ``program`` raises on this rank (FSDP + flatview, SGD over the views):
+    ``"ClassName: message"``, or ``"accepted"``."""
+    with backend_context(scenario.backend):
+        model, fv, _ = distributed_model(scenario)
+        opts = [plain_optimizer(fv.parameters())]
+        return flatview_error(
+            lambda: play(scenario, program, model, fv, opts, fv.parameters, local_batch)
+        )

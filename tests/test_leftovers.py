@@ -49,8 +49,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 """Wrapper options: torch's own views, or more than the root kept unsharded."""
 
+TORCH_FULL_SHARD = BackendConfig("torch", "FULL_SHARD")
 VARIANTS = [
-    (BackendConfig("torch", "FULL_SHARD"), "orig-params"),
+    (TORCH_FULL_SHARD, "orig-params"),
     (FAIRSCALE, "no-reshard"),
     (FSDP2, "no-reshard"),
 ]
@@ -106,3 +107,25 @@ def test_low_precision_gradient_given_back_after_an_evaluation(
         assert got is not None and got.keys() == plain.keys()
         for name, value in plain.items():
             assert np.array_equal(got[name], value), (program, name)
+
+
+@pytest.mark.parametrize("backend", [backend_param(TORCH_FULL_SHARD)])
+def test_torch_mixed_precision_after_an_unused_loss_names_the_cause(
+    dist_pool: PoolFactory, backend: BackendConfig
+) -> None:
+    """torch FSDP1 with a parameter dtype in ``MixedPrecision`` hooks no unit in the
+    backward after a forward with autograd that no backward followed (bare torch fails
+    there with a size mismatch): the error flatview raises on every rank names every
+    unit and that cause, with the remedy."""
+    scenario = backend.scenario(
+        world_size=2,
+        skips=((),) * 3,
+        batch_per_rank=2,
+        options={"mixed_precision": ("bfloat16", None)},
+    )
+    for message in dist_pool(2).run(lw.raised_by, scenario, "TGST", timeout=60):
+        assert message.startswith("UndeclaredUnusedError: the parameters of FSDP unit(s)"), message
+        assert "'<root>', 'body.0', 'body.1'" in message, message
+        assert "compute losses you do not backward, for validation, under torch.no_grad()" in (
+            message
+        ), message

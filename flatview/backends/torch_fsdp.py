@@ -65,6 +65,7 @@ from flatview.backends.torch_orig_grads import OrigParamGrads
 from flatview.backends.torch_summon import SummonLending, summonable, summoning
 from flatview.backends.unit_tree import (
     hook_unfinished,
+    label,
     lending_methods,
     settle_units,
     undeclared_units,
@@ -305,4 +306,27 @@ class TorchFSDPAdapter(Adapter):
         self.runtime.end_backward(synced=synced)
         undeclared, self._undeclared = self._undeclared, []
         if undeclared:
-            raise undeclared_units(undeclared)
+            raise undeclared_units(undeclared, self._stale_hooks_cause(undeclared))
+
+    def _stale_hooks_cause(self, undeclared: list[str]) -> str:
+        """With a parameter dtype in ``MixedPrecision``, every trainable unit out of the
+        backward is what torch does after a forward with autograd that no backward
+        followed: the flat parameter's dtype switch replaced the gradient accumulator its
+        post-backward hook was left on, and torch does not hook the new one (bare torch
+        fails in that backward too, with a size mismatch)."""
+        trainable = [
+            label(name)
+            for name, unit in self.units
+            if unit._handle is not None and unit._handle.flat_param.requires_grad
+        ]
+        mixed = any(
+            unit._handle is not None and unit._handle._uses_param_mixed_precision
+            for _, unit in self.units
+        )
+        if not mixed or sorted(undeclared) != sorted(trainable):
+            return ""
+        return (
+            " (with a parameter dtype in MixedPrecision, torch FSDP1 hooks no unit in the "
+            "backward after a forward with autograd that no backward followed: compute "
+            "losses you do not backward, for validation, under torch.no_grad())"
+        )

@@ -90,6 +90,7 @@ _HANDLE_PRIVATES = (
     "_needs_pre_backward_unshard",
     "_has_optim_in_backward",
     "_keep_low_precision_grads",
+    "_uses_param_mixed_precision",
     "_pre_forward_order_index",
     "_post_forward_index",
     "_prefetched",

@@ -86,11 +86,15 @@ def settle_units(
     return undeclared
 
 
-def undeclared_units(names: Sequence[str]) -> UndeclaredUnusedError:
+def undeclared_units(names: Sequence[str], cause: str = "") -> UndeclaredUnusedError:
     """FSDP units (``names``, ``"<root>"`` for the root) that took no part in a backward
-    although their parameters are not all declared skipped."""
+    although their parameters are not all declared skipped (``cause``: what else may
+    have kept them out, said after it)."""
     return undeclared_unused(
-        "the parameters of FSDP unit(s)", names, "this rank", ": the units took no part in it"
+        "the parameters of FSDP unit(s)",
+        names,
+        "this rank",
+        ": the units took no part in it" + cause,
     )
 
 
