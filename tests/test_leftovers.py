@@ -34,6 +34,9 @@ PROGRAMS = {
     "eval-before-step": "TESTESTES",
     # A validation loss with autograd on there instead: the next step abandons it.
     "loss-before-step": "TGSTGSTS",
+    # A moving average swapped in for an evaluation and swapped back, then trained on
+    # (docs/recipes.md: the evaluation leaves the swapped-in values unsharded).
+    "swap-for-eval": "TSWEWTSWEWTS",
     # Parameters written after an evaluation (a moving average copied in), trained on,
     # and written again before the full state dict is read.
     "write-after-eval": "TSEWTSEW",
