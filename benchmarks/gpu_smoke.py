@@ -178,6 +178,16 @@ def _full_values(fv: Any) -> dict[str, torch.Tensor]:
     }
 
 
+def _worst_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The largest element difference over the parameters of ``want`` that ``got`` holds
+    with as many elements (flattened: views may be 1-D)."""
+    return max(
+        float((got[n].detach().reshape(-1) - want[n].reshape(-1)).abs().max())
+        for n in want
+        if got[n].numel() == want[n].numel()
+    )
+
+
 def _failed(exc: Exception) -> dict[str, Any]:
     """A check's report of the exception it caught."""
     return {
@@ -223,11 +233,7 @@ def check_equivalence(cfg: bench.Config, device: torch.device, steps: int) -> di
             if device.type == "cuda":
                 torch.cuda.synchronize()
             got = _full_values(fv)
-            worst = max(
-                float((got[n].detach().reshape(-1) - want[n].reshape(-1)).abs().max())
-                for n in want
-                if got[n].numel() == want[n].numel()
-            )
+            worst = _worst_diff(got, want)
             ours = {k: v for k, v in syncs.items() if not k.startswith("/")}
             ok = none_got == none_ref and worst < 1e-4 and got.keys() == want.keys()
             results[name] = {
@@ -286,11 +292,7 @@ def check_evaluation_before_step(
             if device.type == "cuda":
                 torch.cuda.synchronize()
             got = _full_values(fv)
-            worst = max(
-                float((got[n].reshape(-1) - want[n].reshape(-1)).abs().max())
-                for n in want
-                if got[n].numel() == want[n].numel()
-            )
+            worst = _worst_diff(got, want)
             ok = worst < 1e-4 and got.keys() == want.keys()
             results[name] = {"ok": ok, "max_abs_diff": worst}
         except Exception as exc:  # reported, not raised: the other wrappers still run

@@ -66,10 +66,6 @@ class Leftovers:
         self._release = release
         self._gathered = Transitions(Gathered.RELEASED, _MOVES)
 
-    @property
-    def state(self) -> Gathered:
-        return self._gathered.state
-
     def left_by_forward(self) -> None:
         """A root forward without autograd returned."""
         self._gathered.move(Gathered.LEFT)

@@ -95,7 +95,7 @@ class UnitSettling:
         storage is allocated) however the shard moved since (:mod:`flatview.leftovers`)."""
         for _, unit in units:
             handle = unit._handle
-            if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
+            if handle is not None and _holds_unsharded(handle):
                 self._fsdp_runtime._reshard(unit, handle, True)
 
     def holds_stale_unsharded(self, unit: Any, handle: Any) -> bool:
@@ -110,11 +110,15 @@ class UnitSettling:
         stale parameters. A unit that runs in every backward never gets there; one
         that a skip set leaves out does.
         """
-        return (
-            handle.uses_sharded_strategy
-            and not handle.needs_unshard()
-            and bool(self._fsdp_runtime._should_free_in_backward(unit, handle))
+        return _holds_unsharded(handle) and bool(
+            self._fsdp_runtime._should_free_in_backward(unit, handle)
         )
+
+
+def _holds_unsharded(handle: Any) -> bool:
+    """Whether a sharded ``handle`` keeps its unsharded flat parameter's storage, which
+    torch's next forward then reuses without gathering (``needs_unshard()`` is false)."""
+    return bool(handle.uses_sharded_strategy and not handle.needs_unshard())
 
 
 def forwards_before_backwards(units: list[str]) -> StateError:
